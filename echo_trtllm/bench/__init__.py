@@ -1,0 +1,1 @@
+"""Benchmarks, workloads and metrics."""

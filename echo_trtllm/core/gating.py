@@ -1,0 +1,249 @@
+"""Sparse confidence gating and its calibration.
+
+Confidence c_{i,d} is the draft's probability of request i's most likely path at depth d: the largest path
+probability (product of draft probabilities from the root) among request i's depth-d candidates.
+
+The gate decides only at the gate depths G: at d in G, a request still drafting deepens if c_{i,d} > tau_d and
+is truncated otherwise (it stops drafting; its candidates stay available to the budget scheduler's width
+phase). Between gate depths nothing is decided, so drafting costs no host decision per level.
+
+Calibration rule (the paper does not publish one; this is the project's, measured in docs/calibration.md)
+-------------------------------------------------------------------------------------------------------
+Input: warm-up samples (d, c, a): at depth d a request had confidence c and the target accepted that best
+path through depth d (a = 1) or not (a = 0).
+
+1. Separation per depth: ROC-AUC of c for accepted vs rejected samples (Mann-Whitney U, ties counted 1/2).
+   Depths with fewer than `min_samples` samples or with only one class get AUC = nan and are not ranked.
+2. Gate depths: always depth 1 (the first decision, right after the root's draft) and the target depth D,
+   plus the `num_sweet_spots` middle depths (1 < d < D) with the highest AUC ("sweet spots").
+3. Threshold per gate depth: tau_d maximises the net gain  sum over samples with c > tau of (a - lambda),
+   where lambda = `min_accept_prob` is the break-even acceptance probability of a verified token (a token
+   is worth verifying when it is accepted with probability above lambda; the budget rule of the runtime
+   derives lambda from the verification cost curve). The cut is placed midway between two distinct
+   confidence values; if no prefix has positive gain, tau_d is the largest confidence seen (nobody passes).
+4. `echo-fixed` (the paper's ablation) pools the samples of every depth into one threshold with the same
+   objective; `echo-dense` gates at every depth with per-depth thresholds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .tree import DraftLevel, per_request_max
+
+__all__ = [
+    "GateConfig",
+    "GateCalibration",
+    "best_path_confidence",
+    "gate",
+    "roc_auc",
+    "choose_threshold",
+    "calibrate_gate",
+    "default_gate",
+]
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    """Gate depths (ascending, >= 1) and the threshold tau_d at each."""
+
+    depths: tuple[int, ...]
+    thresholds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.depths) != len(self.thresholds):
+            raise ValueError(
+                f"GateConfig.depths ({len(self.depths)}) and thresholds ({len(self.thresholds)}) must have equal length"
+            )
+        if any(d < 1 for d in self.depths) or list(self.depths) != sorted(set(self.depths)):
+            raise ValueError(f"GateConfig.depths must be strictly increasing integers >= 1, got {self.depths}")
+        if any(not (0.0 <= t <= 1.0) or math.isnan(t) for t in self.thresholds):
+            raise ValueError(f"GateConfig.thresholds must lie in [0, 1], got {self.thresholds}")
+
+    def threshold_at(self, depth: int) -> float | None:
+        """tau_d, or None when depth is not a gate depth."""
+        try:
+            return self.thresholds[self.depths.index(depth)]
+        except ValueError:
+            return None
+
+
+def default_gate(max_depth: int) -> GateConfig:
+    """Uncalibrated defaults: gates at 1, ceil(D/2) and D with tau_d = 0.4 * 0.7^(d-1) (path probabilities
+    shrink with depth). `echo-trtllm calibrate` replaces them with measured values."""
+    depths = tuple(sorted({1, (max_depth + 1) // 2, max_depth}))
+    return GateConfig(depths, tuple(round(0.4 * 0.7 ** (d - 1), 6) for d in depths))
+
+
+def best_path_confidence(level: DraftLevel, batch_size: int) -> Tensor:
+    """c_{i,d} for the level's depth: (B,) max path probability per request (0 where it has no node)."""
+    return per_request_max(level.path_probs, level.request_ids, batch_size, fill=0.0)
+
+
+def gate(confidence: Tensor, threshold: float, active: Tensor) -> Tensor:
+    """(B,) bool: requests still drafting whose confidence passes tau_d (strictly greater)."""
+    if confidence.shape != active.shape:
+        raise ValueError(f"confidence {tuple(confidence.shape)} and active {tuple(active.shape)} must match")
+    return active & (confidence > threshold)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Calibration
+# --------------------------------------------------------------------------------------------------------------
+
+
+def roc_auc(scores: Tensor, labels: Tensor) -> float:
+    """P(score of a random positive > score of a random negative), ties 1/2; nan with one class only."""
+    scores = scores.double().reshape(-1)
+    labels = labels.bool().reshape(-1)
+    n_pos = int(labels.sum())
+    n_neg = labels.numel() - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    # Average ranks (1-based) with ties.
+    sorted_scores, order = torch.sort(scores)
+    uniq, inverse, counts = torch.unique_consecutive(sorted_scores, return_inverse=True, return_counts=True)
+    ends = torch.cumsum(counts, 0).double()
+    avg_rank = ends - (counts.double() - 1) / 2  # (U,)
+    ranks = torch.empty_like(scores)
+    ranks[order] = avg_rank[inverse]
+    u = float(ranks[labels].sum()) - n_pos * (n_pos + 1) / 2
+    return u / (n_pos * n_neg)
+
+
+def choose_threshold(confidence: Tensor, accepted: Tensor, min_accept_prob: float) -> float:
+    """tau maximising sum_{c > tau} (a - lambda) (see the module docstring, rule 3)."""
+    c = confidence.double().reshape(-1)
+    a = accepted.double().reshape(-1)
+    if c.numel() == 0:
+        raise ValueError("choose_threshold needs at least one sample")
+    c_sorted, order = torch.sort(c, descending=True)
+    gain = torch.cumsum(a[order] - min_accept_prob, 0)  # (N,) gain of passing the first n+1 samples
+    # Only cut between distinct values: the last sample of each run of equal confidences.
+    last_of_run = torch.ones_like(c_sorted, dtype=torch.bool)
+    last_of_run[:-1] = c_sorted[1:] != c_sorted[:-1]
+    gain = torch.where(last_of_run, gain, torch.full_like(gain, -math.inf))
+    best = int(torch.argmax(gain))
+    if float(gain[best]) <= 0.0:
+        return float(c_sorted[0])  # nobody passes (c > max c is false)
+    if best + 1 == c_sorted.numel():
+        return float(c_sorted[best]) / 2  # everybody seen passes
+    return float(c_sorted[best] + c_sorted[best + 1]) / 2
+
+
+@dataclass
+class GateCalibration:
+    """Result of `calibrate_gate`: the gate plus the evidence it came from. Saved as JSON."""
+
+    gate_depths: list[int]
+    thresholds: list[float]
+    fixed_threshold: float
+    dense_thresholds: list[float]  # one per depth 1..D, for echo-dense
+    auc: dict[int, float]
+    num_samples: dict[int, int]
+    acceptance_rate: dict[int, float]
+    max_depth: int
+    min_accept_prob: float
+    num_sweet_spots: int
+    rule: str = field(default="auc-sweet-spots/net-gain-threshold/v1")
+
+    def gate_config(self) -> GateConfig:
+        return GateConfig(tuple(self.gate_depths), tuple(self.thresholds))
+
+    def dense_gate_config(self) -> GateConfig:
+        return GateConfig(tuple(range(1, self.max_depth + 1)), tuple(self.dense_thresholds))
+
+    def fixed_gate_config(self) -> GateConfig:
+        return GateConfig(tuple(self.gate_depths), tuple(self.fixed_threshold for _ in self.gate_depths))
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["auc"] = {str(k): (None if math.isnan(v) else v) for k, v in self.auc.items()}
+        d["num_samples"] = {str(k): v for k, v in self.num_samples.items()}
+        d["acceptance_rate"] = {str(k): (None if math.isnan(v) else v) for k, v in self.acceptance_rate.items()}
+        return json.dumps(d, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "GateCalibration":
+        d = json.loads(text)
+        missing = {f for f in cls.__dataclass_fields__ if f != "rule"} - d.keys()
+        if missing:
+            raise ValueError(f"gate calibration JSON lacks fields {sorted(missing)}")
+
+        def num_map(m: dict) -> dict:
+            return {int(k): (float("nan") if v is None else v) for k, v in m.items()}
+
+        d["auc"] = num_map(d["auc"])
+        d["acceptance_rate"] = num_map(d["acceptance_rate"])
+        d["num_samples"] = {int(k): int(v) for k, v in d["num_samples"].items()}
+        cal = cls(**d)
+        cal.gate_config()  # validates depths and thresholds
+        return cal
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "GateCalibration":
+        return cls.from_json(Path(path).read_text())
+
+
+def calibrate_gate(
+    depths: Tensor,
+    confidences: Tensor,
+    accepted: Tensor,
+    max_depth: int,
+    num_sweet_spots: int = 2,
+    min_accept_prob: float = 0.3,
+    min_samples: int = 20,
+) -> GateCalibration:
+    """Calibrate the sparse gate from warm-up samples (see the module docstring for the rule).
+
+    depths (S,) int in [1, D]; confidences (S,) float; accepted (S,) bool.
+    """
+    if not (depths.shape == confidences.shape == accepted.shape) or depths.ndim != 1:
+        raise ValueError(
+            "depths, confidences and accepted must be 1-D of equal length, got "
+            f"{tuple(depths.shape)}, {tuple(confidences.shape)}, {tuple(accepted.shape)}"
+        )
+    if max_depth < 1:
+        raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+    if not 0.0 < min_accept_prob < 1.0:
+        raise ValueError(f"min_accept_prob must be in (0, 1), got {min_accept_prob}")
+    if num_sweet_spots < 0:
+        raise ValueError(f"num_sweet_spots must be >= 0, got {num_sweet_spots}")
+    if depths.numel() and (int(depths.min()) < 1 or int(depths.max()) > max_depth):
+        raise ValueError(f"sample depths must lie in [1, {max_depth}]")
+    auc: dict[int, float] = {}
+    count: dict[int, int] = {}
+    rate: dict[int, float] = {}
+    dense: list[float] = []
+    for d in range(1, max_depth + 1):
+        sel = depths == d
+        n = int(sel.sum())
+        count[d] = n
+        rate[d] = float(accepted[sel].double().mean()) if n else float("nan")
+        auc[d] = roc_auc(confidences[sel], accepted[sel]) if n >= min_samples else float("nan")
+        dense.append(choose_threshold(confidences[sel], accepted[sel], min_accept_prob) if n else 1.0)
+    middle = [d for d in range(2, max_depth) if not math.isnan(auc[d])]
+    sweet = sorted(middle, key=lambda d: (-auc[d], d))[:num_sweet_spots]
+    gate_depths = sorted({1, max_depth, *sweet})
+    fixed = choose_threshold(confidences, accepted, min_accept_prob) if depths.numel() else 1.0
+    return GateCalibration(
+        gate_depths=gate_depths,
+        thresholds=[dense[d - 1] for d in gate_depths],
+        fixed_threshold=fixed,
+        dense_thresholds=dense,
+        auc=auc,
+        num_samples=count,
+        acceptance_rate=rate,
+        max_depth=max_depth,
+        min_accept_prob=min_accept_prob,
+        num_sweet_spots=num_sweet_spots,
+    )

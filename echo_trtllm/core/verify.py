@@ -1,0 +1,274 @@
+"""Verification: which drafted nodes the target accepts, and the token it adds after them.
+
+`verify_greedy` (temperature 0): accept the deepest root path whose every node equals the target's argmax at
+its parent (ties: the lowest node index), then add the argmax after its last node (the bonus token).
+
+`verify_sampling`: lossless multi-draft speculative sampling, the recursive residual rule of SpecInfer /
+Sequoia. Walking down from the root with the target distribution p at the current node (after temperature,
+top-k and top-p) and the draft distribution q there:
+
+    for each child x in index order:       accept x with probability min(1, p(x) / q(x))
+        accepted -> move to x, p <- p at x, q <- q at x
+        rejected -> p <- norm(max(p - q, 0));  q <- norm(q with x removed)   (drafts without replacement)
+    no child accepted -> sample the bonus token from p and stop
+
+With deterministic drafts (top-k by draft probability, `draft_probs=None`) q is a point mass on each child:
+accept x with probability p(x), on rejection p <- norm(p with x removed). Either way the emitted tokens are
+distributed exactly as sampling the target token by token.
+
+Randomness: request i draws N_i uniforms from its own generator once per step (node j's test uses the j-th,
+the bonus draw uses the 0th, the root's, which is never tested), so results depend only on the request's seed
+and its tree, not on the rest of the batch.
+
+Result layout (flat, `cu_accepted` [B+1]): request i owns positions cu[i]..cu[i+1]; its accepted_node_ids are
+the root then the accepted drafts (for KV compaction) and its accepted_token_ids the accepted draft tokens
+then the bonus token. Example: tree [r, a, b, c] with a and c accepted -> nodes [r, a, c], tokens [a, c, t].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from .pack import PackedVerifyBatch
+from .tree import ancestor_paths, nodes_by_depth, segment_rank
+
+__all__ = ["SamplingTensors", "VerifyResult", "process_logits", "verify_greedy", "verify_sampling", "verify"]
+
+
+@dataclass
+class SamplingTensors:
+    """Per-request sampling parameters of a step."""
+
+    # (B,) float: 0 = greedy
+    temperature: Tensor
+    # (B,) int64: 0 = no top-k
+    top_k: Tensor
+    # (B,) float in (0, 1]: 1 = no top-p
+    top_p: Tensor
+
+    @classmethod
+    def uniform(cls, batch_size: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> "SamplingTensors":
+        return cls(
+            torch.full((batch_size,), float(temperature)),
+            torch.full((batch_size,), int(top_k), dtype=torch.long),
+            torch.full((batch_size,), float(top_p)),
+        )
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperature <= 0).all())
+
+
+@dataclass
+class VerifyResult:
+    # (A_tot,) int64: flat batch indices of the accepted path, root first
+    accepted_node_ids: Tensor
+    # (A_tot,) int64: accepted draft tokens, then the bonus token
+    accepted_token_ids: Tensor
+    # (B+1,) int64
+    cu_accepted: Tensor
+
+    @property
+    def num_accepted_drafts(self) -> Tensor:
+        """(B,) accepted draft tokens per request (the emitted tokens are one more)."""
+        return self.cu_accepted[1:] - self.cu_accepted[:-1] - 1
+
+    def token_lists(self) -> list[list[int]]:
+        cu = self.cu_accepted.tolist()
+        toks = self.accepted_token_ids.tolist()
+        return [toks[cu[i] : cu[i + 1]] for i in range(len(cu) - 1)]
+
+    def node_lists(self) -> list[list[int]]:
+        cu = self.cu_accepted.tolist()
+        nodes = self.accepted_node_ids.tolist()
+        return [nodes[cu[i] : cu[i + 1]] for i in range(len(cu) - 1)]
+
+
+def process_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """(N, V) logits -> (N, V) float32 probabilities after temperature, top-k, then top-p (per row).
+
+    Temperature 0 gives a one-hot argmax. Top-p keeps the smallest prefix of the sorted (top-k-filtered)
+    distribution whose mass reaches top_p; the most likely token is always kept.
+    """
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be (N, V), got shape {tuple(logits.shape)}")
+    n, v = logits.shape
+    for name, t in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
+        if t.shape != (n,):
+            raise ValueError(f"{name} must have shape ({n},), got {tuple(t.shape)}")
+    dev = logits.device
+    temperature, top_k, top_p = temperature.to(dev), top_k.to(dev), top_p.to(dev)
+    greedy = temperature <= 0
+    probs = torch.softmax(logits.float() / torch.where(greedy, 1.0, temperature.float())[:, None], dim=-1)
+    need = ((top_k > 0) & (top_k < v)) | (top_p < 1)
+    need &= ~greedy
+    if bool(need.any()):
+        rows = torch.nonzero(need, as_tuple=True)[0]
+        sorted_p, idx = torch.sort(probs[rows], dim=-1, descending=True, stable=True)  # (R, V)
+        rank = torch.arange(v, device=dev)[None, :]
+        k = top_k[rows][:, None]
+        keep = (k <= 0) | (rank < k)
+        kept = sorted_p * keep
+        before = torch.cumsum(kept, dim=-1) - kept  # mass strictly before each token
+        keep &= before < top_p[rows][:, None].float() * kept.sum(-1, keepdim=True)
+        filtered = torch.zeros_like(sorted_p).scatter_(1, idx, sorted_p * keep)
+        probs[rows] = filtered / filtered.sum(-1, keepdim=True)
+    if bool(greedy.any()):
+        rows = torch.nonzero(greedy, as_tuple=True)[0]
+        probs[rows] = torch.nn.functional.one_hot(logits[rows].argmax(-1), v).float()
+    return probs
+
+
+def _check_logits(batch: PackedVerifyBatch, logits: Tensor, name: str) -> None:
+    if logits.ndim != 2 or logits.shape[0] != batch.total_nodes:
+        raise ValueError(f"{name} must be (N_tot={batch.total_nodes}, V), got shape {tuple(logits.shape)}")
+
+
+def _result(batch: PackedVerifyBatch, last_node: Tensor, bonus: Tensor) -> VerifyResult:
+    """Flatten each request's root path to `last_node` (B,) plus its `bonus` (B,) token."""
+    depth = batch.node_depths.long()[last_node]  # (B,)
+    path = ancestor_paths(last_node, batch.global_parents, batch.node_depths.long())  # (B, D+1)
+    counts = depth + 1
+    cu = torch.zeros(batch.batch_size + 1, dtype=torch.long, device=last_node.device)
+    cu[1:] = torch.cumsum(counts, 0)
+    on_path = torch.arange(path.shape[1], device=path.device)[None, :] <= depth[:, None]  # (B, D+1)
+    nodes = path[on_path]  # (A_tot,) root first
+    # Token at position t of request i: node t+1's token for t < depth_i, the bonus at t = depth_i.
+    next_node = torch.cat([path[:, 1:], torch.full_like(path[:, :1], -1)], dim=1)[on_path]
+    tokens = torch.where(
+        next_node >= 0, batch.input_ids[next_node.clamp(min=0)], bonus.repeat_interleave(counts)
+    )
+    return VerifyResult(nodes, tokens, cu)
+
+
+def verify_greedy(batch: PackedVerifyBatch, target_logits: Tensor) -> VerifyResult:
+    """Greedy acceptance over the packed batch. target_logits (N_tot, V): the target's logits at every node."""
+    _check_logits(batch, target_logits, "target_logits")
+    pred = target_logits.argmax(-1)  # (N_tot,) target's next token after each node
+    gp = batch.global_parents
+    nonroot = gp >= 0
+    ok = torch.ones(batch.total_nodes, dtype=torch.bool, device=pred.device)
+    ok[nonroot] = batch.input_ids[nonroot] == pred[gp[nonroot]]
+    depths = batch.node_depths.long()
+    for at in nodes_by_depth(depths)[1:]:  # a node is on an accepted path iff it and its parent are
+        ok[at] &= ok[gp[at]]
+    n = batch.total_nodes
+    idx = torch.arange(n, device=pred.device)
+    key = torch.where(ok, depths * (n + 1) + (n - idx), torch.full_like(idx, -1))  # deepest, then lowest index
+    best_key = torch.full((batch.batch_size,), -1, dtype=torch.long, device=pred.device)
+    best_key = best_key.scatter_reduce(0, batch.request_ids, key, reduce="amax", include_self=True)
+    last = n - best_key % (n + 1)  # (B,)
+    return _result(batch, last, pred[last])
+
+
+def _children_table(batch: PackedVerifyBatch) -> Tensor:
+    """(N_tot, C_max) flat child indices of every node in index order, -1 padded."""
+    gp = batch.global_parents
+    n = batch.total_nodes
+    children = torch.nonzero(gp >= 0, as_tuple=True)[0]  # ascending
+    if children.numel() == 0:
+        return torch.full((n, 1), -1, dtype=torch.long, device=gp.device)
+    rank = segment_rank(gp, children, n)
+    table = torch.full((n, int(rank.max()) + 1), -1, dtype=torch.long, device=gp.device)
+    table[gp[children], rank] = children
+    return table
+
+
+def _normalize(p: Tensor) -> Tensor:
+    return p / p.sum(-1, keepdim=True).clamp(min=torch.finfo(p.dtype).tiny)
+
+
+def _sample(p: Tensor, u: Tensor) -> Tensor:
+    """Inverse-CDF draw of one token per row of p (R, V) with uniforms u (R,); never a zero-probability token."""
+    cdf = torch.cumsum(p.double(), dim=-1)
+    return torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True).squeeze(1).clamp(max=p.shape[1] - 1)
+
+
+def _uniforms(batch: PackedVerifyBatch, generators: Sequence[torch.Generator | None] | None) -> Tensor:
+    """(N_tot,) uniforms: N_i per request from its own generator."""
+    counts = batch.generation_lengths.tolist()
+    if generators is not None and len(generators) != len(counts):
+        raise ValueError(f"generators has {len(generators)} entries for {len(counts)} requests")
+    draws = [
+        torch.rand(n, generator=None if generators is None else generators[i]) for i, n in enumerate(counts)
+    ]
+    return torch.cat(draws).to(batch.input_ids.device)
+
+
+def verify_sampling(
+    batch: PackedVerifyBatch,
+    target_logits: Tensor,
+    sampling: SamplingTensors,
+    generators: Sequence[torch.Generator | None] | None = None,
+    draft_probs: Tensor | None = None,
+) -> VerifyResult:
+    """Lossless tree speculative sampling (module docstring).
+
+    target_logits (N_tot, V); draft_probs (N_tot, V) or None: the processed draft distribution each node's
+    children were sampled from (without replacement), None for deterministic top-k drafts.
+    """
+    _check_logits(batch, target_logits, "target_logits")
+    if draft_probs is not None:
+        _check_logits(batch, draft_probs, "draft_probs")
+    b = batch.batch_size
+    req = batch.request_ids
+    p_all = process_logits(target_logits, sampling.temperature[req.cpu()], sampling.top_k[req.cpu()], sampling.top_p[req.cpu()])
+    u = _uniforms(batch, generators)  # (N_tot,)
+    table = _children_table(batch)  # (N_tot, C)
+    roots = batch.cu_num_nodes[:-1].long()  # (B,)
+    cur = roots.clone()
+    p_res = p_all[cur].clone()  # (B, V)
+    q_res = None if draft_probs is None else draft_probs[cur].float().clone()
+    done = torch.zeros(b, dtype=torch.bool, device=cur.device)
+    rows_all = torch.arange(b, device=cur.device)
+    for _ in range(int(batch.node_depths.max()) + 1):
+        moved = torch.zeros_like(done)
+        for c in range(table.shape[1]):
+            child = table[cur, c]  # (B,)
+            test = ~done & ~moved & (child >= 0)
+            if not bool(test.any()):
+                continue
+            r = rows_all[test]
+            x_node = child[r]
+            x = batch.input_ids[x_node]
+            px = p_res[r, x]
+            ratio = px if q_res is None else (px / q_res[r, x].clamp(min=torch.finfo(torch.float32).tiny)).clamp(max=1)
+            acc = u[x_node] < ratio
+            rej_rows, rej_tok = r[~acc], x[~acc]
+            if rej_rows.numel():
+                if q_res is None:
+                    p_res[rej_rows, rej_tok] = 0.0
+                    p_res[rej_rows] = _normalize(p_res[rej_rows])
+                else:
+                    p_res[rej_rows] = _normalize((p_res[rej_rows] - q_res[rej_rows]).clamp(min=0))
+                    q_res[rej_rows, rej_tok] = 0.0
+                    q_res[rej_rows] = _normalize(q_res[rej_rows])
+            acc_rows, acc_node = r[acc], x_node[acc]
+            if acc_rows.numel():
+                cur[acc_rows] = acc_node
+                p_res[acc_rows] = p_all[acc_node]
+                if q_res is not None:
+                    q_res[acc_rows] = draft_probs[acc_node].float()
+                moved[acc_rows] = True
+        done |= ~moved
+        if bool(done.all()):
+            break
+    bonus = _sample(p_res, u[roots])
+    return _result(batch, cur, bonus)
+
+
+def verify(
+    batch: PackedVerifyBatch,
+    target_logits: Tensor,
+    sampling: SamplingTensors | None = None,
+    generators: Sequence[torch.Generator | None] | None = None,
+    draft_probs: Tensor | None = None,
+) -> VerifyResult:
+    """`verify_greedy` when every request is greedy, else `verify_sampling` (greedy rows become one-hot)."""
+    if sampling is None or sampling.all_greedy:
+        return verify_greedy(batch, target_logits)
+    return verify_sampling(batch, target_logits, sampling, generators, draft_probs)

@@ -1,0 +1,68 @@
+"""Shared test helpers: random trees, synthetic drafts, and naive (loop-based) references."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from echo_trtllm.core.tree import DraftLevel
+
+
+def random_parents(n: int, gen: torch.Generator, max_branch: float = 0.5) -> torch.Tensor:
+    """A random tree of n nodes: parent of node j uniform in [max(0, j - span), j - 1], root at 0."""
+    parents = [-1]
+    for j in range(1, n):
+        lo = 0 if torch.rand(1, generator=gen).item() < max_branch else max(0, j - 3)
+        parents.append(int(torch.randint(lo, j, (1,), generator=gen)))
+    return torch.tensor(parents, dtype=torch.int32)
+
+
+def naive_ancestors(parents: list[int], j: int) -> list[int]:
+    """Root path of node j, root first."""
+    path = [j]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+def naive_dense_mask(parents: list[int]) -> torch.Tensor:
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for j in range(n):
+        for a in naive_ancestors(parents, j):
+            mask[j, a] = True
+    return mask
+
+
+def markov_draft_fn(vocab: int, seed: int = 0, sharpness: float = 3.0):
+    """A draft whose next-token distribution depends on the last token: a fixed random Markov table."""
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.softmax(torch.randn(vocab, vocab, generator=gen) * sharpness, dim=-1)
+
+    def draft_fn(level: DraftLevel, frontier: torch.Tensor) -> torch.Tensor:
+        return table[level.token_ids[frontier]]
+
+    draft_fn.table = table
+    return draft_fn
+
+
+def chi2_critical(dof: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)."""
+    k = float(dof)
+    return k * (1 - 2 / (9 * k) + z * math.sqrt(2 / (9 * k))) ** 3
+
+
+def chi2_statistic(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> tuple[float, int]:
+    """Pearson chi-square of observed counts against probabilities; cells with small expectation are pooled."""
+    counts = counts.double().reshape(-1)
+    probs = probs.double().reshape(-1)
+    total = counts.sum()
+    expected = probs * total
+    big = expected >= min_expected
+    obs = torch.cat([counts[big], counts[~big].sum().reshape(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    return stat, int(keep.sum()) - 1
