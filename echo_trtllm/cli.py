@@ -9,6 +9,8 @@ import sys
 
 # name -> (module with main(argv), one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "build": ("echo_trtllm.engine_dir", "build an engine directory from a target + draft pair"),
+    "generate": ("echo_trtllm.generate_cli", "generate text with speculative decoding and print stats"),
     "bench-control": ("echo_trtllm.bench.control", "time ECHO's control plane (gate + schedule + pack) per step"),
 }
 

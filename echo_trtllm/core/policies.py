@@ -119,6 +119,16 @@ class TreePolicy:
     def expand_width(self) -> int:
         return self.config.top_k
 
+    @property
+    def max_tree_nodes(self) -> int:
+        """Upper bound on K_i, root included (sizes the runtime's KV scratch space)."""
+        return min(self.config.max_nodes_per_request, 1 + self.max_depth * self.expand_width * self.config.top_k)
+
+    @property
+    def max_expanded_nodes(self) -> int:
+        """Upper bound on the nodes of one request the draft model processes per step (the frontiers)."""
+        return 1 + self.max_depth * self.expand_width
+
     def start(self, batch_size: int, budget: int | None = None) -> DraftState:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -168,6 +178,10 @@ class AutoregressivePolicy(TreePolicy):
     def max_depth(self) -> int:
         return 0
 
+    @property
+    def max_tree_nodes(self) -> int:
+        return 1
+
     def select(self, tree: SuperTree, state: DraftState) -> Tensor:
         return tree.is_root.clone()
 
@@ -188,6 +202,10 @@ class ChainPolicy(TreePolicy):
 
     def num_children(self, depth: int) -> int:
         return 1
+
+    @property
+    def max_tree_nodes(self) -> int:
+        return 1 + self.config.num_draft_tokens
 
     def select(self, tree: SuperTree, state: DraftState) -> Tensor:
         return torch.ones(tree.total_nodes, dtype=torch.bool, device=tree.token_ids.device)
@@ -220,6 +238,14 @@ class StaticTreePolicy(TreePolicy):
     @property
     def max_depth(self) -> int:
         return self._depth
+
+    @property
+    def max_tree_nodes(self) -> int:
+        return 1 + len(self.config.static_choices)
+
+    @property
+    def max_expanded_nodes(self) -> int:
+        return int(self._has_children.sum())
 
     def num_children(self, depth: int) -> int:
         return self._children_at_depth[depth - 1]
@@ -257,6 +283,10 @@ class Eagle2Policy(TreePolicy):
 
     name = "eagle2"
     is_dynamic = True
+
+    @property
+    def max_tree_nodes(self) -> int:
+        return min(self.config.total_tokens, 1 + self.max_depth * self.expand_width * self.config.top_k)
 
     def select(self, tree: SuperTree, state: DraftState) -> Tensor:
         req = tree.request_ids

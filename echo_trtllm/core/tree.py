@@ -251,6 +251,10 @@ class SuperTree:
     ranks: Tensor
     # (B+1,) int64
     cu_num_nodes: Tensor
+    # (N_tot,) int64: where each node came from — its index in the level-major concatenation of the drafted
+    # levels (from_levels) or its flat input index (from_parents); kept by select(). The runtime maps drafted
+    # nodes back to its own per-node state (e.g. the draft model's KV positions) through it.
+    source_index: Tensor
 
     @property
     def batch_size(self) -> int:
@@ -314,6 +318,7 @@ class SuperTree:
             path_probs=torch.cat([lv.path_probs for lv in levels])[order],
             ranks=torch.cat([lv.ranks for lv in levels])[order],
             cu_num_nodes=cu,
+            source_index=order,
         )
 
     @classmethod
@@ -354,7 +359,7 @@ class SuperTree:
                 raise ValueError("token_ids must have one token per node of parents")
         depths = depths_from_parents(global_parent_ids(flat_parents, cu))
         ones = torch.ones(int(cu[-1]))
-        return cls(tokens, flat_parents, depths, ones, ones.clone(), torch.zeros_like(tokens), cu)
+        return cls(tokens, flat_parents, depths, ones, ones.clone(), torch.zeros_like(tokens), cu, torch.arange(tokens.numel()))
 
     def select(self, mask: Tensor) -> "SuperTree":
         """The sub-tree of the nodes where `mask` is True. Every root and every selected node's parent must be
@@ -383,6 +388,7 @@ class SuperTree:
             path_probs=self.path_probs[mask],
             ranks=self.ranks[mask],
             cu_num_nodes=cu,
+            source_index=self.source_index[mask],
         )
 
     def to(self, device: torch.device | str) -> "SuperTree":

@@ -148,6 +148,12 @@ def test_draft_tree_invariants_for_every_policy(policy, batch_size, extra, seed,
     if make_policy(cfg).shares_budget:
         assert int(sel.num_nodes.sum()) <= cfg.k_max
         assert (sel.num_nodes <= cfg.max_nodes_per_request).all()
+    policy_obj = make_policy(cfg)
+    assert int(sel.num_nodes.max()) <= policy_obj.max_tree_nodes
+    gp = res.candidates.global_parents
+    expanded = torch.unique(gp[gp >= 0])  # nodes the draft model had to run to get children
+    per_request = torch.bincount(res.candidates.request_ids[expanded], minlength=batch_size)
+    assert int(per_request.max()) <= policy_obj.max_expanded_nodes
     again = draft_tree(make_policy(cfg), roots, draft)
     assert torch.equal(again.mask, res.mask)
     batch = pack(sel)  # the selection packs

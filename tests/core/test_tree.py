@@ -105,3 +105,15 @@ def test_priority_order_matches_naive_sort_with_ties():
     assert priority_order(scores, depths).tolist() == expected
     with pytest.raises(ValueError, match=">= 0"):
         priority_order(torch.tensor([-0.5]), torch.tensor([0]))
+
+
+def test_source_index_points_back_to_the_drafted_levels():
+    gen = torch.Generator().manual_seed(12)
+    levels = _levels(5, 3, 19, 2, gen)
+    flat_tokens = torch.cat([lv.token_ids for lv in levels])
+    tree = SuperTree.from_levels(levels)
+    assert torch.equal(flat_tokens[tree.source_index], tree.token_ids)
+    keep = torch.ones(tree.total_nodes, dtype=torch.bool)
+    keep[tree.depths == 3] = False
+    sub = tree.select(keep)
+    assert torch.equal(flat_tokens[sub.source_index], sub.token_ids)

@@ -1,0 +1,9 @@
+"""Build an engine directory: `python build_scripts/build.py --model M --draft-model D --output engines/NAME`.
+Same as `echo-trtllm build`."""
+
+import sys
+
+from echo_trtllm.engine_dir import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""A compact Llama-family transformer (Llama, Qwen2) for this runtime.
+
+One forward serves every phase: it takes ragged per-request token sets (a prompt chunk, a draft level, or a whole
+packed Super-Tree), writes their K/V into each request's cache slot at given positions, and attends each request's
+own cache through a boolean mask. Module names follow HF transformers' `LlamaForCausalLM` so checkpoints load by
+name.
+
+KV cache layout: per layer, K and V of shape (slots, H_kv, C, hd); a request owns one slot for its lifetime.
+New tokens are written at `write_pos`; `compact` moves accepted tree nodes down to the end of the committed
+context, which drops the rejected ones.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["ModelConfig", "KVCache", "ForwardBatch", "CausalLM"]
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    rope_scaling: dict | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"model architecture {self.architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_key_value_heads})"
+            )
+        rope_type = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope scaling {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        """From an HF config.json dict (LlamaForCausalLM / Qwen2ForCausalLM)."""
+        model_type = cfg.get("model_type")
+        arch = {"llama": "llama", "qwen2": "qwen2"}.get(model_type)
+        if arch is None:
+            archs = cfg.get("architectures") or [model_type]
+            raise ValueError(
+                f"model type {model_type!r} ({', '.join(map(str, archs))}) is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        missing = [k for k in required if k not in cfg]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}")
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        # transformers >= 5 writes `rope_parameters` (theta inside); older files `rope_theta` + `rope_scaling`.
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = cfg.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0
+        rope.pop("rope_theta", None)
+        if rope.get("rope_type", rope.get("type", "default")) == "default":
+            rope = {}
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", arch == "qwen2"),
+            rope_scaling=rope or None,
+            eos_token_ids=tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos])),
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+
+def rope_inv_freq(config: ModelConfig) -> Tensor:
+    """Inverse frequencies (hd/2,) including the scaling schemes Llama-family checkpoints use."""
+    hd = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        inv = inv / scaling["factor"]
+    elif kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv
+        low_wl, high_wl = old_ctx / low, old_ctx / high
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+        mid = (wavelen <= low_wl) & (wavelen >= high_wl)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv.float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (T, H, hd) rotated by per-token cos/sin (T, hd) in the rotate-half convention."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+@dataclass
+class KVCache:
+    """Per-layer K/V of shape (slots, H_kv, C, hd)."""
+
+    keys: list[Tensor]
+    values: list[Tensor]
+
+    @classmethod
+    def allocate(cls, config: ModelConfig, slots: int, capacity: int, dtype: torch.dtype, device) -> "KVCache":
+        shape = (slots, config.num_key_value_heads, capacity, config.head_dim)
+        n = config.num_hidden_layers
+        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)],
+                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)])
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def compact(self, slots: Tensor, src: Tensor, dst: Tensor) -> None:
+        """Move cache entries (slot, src) -> (slot, dst) in every layer; all reads happen before the writes."""
+        # slots, src, dst: (M,)
+        if slots.numel() == 0:
+            return
+        for cache in (*self.keys, *self.values):
+            cache[slots, :, dst] = cache[slots, :, src]
+
+
+@dataclass
+class ForwardBatch:
+    """New tokens of B requests (T in all), flat, request-major."""
+
+    # (T,) int64
+    input_ids: Tensor
+    # (T,) int64: RoPE positions
+    position_ids: Tensor
+    # (B,) int64: cache slot of each request
+    slots: Tensor
+    # (T,) int64: request index (0..B-1) and index within the request's new tokens
+    token_request: Tensor
+    token_local: Tensor
+    # (T,) int64: cache position each token's K/V is written to
+    write_pos: Tensor
+    # (B, N_max, L_max) bool: new token (b, r) attends cache position p of its own slot
+    attn_mask: Tensor
+    # (S,) rows of the T tokens whose logits are needed (None: all)
+    logits_index: Tensor | None = field(default=None)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.h, self.h_kv, self.hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.h * self.hd, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.h_kv * self.hd, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.h_kv * self.hd, bias=bias)
+        self.o_proj = nn.Linear(self.h * self.hd, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, cache: KVCache) -> Tensor:
+        t = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(t, self.h, self.hd), cos, sin)  # (T, H, hd)
+        k = apply_rope(self.k_proj(x).view(t, self.h_kv, self.hd), cos, sin)  # (T, H_kv, hd)
+        v = self.v_proj(x).view(t, self.h_kv, self.hd)
+        ck, cv = cache.keys[self.layer], cache.values[self.layer]
+        tok_slot = batch.slots[batch.token_request]  # (T,)
+        ck[tok_slot, :, batch.write_pos] = k.to(ck.dtype)
+        cv[tok_slot, :, batch.write_pos] = v.to(cv.dtype)
+        b, n_max, l_max = batch.attn_mask.shape
+        keys = ck[batch.slots, :, :l_max].to(q.dtype)  # (B, H_kv, L_max, hd)
+        values = cv[batch.slots, :, :l_max].to(q.dtype)
+        qp = q.new_zeros(b, n_max, self.h, self.hd)
+        qp[batch.token_request, batch.token_local] = q
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), keys, values, attn_mask=batch.attn_mask[:, None], enable_gqa=self.h != self.h_kv
+        )
+        out = out.transpose(1, 2)[batch.token_request, batch.token_local]  # (T, H, hd)
+        return self.o_proj(out.reshape(t, self.h * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, cache: KVCache) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Llama-family causal LM over a slotted KV cache (see the module docstring)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def allocate_cache(self, slots: int, capacity: int) -> KVCache:
+        return KVCache.allocate(self.config, slots, capacity, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> Tensor:
+        """Logits (S, V) float32 of the rows in batch.logits_index (all T rows when None)."""
+        x = self.model.embed_tokens(batch.input_ids)  # (T, hidden)
+        freqs = batch.position_ids.float()[:, None] * self.inv_freq[None, :]  # (T, hd/2)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, batch, cache)
+        if batch.logits_index is not None:
+            x = x[batch.logits_index]
+        return self.lm_head(self.model.norm(x)).float()
+
+    def truncated(self, num_layers: int) -> "CausalLM":
+        """A copy keeping the first `num_layers` decoder layers (a cheap draft sharing the tokenizer)."""
+        if not 1 <= num_layers <= self.config.num_hidden_layers:
+            raise ValueError(f"num_layers must be in [1, {self.config.num_hidden_layers}], got {num_layers}")
+        from dataclasses import replace
+
+        small = CausalLM(replace(self.config, num_hidden_layers=num_layers)).to(self.dtype)
+        state = {k: v for k, v in self.state_dict().items() if not k.startswith("model.layers.")
+                 or int(k.split(".")[2]) < num_layers}
+        small.load_state_dict(state)
+        return small.to(self.device)

@@ -1,0 +1,221 @@
+"""Load models and tokenizers: HF model directories (config.json + *.safetensors + tokenizer files) and GGUF
+files (dequantised with the `gguf` package; tokenizer converted from the GGUF metadata by `transformers`).
+
+    model, tokenizer = load_model("path/to/hf_dir")          # or "path/to/model.gguf"
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .llama import CausalLM, ModelConfig
+
+__all__ = ["Tokenizer", "load_model", "load_tokenizer", "check_same_vocabulary"]
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class Tokenizer:
+    """The runtime's view of a tokenizer: encode, decode, and the ids that end generation."""
+
+    hf: object  # transformers PreTrainedTokenizerFast
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=True))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def vocabulary(self) -> dict[str, int]:
+        return self.hf.get_vocab()
+
+
+def _hf_tokenizer(path: Path, gguf_file: str | None = None):
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as e:  # pragma: no cover - transformers is a dependency
+        raise ImportError("loading tokenizers needs the `transformers` package") from e
+    if gguf_file is not None:
+        return AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_tokenizer(path: str | Path, config: ModelConfig | None = None) -> Tokenizer:
+    path = Path(path)
+    hf = _hf_tokenizer(path.parent, path.name) if path.suffix == ".gguf" else _hf_tokenizer(path)
+    eos = list(config.eos_token_ids if config else ())
+    if hf.eos_token_id is not None and hf.eos_token_id not in eos:
+        eos.append(hf.eos_token_id)
+    return Tokenizer(hf, tuple(eos))
+
+
+# ---------------------------------------------------------------------------------------------------------- HF
+
+
+def load_hf(path: Path, dtype: torch.dtype, device) -> CausalLM:
+    from safetensors.torch import load_file
+
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{path} is not a model directory: config.json is missing")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights (only safetensors checkpoints are supported)")
+    config = ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    model = CausalLM(config)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+    unexpected = [u for u in unexpected if not u.endswith("rotary_emb.inv_freq")]
+    if missing or unexpected:
+        raise ValueError(f"{path}: checkpoint does not match the {config.architecture} layout; missing "
+                         f"{missing[:5]}, unexpected {unexpected[:5]}")
+    return model.to(dtype=dtype, device=device).eval()
+
+
+# ---------------------------------------------------------------------------------------------------------- GGUF
+
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_BLOCK = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}  # fmt: skip
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    value = f.contents()
+    return value
+
+
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation for the `llama` architecture (GGML rotates adjacent pairs, HF
+    rotates halves)."""
+    out = w.shape[0]
+    return w.reshape(heads, out // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_config(reader) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: llama, qwen2")
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    names = {t.name for t in reader.tensors}
+    vocab = next(int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight")
+    scaling = None
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    if kind not in (None, "none"):
+        scaling = {"rope_type": kind, "factor": float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        rope_scaling=scaling,
+        eos_token_ids=() if eos is None else (int(eos),),
+        bos_token_id=None if bos is None else int(bos),
+    )
+
+
+def load_gguf(path: Path, dtype: torch.dtype, device) -> CausalLM:
+    try:
+        from gguf import GGUFReader
+        from gguf.quants import dequantize
+    except ImportError as e:  # pragma: no cover - gguf is a dependency
+        raise ImportError("loading GGUF files needs the `gguf` package") from e
+    reader = GGUFReader(str(path))
+    config = gguf_config(reader)
+    state = {}
+    for t in reader.tensors:
+        if t.name in _GGUF_NAMES:
+            name = _GGUF_NAMES[t.name]
+        else:
+            parts = t.name.split(".")  # blk.N.attn_q.weight
+            if parts[0] != "blk" or parts[2] not in _GGUF_BLOCK:
+                continue  # e.g. rope_freqs: recomputed from the config
+            name = f"model.layers.{parts[1]}.{_GGUF_BLOCK[parts[2]]}.{parts[3]}"
+        shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims fastest-first
+        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(shape)
+        if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = _unpermute(w, config.num_attention_heads)
+        elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = _unpermute(w, config.num_key_value_heads)
+        state[name] = w.to(dtype)
+    model = CausalLM(config).to(dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"{path}: GGUF tensors do not match the {config.architecture} layout; missing "
+                         f"{missing[:5]}, unexpected {unexpected[:5]}")
+    return model.to(device).eval()
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
+               with_tokenizer: bool = True) -> tuple[CausalLM, Tokenizer | None]:
+    """Load an HF model directory or a .gguf file (and its tokenizer)."""
+    path = Path(path)
+    dt = resolve_dtype(dtype)
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist (expected an HF model directory or a .gguf file)")
+    if path.is_file() and path.suffix == ".gguf":
+        model = load_gguf(path, dt, device)
+    elif path.is_dir():
+        model = load_hf(path, dt, device)
+    else:
+        raise ValueError(f"model path {str(path)!r} is neither an HF model directory nor a .gguf file")
+    return model, (load_tokenizer(path, model.config) if with_tokenizer else None)
+
+
+def check_same_vocabulary(target: Tokenizer, draft: Tokenizer) -> None:
+    """A draft must tokenise exactly like its target: same token strings at the same ids."""
+    tv, dv = target.vocabulary(), draft.vocabulary()
+    if tv != dv:
+        only_t = len(tv.keys() - dv.keys())
+        only_d = len(dv.keys() - tv.keys())
+        moved = sum(1 for k in tv.keys() & dv.keys() if tv[k] != dv[k])
+        raise ValueError(
+            f"the draft's vocabulary differs from the target's ({len(dv)} vs {len(tv)} tokens; {only_t} only in the "
+            f"target, {only_d} only in the draft, {moved} with different ids): speculative decoding needs one tokenizer"
+        )

