@@ -19,7 +19,7 @@ from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
 from echo_trtllm.models.llama import CausalLM
 from echo_trtllm.models.loader import Tokenizer, check_same_vocabulary, load_model
 from echo_trtllm.runtime.engine import CompletionOutput, EngineLoop, GenerationHandle, RequestOutput
-from echo_trtllm.runtime.executor import Executor
+from echo_trtllm.runtime.executor import Executor, check_limits
 from echo_trtllm.runtime.request import RequestStats, SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "EchoConfig", "RequestOutput", "CompletionOutput", "RequestStats"]
@@ -68,6 +68,7 @@ class LLM:
         config = speculative_config or EchoConfig()
         if not isinstance(config, EchoConfig):
             raise TypeError(f"speculative_config must be an EchoConfig, got {type(config).__name__}")
+        check_limits(config, max_batch_size, has_draft=draft_model is not None or config.policy == "ar")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         target, target_tok = self._load(model, dtype, device)
         self.tokenizer = tokenizer or target_tok

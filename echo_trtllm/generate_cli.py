@@ -27,7 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int)
     ap.add_argument("--k-max", type=int, default=512, help="global verification budget per step (echo family)")
     ap.add_argument("--max-depth", type=int, default=6)
-    ap.add_argument("--max-batch-size", type=int, default=16)
+    ap.add_argument("--max-nodes-per-request", type=int, default=64, help="cap on each request's tree, root included")
+    ap.add_argument("--tree-top-k", type=int, default=4, help="children drafted per expanded node")
+    ap.add_argument("--beam-width", type=int, default=4, help="nodes expanded per request and level (echo family)")
+    ap.add_argument("--max-batch-size", type=int, help="default: the number of prompts")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--threads", type=int, help="torch CPU threads")
     return ap
@@ -42,8 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = args.prompt or ["ROMEO:\nBut soft, what light through yonder window breaks?\n"]
+    args.max_batch_size = args.max_batch_size or len(prompts)
     try:
-        config = EchoConfig(policy=args.policy, k_max=args.k_max, max_depth=args.max_depth)
+        config = EchoConfig(policy=args.policy, k_max=args.k_max, max_depth=args.max_depth,
+                            max_nodes_per_request=args.max_nodes_per_request, top_k=args.tree_top_k,
+                            beam_width=args.beam_width)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed)
         if args.engine_dir:

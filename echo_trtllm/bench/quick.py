@@ -22,6 +22,12 @@ from echo_trtllm.models.loader import load_model
 from echo_trtllm.runtime.executor import Executor
 from echo_trtllm.runtime.request import SamplingParams
 
+CODE_PROMPTS = [
+    "def read_config(path):\n    \"\"\"Read a JSON configuration file and return it as a dict.\"\"\"\n",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "class Stack:\n    \"\"\"A last-in, first-out stack.\"\"\"\n\n    def __init__(self):\n",
+    "def is_palindrome(text: str) -> bool:\n    \"\"\"Return True if text reads the same backwards.\"\"\"\n",
+]
 PROMPTS = [
     "ROMEO:\nBut soft, what light through yonder window breaks?\n",
     "def read_config(path):\n    \"\"\"Read a configuration file.\"\"\"\n",
@@ -34,10 +40,15 @@ PROMPTS = [
 ]
 
 
-def run_cell(target, draft, tok, config: EchoConfig, batch_size: int, max_tokens: int, max_seq_len: int) -> dict:
+PROMPT_SETS = {"mixed": None, "code": CODE_PROMPTS}
+
+
+def run_cell(target, draft, tok, config: EchoConfig, batch_size: int, max_tokens: int, max_seq_len: int,
+             prompts: list[str] | None = None) -> dict:
     ex = Executor(target, draft if config.policy != "ar" else None, tok, config, max_batch_size=batch_size,
                   max_seq_len=max_seq_len)
-    reqs = [ex.make_request(PROMPTS[i % len(PROMPTS)], SamplingParams(max_tokens=max_tokens, temperature=0,
+    prompts = prompts or PROMPTS
+    reqs = [ex.make_request(prompts[i % len(prompts)], SamplingParams(max_tokens=max_tokens, temperature=0,
                                                                      ignore_eos=True)) for i in range(batch_size)]
     for r in reqs:
         ex.submit(r)
@@ -55,6 +66,15 @@ def run_cell(target, draft, tok, config: EchoConfig, batch_size: int, max_tokens
             "verified_per_step": verified / steps, "steps": steps}
 
 
+def command_line(argv: list[str] | None) -> str:
+    """The command as run, with model paths cut to their file names (no machine paths in recorded results)."""
+    import os
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    return "python -m echo_trtllm.bench.quick " + " ".join(os.path.basename(a) if os.sep in a else a for a in args)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(DEFAULT_TARGET))
@@ -66,13 +86,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k-max", type=int, default=64)
     ap.add_argument("--max-depth", type=int, default=6)
     ap.add_argument("--max-nodes-per-request", type=int, default=16)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--beam-width", type=int, default=4)
+    ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--prompt-set", default="mixed", choices=list(PROMPT_SETS))
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
     target, tok = load_model(args.model, dtype=args.dtype)
     draft, _ = load_model(args.draft_model, dtype=args.dtype, with_tokenizer=False)
+    print(f"loaded target + draft in {time.perf_counter() - t0:.0f} s", flush=True)
     policies = args.policies.split(",")
     rows = []
     for b in (int(x) for x in args.batch_sizes.split(",")):
@@ -81,8 +107,10 @@ def main(argv: list[str] | None = None) -> int:
             for p in policies:
                 cfg = EchoConfig(policy=p, k_max=max(args.k_max, b), max_depth=args.max_depth,
                                  max_nodes_per_request=args.max_nodes_per_request,
-                                 total_tokens=args.max_nodes_per_request)
-                samples[p].append(run_cell(target, draft, tok, cfg, b, args.max_tokens, 512))
+                                 total_tokens=args.max_nodes_per_request, top_k=args.top_k,
+                                 beam_width=args.beam_width, num_draft_tokens=args.num_draft_tokens)
+                samples[p].append(run_cell(target, draft, tok, cfg, b, args.max_tokens, 512,
+                                           PROMPT_SETS[args.prompt_set]))
         ar_tps = statistics.median(s["tokens_per_s"] for s in samples[policies[0]])
         for p in policies:
             tps = statistics.median(s["tokens_per_s"] for s in samples[p])
@@ -93,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"  x{policies[0]}={tps / ar_tps:.2f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"results": rows, "machine": platform.platform(), "command": "python -m echo_trtllm.bench.quick "
-                       + " ".join(argv or [])}, f, indent=2)
+            json.dump({"results": rows, "machine": platform.platform(), "command": command_line(argv)}, f, indent=2)
     return 0
 
 

@@ -29,7 +29,23 @@ from .drafter import Drafter
 from .inputs import chain_batch, tree_batch
 from .request import Request, SamplingParams
 
-__all__ = ["Executor", "StepReport"]
+__all__ = ["Executor", "StepReport", "check_limits"]
+
+
+def check_limits(config: EchoConfig, max_batch_size: int, has_draft: bool) -> None:
+    """Reject configurations that cannot run, before anything heavy is loaded."""
+    policy = make_policy(config)
+    if policy.needs_draft_model and not has_draft:
+        raise ValueError(
+            f"policy {config.policy!r} needs a draft model: pass draft_model=..., or use EchoConfig(policy='ar')"
+        )
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    if policy.shares_budget and config.k_max < max_batch_size:
+        raise ValueError(
+            f"EchoConfig.k_max ({config.k_max}) must be >= max_batch_size ({max_batch_size}): every request in a "
+            "step needs at least its root verified"
+        )
 
 
 @dataclass
@@ -56,17 +72,7 @@ class Executor:
         max_num_tokens: int | None = None,
     ) -> None:
         self.policy = make_policy(config)
-        if self.policy.needs_draft_model and draft is None:
-            raise ValueError(
-                f"policy {config.policy!r} needs a draft model: pass draft_model=..., or use EchoConfig(policy='ar')"
-            )
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if self.policy.shares_budget and config.k_max < max_batch_size:
-            raise ValueError(
-                f"EchoConfig.k_max ({config.k_max}) must be >= max_batch_size ({max_batch_size}): every request "
-                "in a step needs at least its root verified"
-            )
+        check_limits(config, max_batch_size, has_draft=draft is not None)
         if draft is not None and draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(
                 f"the draft's vocabulary size ({draft.config.vocab_size}) differs from the target's "

@@ -122,10 +122,11 @@ def test_bad_prompts_raise_and_the_executor_keeps_serving(llm):
 
 
 def test_missing_model_path_and_missing_draft(tmp_path):
+    ar = EchoConfig(policy="ar")
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        LLM(tmp_path / "nope")
+        LLM(tmp_path / "nope", speculative_config=ar)
     with pytest.raises(FileNotFoundError, match="config.json is missing"):
-        LLM(tmp_path)
+        LLM(tmp_path, speculative_config=ar)
     with pytest.raises(FileNotFoundError, match="engine.json is missing"):
         LLM(engine_dir=tmp_path)
 
@@ -216,3 +217,10 @@ def test_engine_dir_round_trip(tmp_path, prompts):
         assert a.generate(prompts[0], sp).token_ids == b.generate(prompts[0], sp).token_ids
     with pytest.raises(FileExistsError):
         build_engine(out, DEFAULT_TARGET, DEFAULT_DRAFT, cfg)
+
+
+def test_impossible_limits_fail_before_any_model_is_loaded(tmp_path):
+    with pytest.raises(ValueError, match=r"k_max \(2\) must be >= max_batch_size \(4\)"):
+        LLM(tmp_path / "not-loaded", tmp_path / "not-loaded", speculative_config=EchoConfig(k_max=2), max_batch_size=4)
+    with pytest.raises(ValueError, match="needs a draft model"):
+        LLM(tmp_path / "not-loaded", speculative_config=EchoConfig(policy="eagle2"))
