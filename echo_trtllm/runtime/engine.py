@@ -71,7 +71,8 @@ def snapshot(req: Request, prev_text: str = "", prev_tokens: int = 0) -> Request
     text = req.text
     if not req.finished:
         text = text[: len(text) - _held_back(text, req.params.stop_strings)]
-    assert text.startswith(prev_text), "streamed text must only grow"
+    if not text.startswith(prev_text):
+        raise RuntimeError(f"streamed text would be taken back: sent {prev_text!r}, now {text!r}")
     diff = text[len(prev_text):]
     out = CompletionOutput(0, text, list(req.output_token_ids), req.finish_reason, diff,
                            list(req.output_token_ids[prev_tokens:]))
@@ -99,6 +100,13 @@ class GenerationHandle:
         if out.finished:
             self._final = out
             self._done.set()
+
+    def _publish_error(self) -> None:
+        out = RequestOutput(self.request.request_id, self.request.prompt, list(self.request.prompt_token_ids),
+                            [CompletionOutput(0, self._sent_text, [], "error")], True, RequestStats(), self.request.error)
+        self._final = out
+        self._queue.put(out)
+        self._done.set()
 
     @property
     def done(self) -> bool:
@@ -183,7 +191,13 @@ class EngineLoop:
                         self.executor.abort(req, "error", f"{type(exc).__name__}: {exc}")
                 for req in updated:
                     handle = self._handles.get(req.request_id)
-                    if handle is not None:
+                    if handle is None:
+                        continue
+                    try:
                         handle._publish()
-                        if req.finished:
-                            del self._handles[req.request_id]
+                    except Exception as exc:  # noqa: BLE001 - never let one output kill the loop
+                        self.last_error = traceback.format_exc()
+                        self.executor.abort(req, "error", f"output failed: {type(exc).__name__}: {exc}")
+                        handle._publish_error()
+                    if req.finished:
+                        del self._handles[req.request_id]
