@@ -44,9 +44,9 @@ PROMPT_SETS = {"mixed": None, "code": CODE_PROMPTS}
 
 
 def run_cell(target, draft, tok, config: EchoConfig, batch_size: int, max_tokens: int, max_seq_len: int,
-             prompts: list[str] | None = None) -> dict:
+             prompts: list[str] | None = None, cost_model=None) -> dict:
     ex = Executor(target, draft if config.policy != "ar" else None, tok, config, max_batch_size=batch_size,
-                  max_seq_len=max_seq_len)
+                  max_seq_len=max_seq_len, cost_model=cost_model)
     prompts = prompts or PROMPTS
     reqs = [ex.make_request(prompts[i % len(prompts)], SamplingParams(max_tokens=max_tokens, temperature=0,
                                                                      ignore_eos=True)) for i in range(batch_size)]
@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--beam-width", type=int, default=4)
     ap.add_argument("--num-draft-tokens", type=int, default=4)
     ap.add_argument("--prompt-set", default="mixed", choices=list(PROMPT_SETS))
+    ap.add_argument("--budget-rule", default="fixed", choices=["fixed", "cost"],
+                    help="cost: measure t_verify/t_draft first and let the echo family pick K per step (<= K_max)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json")
@@ -100,6 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     draft, _ = load_model(args.draft_model, dtype=args.dtype, with_tokenizer=False)
     print(f"loaded target + draft in {time.perf_counter() - t0:.0f} s", flush=True)
     policies = args.policies.split(",")
+    cost = None
+    if args.budget_rule == "cost":
+        from echo_trtllm.runtime.calibrate import measure_cost_model
+
+        cost = measure_cost_model(target, draft)
+        print("cost model: t_verify " + ", ".join(f"{t}:{s * 1e3:.1f}ms" for t, s in zip(cost.verify_tokens,
+                                                                                      cost.verify_seconds)), flush=True)
     rows = []
     for b in (int(x) for x in args.batch_sizes.split(",")):
         samples: dict[str, list[dict]] = {p: [] for p in policies}
@@ -110,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                                  total_tokens=args.max_nodes_per_request, top_k=args.top_k,
                                  beam_width=args.beam_width, num_draft_tokens=args.num_draft_tokens)
                 samples[p].append(run_cell(target, draft, tok, cfg, b, args.max_tokens, 512,
-                                           PROMPT_SETS[args.prompt_set]))
+                                           PROMPT_SETS[args.prompt_set], cost))
         ar_tps = statistics.median(s["tokens_per_s"] for s in samples[policies[0]])
         for p in policies:
             tps = statistics.median(s["tokens_per_s"] for s in samples[p])

@@ -42,10 +42,22 @@ class BudgetAllocation:
     phase: Tensor
     # (B,) int64: K_i, root included
     num_nodes: Tensor
+    # (K - B,) int64: the non-root nodes in the order they were taken (P1, then P2); every prefix is
+    # ancestor-closed, so a budget rule may keep just a prefix (`truncated`)
+    order: Tensor
 
     @property
     def total(self) -> int:
         return int(self.num_nodes.sum())
+
+    def truncated(self, budget: int, request_ids: Tensor) -> "BudgetAllocation":
+        """The same allocation cut to `budget` tokens (roots plus the first budget - B taken nodes)."""
+        b = self.num_nodes.numel()
+        keep = self.order[: max(budget - b, 0)]
+        selected = self.phase == ROOT
+        selected[keep] = True
+        phase = torch.where(selected, self.phase, torch.full_like(self.phase, -1))
+        return BudgetAllocation(selected, phase, torch.bincount(request_ids[selected], minlength=b), keep)
 
 
 def greedy_fill(
@@ -119,6 +131,7 @@ def allocate_budget(
 
     remaining = budget - b
     depth_phase = greedy_fill(spine_mask(tree, spine_depth.long()), order, req, b, remaining, cap)
+    depth_order = order[depth_phase[order]]
     remaining -= int(depth_phase.sum())
     if cap is not None:
         cap = cap - torch.bincount(req[depth_phase], minlength=b)
@@ -130,4 +143,5 @@ def allocate_budget(
     phase[root] = ROOT
     phase[depth_phase] = DEPTH
     phase[width_phase] = WIDTH
-    return BudgetAllocation(selected, phase, torch.bincount(req[selected], minlength=b))
+    taken = torch.cat([depth_order, order[width_phase[order]]])
+    return BudgetAllocation(selected, phase, torch.bincount(req[selected], minlength=b), taken)

@@ -24,6 +24,7 @@ capability questions as class attributes (`needs_draft_model`, `is_dynamic`, `sh
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
@@ -32,6 +33,7 @@ from torch import Tensor
 
 from .budget import BudgetAllocation, allocate_budget, greedy_fill
 from .config import EchoConfig
+from .cost import CostModel, choose_budget
 from .gating import GateConfig, best_path_confidence, default_gate, gate
 from .tree import DraftLevel, SuperTree, expand_level, priority_order, root_level, segment_rank
 
@@ -67,6 +69,8 @@ class DraftState:
     # policy-private label of every node of every drafted level (static: its trie node), level-major
     level_tags: list[Tensor] = field(default_factory=list)
     allocation: BudgetAllocation | None = None
+    # seconds the drafting loop took (draft model included); the budget rule charges it to speculation
+    draft_seconds: float = 0.0
 
 
 @dataclass
@@ -108,8 +112,10 @@ class TreePolicy:
     is_dynamic: ClassVar[bool] = False
     shares_budget: ClassVar[bool] = False
 
-    def __init__(self, config: EchoConfig) -> None:
+    def __init__(self, config: EchoConfig, cost_model: CostModel | None = None) -> None:
         self.config = config
+        # With a cost model, the echo family picks each step's K with `choose_budget` (<= K_max).
+        self.cost_model = cost_model
 
     @property
     def max_depth(self) -> int:
@@ -164,9 +170,9 @@ def register(cls: type[TreePolicy]) -> type[TreePolicy]:
     return cls
 
 
-def make_policy(config: EchoConfig) -> TreePolicy:
+def make_policy(config: EchoConfig, cost_model: CostModel | None = None) -> TreePolicy:
     """The policy object for `config.policy` (EchoConfig has validated the name)."""
-    return POLICIES[config.policy](config)
+    return POLICIES[config.policy](config, cost_model)
 
 
 @register
@@ -217,8 +223,8 @@ class StaticTreePolicy(TreePolicy):
 
     name = "static"
 
-    def __init__(self, config: EchoConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: EchoConfig, cost_model: CostModel | None = None) -> None:
+        super().__init__(config, cost_model)
         paths = sorted(set(map(tuple, config.static_choices)), key=lambda p: (len(p), p))
         self._depth = max(len(p) for p in paths)
         self._width = max(max(p) for p in paths) + 1
@@ -329,8 +335,8 @@ class EchoPolicy(TreePolicy):
     is_dynamic = True
     shares_budget = True
 
-    def __init__(self, config: EchoConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: EchoConfig, cost_model: CostModel | None = None) -> None:
+        super().__init__(config, cost_model)
         self.gate_config = self._make_gate(config)
 
     @staticmethod
@@ -372,10 +378,14 @@ class EchoPolicy(TreePolicy):
         state.active &= state.confidence[-1] >= bar
 
     def select(self, tree: SuperTree, state: DraftState) -> Tensor:
-        state.allocation = allocate_budget(
+        alloc = allocate_budget(
             tree, state.spine_depth.to(tree.token_ids.device), int(state.budget), self.config.max_nodes_per_request
         )
-        return state.allocation.selected
+        if self.cost_model is not None and alloc.order.numel():
+            k = choose_budget(tree.path_probs[alloc.order], state.batch_size, self.cost_model, state.draft_seconds)
+            alloc = alloc.truncated(k, tree.request_ids)
+        state.allocation = alloc
+        return alloc.selected
 
 
 @register
@@ -424,6 +434,7 @@ def draft_tree(
     distribution (F, V) after each frontier node; the runtime runs the draft model there, tests use synthetic
     distributions.
     """
+    t0 = time.perf_counter()
     levels = [root_level(root_token_ids)]
     state = policy.start(root_token_ids.numel(), budget)
     for depth in range(1, policy.max_depth + 1):
@@ -435,5 +446,6 @@ def draft_tree(
         levels.append(level)
         policy.observe(level, state)
     candidates = SuperTree.from_levels(levels)
+    state.draft_seconds = time.perf_counter() - t0
     mask = policy.select(candidates, state)
     return DraftResult(candidates, mask, candidates.select(mask), state)

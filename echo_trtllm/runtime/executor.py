@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from echo_trtllm.core import EchoConfig, SamplingTensors, draft_tree, make_policy, pack, verify
+from echo_trtllm.core.cost import CostModel
 from echo_trtllm.models.llama import CausalLM
 from echo_trtllm.models.loader import Tokenizer
 
@@ -29,7 +31,7 @@ from .drafter import Drafter
 from .inputs import chain_batch, tree_batch
 from .request import Request, SamplingParams
 
-__all__ = ["Executor", "StepReport", "check_limits"]
+__all__ = ["Executor", "StepReport", "SpeculationTracker", "check_limits"]
 
 
 def check_limits(config: EchoConfig, max_batch_size: int, has_draft: bool) -> None:
@@ -49,6 +51,59 @@ def check_limits(config: EchoConfig, max_batch_size: int, has_draft: bool) -> No
 
 
 @dataclass
+class SpeculationTracker:
+    """Decides before drafting whether a step should speculate at all (echo family with a cost model).
+
+    An explore/exploit rule on measured throughput: exponential moving averages of tokens per second per request
+    for speculative steps and for plain AR steps (wall time of the whole step: drafting, control, verification,
+    bookkeeping). The better mode runs; the other is re-measured every `probe_every`-th step so the choice follows
+    the traffic. A probe that confirms the choice doubles the interval (up to `max_probe_every`); one that
+    overturns it resets the interval. Within a speculative step the cost model picks K (`choose_budget`).
+    """
+
+    probe_every: int = 8
+    min_probe_every: int = 8
+    max_probe_every: int = 128
+    smoothing: float = 0.3
+    spec_rate: float | None = None
+    ar_rate: float | None = None
+    steps_since_probe: int = 0
+
+    def should_speculate(self) -> bool:
+        if self.spec_rate is None:
+            return True
+        if self.ar_rate is None:
+            return False
+        better = self.spec_rate > self.ar_rate
+        if self.steps_since_probe + 1 >= self.probe_every:
+            return not better
+        return better
+
+    def _spec_better(self) -> bool | None:
+        if self.spec_rate is None or self.ar_rate is None:
+            return None
+        return self.spec_rate > self.ar_rate
+
+    def update(self, speculated: bool, batch_size: int, emitted: int, seconds: float) -> None:
+        rate = emitted / batch_size / max(seconds, 1e-9)
+        before = self._spec_better()
+        was_probe = before is not None and speculated != before
+        old = self.spec_rate if speculated else self.ar_rate
+        new = rate if old is None else (1 - self.smoothing) * old + self.smoothing * rate
+        if speculated:
+            self.spec_rate = new
+        else:
+            self.ar_rate = new
+        if was_probe:
+            self.steps_since_probe = 0
+            confirmed = self._spec_better() == before
+            self.probe_every = (min(2 * self.probe_every, self.max_probe_every) if confirmed
+                                else self.min_probe_every)
+        else:
+            self.steps_since_probe += 1
+
+
+@dataclass
 class StepReport:
     """What one step did (for benchmarks and the progress bar)."""
 
@@ -58,6 +113,7 @@ class StepReport:
     drafted_tokens: int
     finished: list[Request]
     updated: list[Request]
+    speculated: bool = True
 
 
 class Executor:
@@ -70,8 +126,11 @@ class Executor:
         max_batch_size: int = 16,
         max_seq_len: int | None = None,
         max_num_tokens: int | None = None,
+        cost_model: CostModel | None = None,
     ) -> None:
-        self.policy = make_policy(config)
+        self.policy = make_policy(config, cost_model)
+        self.cost_model = cost_model
+        self.tracker = SpeculationTracker() if cost_model is not None and self.policy.shares_budget else None
         check_limits(config, max_batch_size, has_draft=draft is not None)
         if draft is not None and draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(
@@ -223,9 +282,13 @@ class Executor:
         roots = torch.tensor([r.all_token_ids[-1] for r in reqs])
         ctx = torch.tensor([r.target_ctx for r in reqs])
         slots = torch.tensor([r.slot for r in reqs])
+        t_step = time.perf_counter()
+        speculate = self.tracker is None or self.tracker.should_speculate()
         if self.drafter is not None:
             self.drafter.begin(reqs)
-        budget = min(self.config.k_max, self.max_num_tokens) if self.policy.shares_budget else None
+        budget = None
+        if self.policy.shares_budget:  # K_max = B: nobody drafts, plain AR
+            budget = min(self.config.k_max, self.max_num_tokens) if speculate else b
         drafted = draft_tree(self.policy, roots, self.drafter.draft_fn if self.drafter else None, budget)
         selected = drafted.selected
         packed = pack(selected, ctx)
@@ -250,7 +313,11 @@ class Executor:
         for req in finished:
             self.running.remove(req)
             self.free_slots.append(req.slot)
-        return StepReport(b, int(packed.total_nodes), emitted, int(drafted.candidates.total_nodes) - b, finished, reqs)
+        if self.tracker is not None:
+            produced = int(result.cu_accepted[-1])  # before stop conditions cut anything
+            self.tracker.update(speculate, b, produced, time.perf_counter() - t_step)
+        return StepReport(b, int(packed.total_nodes), emitted, int(drafted.candidates.total_nodes) - b, finished, reqs,
+                          speculate)
 
     def _commit(self, reqs: list[Request], result, keep: list[bool]) -> None:
         """Target KV: move the accepted path (root, accepted drafts) to ctx, ctx+1, ...; drop the rest."""
