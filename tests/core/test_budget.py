@@ -118,3 +118,19 @@ def test_width_grows_when_budget_is_plentiful():
     large = allocate_budget(tree, none_pass, 8 + 200)
     assert (large.phase == WIDTH).sum() > (small.phase == WIDTH).sum() >= 4
     assert (large.num_nodes > 1).sum() > (small.num_nodes > 1).sum()
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch_size=st.integers(1, 10), seed=st.integers(0, 5000), extra=st.integers(0, 60), cut=st.integers(0, 60),
+       data=st.data())
+def test_truncating_an_allocation_equals_allocating_the_smaller_budget(batch_size, seed, extra, cut, data):
+    """What the budget rule relies on: every prefix of the taken order is the allocation of that budget."""
+    tree = random_candidates(batch_size, 4, 2, 23, seed)
+    spine_depth = torch.tensor(data.draw(st.lists(st.integers(0, 4), min_size=batch_size, max_size=batch_size)))
+    full = allocate_budget(tree, spine_depth, batch_size + extra, 12)
+    small_budget = batch_size + min(cut, extra)
+    cut_alloc = full.truncated(small_budget, tree.request_ids)
+    direct = allocate_budget(tree, spine_depth, small_budget, 12)
+    assert torch.equal(cut_alloc.selected, direct.selected)
+    assert torch.equal(cut_alloc.phase, direct.phase)
+    assert torch.equal(cut_alloc.order, direct.order)
