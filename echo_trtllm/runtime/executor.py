@@ -211,9 +211,7 @@ class Executor:
             req.slot = self.free_slots.pop(0)
             admitted.append(req)
         pending = [r for r in admitted if len(r.prompt_token_ids) > 1]
-        # Prefill in chunks of at most max_num_tokens tokens per forward.
-        for r in pending:
-            r.target_ctx = 0
+        # Prefill in chunks of at most max_num_tokens tokens per forward (target_ctx starts at 0).
         todo = deque(pending)
         while todo:
             group, budget = [], self.max_num_tokens

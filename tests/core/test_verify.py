@@ -149,7 +149,6 @@ def _run_two_tokens(shape, sampled, params, claim_sampled=None, seed=0):
     tp = process_logits(target_logits, torch.full((VOCAB,), t), torch.full((VOCAB,), k), torch.full((VOCAB,), p))
     dp = process_logits(draft_logits, torch.full((VOCAB,), t), torch.full((VOCAB,), k), torch.full((VOCAB,), p))
     gen = torch.Generator().manual_seed(1000 + seed)
-    sampling = SamplingTensors.uniform(TRIALS, t, k, p)
 
     def step(roots, salt):
         batch, tokens = _draft_batch(roots, shape, dp, sampled, gen)
@@ -166,7 +165,6 @@ def _run_two_tokens(shape, sampled, params, claim_sampled=None, seed=0):
         a, b_ = (toks[0], toks[1]) if len(toks) > 1 else (toks[0], next(it)[0])
         pairs[a, b_] += 1
     expected = tp[0][:, None] * tp  # P(a | 0) P(b | a)
-    assert sampling.temperature.numel() == TRIALS
     return pairs, expected, first
 
 
