@@ -1,0 +1,202 @@
+"""ECHO control-plane kernels behind the core's signatures, with the implementation chosen in one place.
+
+    gate(path_probs, request_ids, batch_size, active, tau)         -> (confidence, passed)
+    allocate_budget(tree, spine_depth, budget, max_nodes_per_request) -> BudgetAllocation
+    pack(tree, context_lengths=None, selected=None)                 -> PackedVerifyBatch (of tree.select(selected))
+
+Backends: "cuda" — the plugin library's kernels (plugins/, built with CMake) on the tensors' CUDA device;
+"host" — the same plugin sources compiled for the CPU (what CI checks against the core); "torch" — the core
+reference (echo_trtllm.core). `backend_for(device)` picks "cuda" when the device is CUDA and the library is
+built, else "torch"; every function also takes backend= explicitly. Libraries are found through
+ECHO_PLUGIN_LIB / ECHO_PLUGIN_HOST_LIB or in plugins/build/ of the source tree, loaded once (functools.cache).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from echo_trtllm.core import budget as core_budget
+from echo_trtllm.core import gating as core_gating
+from echo_trtllm.core.budget import BudgetAllocation
+from echo_trtllm.core.pack import PackedVerifyBatch, words_per_row
+from echo_trtllm.core.pack import pack as core_pack
+from echo_trtllm.core.tree import SuperTree
+
+__all__ = ["BACKENDS", "load_library", "backend_for", "gate", "allocate_budget", "pack", "PluginError"]
+
+BACKENDS = ("torch", "host", "cuda")
+BUILD_DIR = Path(__file__).resolve().parents[2] / "plugins" / "build"
+_LIB_NAMES = {"cuda": ("ECHO_PLUGIN_LIB", "libecho_plugin.so"), "host": ("ECHO_PLUGIN_HOST_LIB", "libecho_host.so")}
+
+_i32, _f32, _u8, _vp = ctypes.c_int32, ctypes.c_float, ctypes.c_uint8, ctypes.c_void_p
+
+
+class PluginError(RuntimeError):
+    """A plugin call returned an error; the message is the library's (what was wrong, what is accepted)."""
+
+
+@functools.cache
+def load_library(kind: str) -> ctypes.CDLL | None:
+    """The plugin library of `kind` ("cuda" or "host"), or None when it is not built."""
+    if kind not in _LIB_NAMES:
+        raise ValueError(f"library kind must be 'cuda' or 'host', got {kind!r}")
+    env, name = _LIB_NAMES[kind]
+    path = Path(os.environ[env]) if os.environ.get(env) else BUILD_DIR / name
+    if not path.is_file():
+        return None
+    lib = ctypes.CDLL(str(path))
+    lib.echo_last_error.restype = ctypes.c_char_p  # every other entry point returns int (ctypes' default)
+    if kind == "cuda" and not lib.echo_has_cuda():
+        return None
+    return lib
+
+
+def backend_for(device: torch.device | str) -> str:
+    """"cuda" for a CUDA device with the plugin built, otherwise the core reference ("torch")."""
+    device = torch.device(device)
+    return "cuda" if device.type == "cuda" and load_library("cuda") is not None else "torch"
+
+
+def _lib(backend: str) -> ctypes.CDLL:
+    lib = load_library(backend)
+    if lib is None:
+        env, name = _LIB_NAMES[backend]
+        raise PluginError(f"the {backend} plugin library is not built: run `cmake -S plugins -B plugins/build && "
+                          f"cmake --build plugins/build` (or set {env} to a {name})")
+    return lib
+
+
+def _check(lib: ctypes.CDLL, rc: int) -> None:
+    if rc != 0:
+        raise PluginError(lib.echo_last_error().decode() or f"plugin error code {rc}")
+
+
+def _ptr(t: Tensor | None):
+    """The tensor's data pointer; the caller keeps the tensor referenced until the call returns."""
+    return _vp(t.data_ptr()) if t is not None else _vp(0)
+
+
+def _stream(device: torch.device):
+    return _vp(torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda" else None
+
+
+def _resolve(backend: str | None, device: torch.device) -> str:
+    backend = backend or backend_for(device)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "host" and device.type != "cpu":
+        raise ValueError("backend 'host' runs on CPU tensors; move them to the CPU or use backend 'cuda'")
+    if backend == "cuda" and device.type != "cuda":
+        raise ValueError("backend 'cuda' needs CUDA tensors")
+    return backend
+
+
+def _workspace(lib, query: str, *sizes: int, device: torch.device) -> tuple[Tensor, int]:
+    nbytes = ctypes.c_size_t(0)
+    _check(lib, getattr(lib, query)(*[_i32(s) for s in sizes], ctypes.byref(nbytes)))
+    return torch.empty(max(nbytes.value, 1), dtype=torch.uint8, device=device), nbytes.value
+
+
+# ------------------------------------------------------------------------------------------------------ gate
+
+def gate(path_probs: Tensor, request_ids: Tensor, batch_size: int, active: Tensor, tau: float,
+         backend: str | None = None) -> tuple[Tensor, Tensor]:
+    """Confidence c_i (max path probability of request i's level nodes, 0 if none) and passed = active & c > tau."""
+    backend = _resolve(backend, path_probs.device)
+    if backend == "torch":
+        conf = core_gating.per_request_max(path_probs.float(), request_ids.long(), batch_size, fill=0.0)
+        return conf, core_gating.gate(conf, tau, active.bool())
+    lib = _lib(backend)
+    dev = path_probs.device
+    probs = path_probs.float().contiguous()
+    req = request_ids.to(torch.int32).contiguous()
+    act = active.to(torch.uint8).contiguous()
+    conf = torch.empty(batch_size, dtype=torch.float32, device=dev)
+    passed = torch.empty(batch_size, dtype=torch.uint8, device=dev)
+    args = [_ptr(probs), _ptr(req), _ptr(act), _i32(probs.numel()), _i32(batch_size), _f32(tau), _ptr(conf),
+            _ptr(passed)]
+    _check(lib, lib.echo_gate_host(*args) if backend == "host" else lib.echo_gate_cuda(*args, _stream(dev)))
+    return conf, passed.bool()
+
+
+# ---------------------------------------------------------------------------------------------------- budget
+
+def allocate_budget(tree: SuperTree, spine_depth: Tensor, budget: int, max_nodes_per_request: int | None = None,
+                    backend: str | None = None) -> BudgetAllocation:
+    """echo_trtllm.core.budget.allocate_budget, on the chosen backend (equal results)."""
+    backend = _resolve(backend, tree.path_probs.device)
+    if backend == "torch":
+        return core_budget.allocate_budget(tree, spine_depth, budget, max_nodes_per_request)
+    lib = _lib(backend)
+    dev = tree.path_probs.device
+    b, n = tree.batch_size, tree.total_nodes
+    if budget < b:
+        raise ValueError(f"budget K_max = {budget} is below the batch size {b}: every request needs its root")
+    ins = [tree.path_probs.float().contiguous(), tree.depths.to(torch.int32).contiguous(),
+           tree.parents.to(torch.int32).contiguous(), tree.cu_num_nodes.to(torch.int32).contiguous()]
+    spine = spine_depth.to(device=dev, dtype=torch.int32).contiguous()
+    selected = torch.empty(n, dtype=torch.uint8, device=dev)
+    phase = torch.empty(n, dtype=torch.int8, device=dev)
+    num_nodes = torch.empty(b, dtype=torch.int32, device=dev)
+    order = torch.empty(max(n - b, 1), dtype=torch.int32, device=dev)
+    order_len = torch.zeros(1, dtype=torch.int32, device=dev)
+    args = [*map(_ptr, ins), _i32(b), _i32(n), _ptr(spine), _i32(budget), _i32(max_nodes_per_request or 0),
+            _ptr(selected), _ptr(phase), _ptr(num_nodes), _ptr(order), _ptr(order_len)]
+    if backend == "host":
+        _check(lib, lib.echo_allocate_budget_host(*args))
+    else:
+        ws, nbytes = _workspace(lib, "echo_allocate_budget_workspace_bytes", n, b, device=dev)
+        _check(lib, lib.echo_allocate_budget_cuda(*args, _ptr(ws), ctypes.c_size_t(nbytes), _stream(dev)))
+    taken = order[: int(order_len.item())].long()
+    return BudgetAllocation(selected.bool(), phase, num_nodes.long(), taken)
+
+
+# ------------------------------------------------------------------------------------------------------ pack
+
+def pack(tree: SuperTree, context_lengths: Tensor | None = None, selected: Tensor | None = None,
+         backend: str | None = None) -> PackedVerifyBatch:
+    """core.pack(tree.select(selected), context_lengths) (selected None = every node), on the chosen backend."""
+    backend = _resolve(backend, tree.token_ids.device)
+    if backend == "torch":
+        return core_pack(tree if selected is None else tree.select(selected), context_lengths)
+    lib = _lib(backend)
+    dev = tree.token_ids.device
+    b, n = tree.batch_size, tree.total_nodes
+    if context_lengths is not None and context_lengths.shape != (b,):
+        raise ValueError(f"context_lengths must have shape ({b},), got {tuple(context_lengths.shape)}")
+    sel = None if selected is None else selected.to(device=dev, dtype=torch.uint8).contiguous()
+    counts = (torch.bincount(tree.request_ids[selected.to(dev).bool()], minlength=b) if selected is not None
+              else tree.num_nodes)
+    k, n_max = int(counts.sum()), int(counts.max())  # one device sync on CUDA: the output shapes
+    w = words_per_row(n_max)
+    i32 = {"dtype": torch.int32, "device": dev}
+    cu_out, lengths = torch.empty(b + 1, **i32), torch.empty(b, **i32)
+    src, parents, depths, pos = (torch.empty(k, **i32) for _ in range(4))
+    offsets, mask = torch.empty(b, n_max, **i32), torch.empty(k, w, **i32)
+    ctx = None if context_lengths is None else context_lengths.to(device=dev, dtype=torch.int32).contiguous()
+    tree_parents = tree.parents.to(torch.int32).contiguous()  # named: the pointers must outlive the call
+    tree_cu = tree.cu_num_nodes.to(torch.int32).contiguous()
+    args = [_ptr(tree_parents), _ptr(tree_cu), _ptr(sel), _ptr(ctx), _i32(b), _i32(n), _i32(k), _i32(n_max), _ptr(cu_out), _ptr(lengths), _ptr(src),
+            _ptr(parents), _ptr(depths), _ptr(pos), _ptr(offsets), _ptr(mask)]
+    if backend == "host":
+        _check(lib, lib.echo_pack_host(*args))
+    else:
+        ws, nbytes = _workspace(lib, "echo_pack_workspace_bytes", n, device=dev)
+        _check(lib, lib.echo_pack_cuda(*args, _ptr(ws), ctypes.c_size_t(nbytes), _stream(dev)))
+    return PackedVerifyBatch(
+        input_ids=tree.token_ids[src.long()],
+        position_ids=pos.long(),
+        parents=parents,
+        node_depths=depths,
+        cu_num_nodes=cu_out,
+        generation_lengths=lengths,
+        position_offsets=offsets,
+        packed_mask=mask,
+    )
+

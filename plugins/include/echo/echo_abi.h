@@ -1,0 +1,63 @@
+/* ECHO plugin C ABI (load with ctypes, dlopen, or link). All arrays are contiguous; index arrays are int32.
+ * *_host functions take host pointers and run the reference path on the CPU; *_cuda functions take device
+ * pointers and enqueue kernels on `stream` (a cudaStream_t, NULL = the default stream) without synchronising.
+ * Every function returns ECHO_OK or an error code; echo_last_error() describes the last failure of the
+ * calling thread (what was wrong and what is accepted). Layouts: DESIGN.md section 4. */
+#ifndef ECHO_ABI_H_
+#define ECHO_ABI_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define ECHO_ABI_VERSION 1
+enum { ECHO_OK = 0, ECHO_INVALID_ARGUMENT = 1, ECHO_CUDA_ERROR = 2, ECHO_NOT_BUILT_WITH_CUDA = 3 };
+
+int echo_abi_version(void);
+int echo_has_cuda(void);
+const char* echo_last_error(void);
+
+/* Gate at one level: confidence[i] = max path prob of request i's level nodes (0 if none);
+ * passed[i] = active[i] && confidence[i] > tau. */
+int echo_gate_host(const float* path_probs, const int32_t* request_ids, const uint8_t* active,
+                   int32_t num_level_nodes, int32_t batch_size, float tau, float* confidence, uint8_t* passed);
+int echo_gate_cuda(const float* path_probs, const int32_t* request_ids, const uint8_t* active,
+                   int32_t num_level_nodes, int32_t batch_size, float tau, float* confidence, uint8_t* passed,
+                   void* stream);
+
+/* Elastic budget allocation over the request-major Super-Tree (N nodes, B requests, cu[B+1]).
+ * max_nodes_per_request <= 0: no per-request cap. order has room for N - B entries; *order_len are valid. */
+int echo_allocate_budget_host(const float* path_probs, const int32_t* depths, const int32_t* parents,
+                              const int32_t* cu, int32_t batch_size, int32_t num_nodes, const int32_t* spine_depth,
+                              int32_t budget, int32_t max_nodes_per_request, uint8_t* selected, int8_t* phase,
+                              int32_t* num_nodes_out, int32_t* order, int32_t* order_len);
+int echo_allocate_budget_workspace_bytes(int32_t num_nodes, int32_t batch_size, size_t* bytes);
+int echo_allocate_budget_cuda(const float* path_probs, const int32_t* depths, const int32_t* parents,
+                              const int32_t* cu, int32_t batch_size, int32_t num_nodes, const int32_t* spine_depth,
+                              int32_t budget, int32_t max_nodes_per_request, uint8_t* selected, int8_t* phase,
+                              int32_t* num_nodes_out, int32_t* order, int32_t* order_len, void* workspace,
+                              size_t workspace_bytes, void* stream);
+
+/* Select (selected may be NULL = every node) and pack in TensorRT-LLM's layout; W = ceil(n_max / 32).
+ * num_selected: the host path requires the exact count K; the CUDA path takes the rows available (>= K) and
+ * computes K on the device (cu_out[B]), so a caller that cannot synchronise passes its upper bound (K_max).
+ * Outputs: cu_out[B+1], generation_lengths[B], src_index/parents_out/depths_out/position_ids[num_selected],
+ * position_offsets[B * n_max], packed_mask[num_selected * W]. context_lengths may be NULL. */
+int echo_pack_host(const int32_t* parents, const int32_t* cu, const uint8_t* selected, const int32_t* context_lengths,
+                   int32_t batch_size, int32_t num_nodes, int32_t num_selected, int32_t n_max, int32_t* cu_out,
+                   int32_t* generation_lengths, int32_t* src_index, int32_t* parents_out, int32_t* depths_out,
+                   int32_t* position_ids, int32_t* position_offsets, int32_t* packed_mask);
+int echo_pack_workspace_bytes(int32_t num_nodes, size_t* bytes);
+int echo_pack_cuda(const int32_t* parents, const int32_t* cu, const uint8_t* selected, const int32_t* context_lengths,
+                   int32_t batch_size, int32_t num_nodes, int32_t num_selected, int32_t n_max, int32_t* cu_out,
+                   int32_t* generation_lengths, int32_t* src_index, int32_t* parents_out, int32_t* depths_out,
+                   int32_t* position_ids, int32_t* position_offsets, int32_t* packed_mask, void* workspace,
+                   size_t workspace_bytes, void* stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* ECHO_ABI_H_ */

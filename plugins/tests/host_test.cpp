@@ -1,0 +1,99 @@
+// Host test binary: the C ABI on fixed cases with known answers (DESIGN.md section 4's tree, a budget example,
+// the gate) plus invariants on pseudo-random trees. The exhaustive comparison with the Python core runs in
+// tests/plugins (pytest); this binary needs no Python.
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#include "echo/echo_abi.h"
+
+static int failures = 0;
+#define EXPECT(cond)                                                  \
+  do {                                                                \
+    if (!(cond)) {                                                    \
+      std::fprintf(stderr, "FAILED %s:%d: %s\n", __FILE__, __LINE__, #cond); \
+      ++failures;                                                     \
+    }                                                                 \
+  } while (0)
+
+static void design_example() {
+  const int32_t parents[] = {-1, 0, 0, 1}, cu[] = {0, 4};
+  int32_t cu_out[2], len[1], src[4], par[4], dep[4], pos[4], off[4], mask[4];
+  EXPECT(echo_pack_host(parents, cu, nullptr, nullptr, 1, 4, 4, 4, cu_out, len, src, par, dep, pos, off, mask) == ECHO_OK);
+  EXPECT(mask[0] == 1 && mask[1] == 3 && mask[2] == 5 && mask[3] == 11);
+  EXPECT(off[0] == 0 && off[1] == 1 && off[2] == 1 && off[3] == 2 && len[0] == 4);
+}
+
+static void budget_example() {
+  // Request 0: root, a (.9, spine depth 1), b (.2); request 1: root, c (.6), d (.5, child of c). Spines: 0 -> a,
+  // 1 -> none. Budget 4 = 2 roots + a (P1) + c (P2, the best remaining).
+  const float probs[] = {1.f, .9f, .2f, 1.f, .6f, .5f};
+  const int32_t depths[] = {0, 1, 1, 0, 1, 2}, parents[] = {-1, 0, 0, -1, 0, 1}, cu[] = {0, 3, 6}, spine[] = {1, 0};
+  uint8_t sel[6];
+  int8_t phase[6];
+  int32_t k[2], order[4], order_len = -1;
+  EXPECT(echo_allocate_budget_host(probs, depths, parents, cu, 2, 6, spine, 4, 0, sel, phase, k, order, &order_len) ==
+         ECHO_OK);
+  EXPECT(order_len == 2 && order[0] == 1 && order[1] == 4 && k[0] == 2 && k[1] == 2);
+  EXPECT(phase[1] == 1 && phase[4] == 2 && phase[2] == -1 && phase[5] == -1 && sel[0] && sel[3]);
+  // a budget below the batch size is an error with a message
+  EXPECT(echo_allocate_budget_host(probs, depths, parents, cu, 2, 6, spine, 1, 0, sel, phase, k, order, &order_len) ==
+         ECHO_INVALID_ARGUMENT);
+  EXPECT(echo_last_error()[0] != '\0');
+}
+
+static void gate_example() {
+  const float probs[] = {.3f, .7f, .1f};
+  const int32_t req[] = {0, 0, 2};
+  const uint8_t active[] = {1, 1, 1};
+  float conf[3];
+  uint8_t passed[3];
+  EXPECT(echo_gate_host(probs, req, active, 3, 3, 0.5f, conf, passed) == ECHO_OK);
+  EXPECT(conf[0] == .7f && conf[1] == 0.f && conf[2] == .1f && passed[0] == 1 && passed[1] == 0 && passed[2] == 0);
+}
+
+// Invariants on random trees: sum K_i <= budget, K_i <= cap, ancestor closure, order = taken non-roots.
+static void random_invariants() {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int b = 1 + rng() % 40;
+    std::vector<int32_t> cu{0}, parents, depths;
+    std::vector<float> probs;
+    for (int r = 0; r < b; ++r) {
+      const int n = 1 + rng() % 70;
+      for (int j = 0; j < n; ++j) {
+        const int p = j == 0 ? -1 : static_cast<int>(rng() % j);
+        parents.push_back(p);
+        depths.push_back(p < 0 ? 0 : depths[cu.back() + p] + 1);
+        probs.push_back(p < 0 ? 1.f : probs[cu.back() + p] * std::uniform_real_distribution<float>(0, 1)(rng));
+      }
+      cu.push_back(cu.back() + n);
+    }
+    const int n = cu.back(), budget = b + rng() % (n + 1), cap = rng() % 2 ? 0 : 1 + rng() % 10;
+    std::vector<int32_t> spine(b), k(b), order(n), mask_parents(n);
+    for (auto& s : spine) s = rng() % 6;
+    std::vector<uint8_t> sel(n);
+    std::vector<int8_t> phase(n);
+    int32_t order_len = 0;
+    EXPECT(echo_allocate_budget_host(probs.data(), depths.data(), parents.data(), cu.data(), b, n, spine.data(), budget,
+                                     cap, sel.data(), phase.data(), k.data(), order.data(), &order_len) == ECHO_OK);
+    int total = 0;
+    for (int r = 0; r < b; ++r) {
+      total += k[r];
+      EXPECT(cap == 0 || k[r] <= cap);
+      for (int i = cu[r] + 1; i < cu[r + 1]; ++i) EXPECT(!sel[i] || sel[cu[r] + parents[i]]);
+    }
+    EXPECT(total <= budget && order_len == total - b);
+  }
+}
+
+int main() {
+  std::printf("echo plugin host test (ABI %d, CUDA %s)\n", echo_abi_version(), echo_has_cuda() ? "yes" : "no");
+  design_example();
+  budget_example();
+  gate_example();
+  random_invariants();
+  std::printf(failures ? "%d FAILED\n" : "all passed\n", failures);
+  return failures ? EXIT_FAILURE : EXIT_SUCCESS;
+}
