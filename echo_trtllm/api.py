@@ -18,6 +18,7 @@ from echo_trtllm.engine_dir import read_engine
 from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
 from echo_trtllm.models.llama import CausalLM
 from echo_trtllm.models.loader import Tokenizer, check_same_vocabulary, load_model
+from echo_trtllm.runtime.calibrate import Calibration
 from echo_trtllm.runtime.engine import CompletionOutput, EngineLoop, GenerationHandle, RequestOutput
 from echo_trtllm.runtime.executor import Executor, check_limits
 from echo_trtllm.runtime.request import RequestStats, SamplingParams
@@ -39,7 +40,10 @@ class LLM:
 
     model / draft_model: HF model directories, .gguf files, or loaded `CausalLM`s (a draft must share the
     target's tokenizer). engine_dir: a directory built by `echo-trtllm build` (engine.json names both models and
-    the EchoConfig). With neither, the embedded default pair is used.
+    the EchoConfig). With neither, the embedded default pair is used. calibration: a file (or `Calibration`)
+    written by `echo-trtllm calibrate`; an engine directory's own calibration is used when none is given. A
+    calibration sets the gate (depths, tau_d) and lets the echo family pick each step's budget from the measured
+    cost curve, falling back to plain AR by itself when speculation does not pay.
     """
 
     def __init__(
@@ -55,12 +59,15 @@ class LLM:
         max_num_tokens: int | None = None,
         dtype: str = "float32",
         device: str | None = None,
+        calibration: "str | Path | Calibration | None" = None,
     ) -> None:
         if engine_dir is not None:
             if model is not None or draft_model is not None:
                 raise ValueError("give either engine_dir or model/draft_model, not both")
-            model, draft_model, engine_config, dtype = read_engine(engine_dir)
-            speculative_config = speculative_config or engine_config
+            spec = read_engine(engine_dir)
+            model, draft_model, dtype = spec.target, spec.draft, spec.dtype
+            speculative_config = speculative_config or spec.config
+            calibration = calibration if calibration is not None else spec.calibration
         if model is None:
             model = DEFAULT_TARGET
             if draft_model is None:
@@ -68,6 +75,13 @@ class LLM:
         config = speculative_config or EchoConfig()
         if not isinstance(config, EchoConfig):
             raise TypeError(f"speculative_config must be an EchoConfig, got {type(config).__name__}")
+        cost_model = None
+        if calibration is not None:
+            if not isinstance(calibration, Calibration):
+                calibration = Calibration.load(calibration)
+            config = calibration.apply(config)
+            cost_model = calibration.cost_model
+        self.calibration = calibration
         check_limits(config, max_batch_size, has_draft=draft_model is not None or config.policy == "ar")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         target, target_tok = self._load(model, dtype, device)
@@ -81,7 +95,8 @@ class LLM:
                 check_same_vocabulary(self.tokenizer, draft_tok)
         self.config = config
         self.target, self.draft = target, draft
-        self.executor = Executor(target, draft, self.tokenizer, config, max_batch_size, max_seq_len, max_num_tokens)
+        self.executor = Executor(target, draft, self.tokenizer, config, max_batch_size, max_seq_len, max_num_tokens,
+                                 cost_model=cost_model)
         self._loop = EngineLoop(self.executor)
 
     @staticmethod

@@ -4,6 +4,7 @@
       engine.json   {"format_version", "backend": "torch", "dtype", "target", "draft", "echo_config", "provenance"}
       target/       the target model (HF directory contents, or one .gguf file)
       draft/        the draft model, same forms
+      calibration.json   written by `echo-trtllm calibrate --engine-dir` (cost curve, gate); named in engine.json
 
 `build_engine` copies the models in, so the directory needs nothing else; `read_engine` returns what `LLM` loads.
 """
@@ -15,10 +16,11 @@ import datetime
 import json
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 from echo_trtllm.core.config import EchoConfig
 
-__all__ = ["FORMAT_VERSION", "build_engine", "read_engine", "main"]
+__all__ = ["FORMAT_VERSION", "EngineSpec", "build_engine", "read_engine", "attach_calibration", "main"]
 
 FORMAT_VERSION = 1
 
@@ -61,13 +63,38 @@ def build_engine(output: str | Path, model: str | Path, draft_model: str | Path 
     return out
 
 
-def read_engine(path: str | Path) -> tuple[Path, Path | None, EchoConfig, str]:
-    """(target path, draft path or None, EchoConfig, dtype) of an engine directory."""
-    path = Path(path)
+class EngineSpec(NamedTuple):
+    target: Path
+    draft: Path | None
+    config: EchoConfig
+    dtype: str
+    # calibration file (echo-trtllm calibrate), or None when the engine is uncalibrated
+    calibration: Path | None = None
+
+
+def _read_meta(path: Path) -> dict:
     meta_file = path / "engine.json"
     if not meta_file.is_file():
         raise FileNotFoundError(f"{path} is not an engine directory: engine.json is missing")
-    meta = json.loads(meta_file.read_text())
+    return json.loads(meta_file.read_text())
+
+
+def attach_calibration(path: str | Path, calibration) -> Path:
+    """Write a `Calibration` into the engine directory and name it in engine.json; returns the file."""
+    from echo_trtllm.runtime.calibrate import CALIBRATION_FILE
+
+    path = Path(path)
+    meta = _read_meta(path)
+    calibration.save(path / CALIBRATION_FILE)
+    meta["calibration"] = CALIBRATION_FILE
+    (path / "engine.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return path / CALIBRATION_FILE
+
+
+def read_engine(path: str | Path) -> EngineSpec:
+    """Target path, draft path or None, EchoConfig, dtype and calibration file of an engine directory."""
+    path = Path(path)
+    meta = _read_meta(path)
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"engine {path} has format_version {meta.get('format_version')!r}; this build reads {FORMAT_VERSION}")
     if meta.get("backend") != "torch":
@@ -78,7 +105,10 @@ def read_engine(path: str | Path) -> tuple[Path, Path | None, EchoConfig, str]:
         if cfg.get(key) is not None:
             cfg[key] = tuple(cfg[key])
     draft = path / meta["draft"] if meta.get("draft") else None
-    return path / meta["target"], draft, EchoConfig(**cfg), meta.get("dtype", "float32")
+    calibration = path / meta["calibration"] if meta.get("calibration") else None
+    if calibration is not None and not calibration.is_file():
+        raise FileNotFoundError(f"engine {path} names calibration {meta['calibration']!r}, which is missing")
+    return EngineSpec(path / meta["target"], draft, EchoConfig(**cfg), meta.get("dtype", "float32"), calibration)
 
 
 def main(argv: list[str] | None = None) -> int:

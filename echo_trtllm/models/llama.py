@@ -176,6 +176,11 @@ class ForwardBatch:
     # (S,) rows of the T tokens whose logits are needed (None: all)
     logits_index: Tensor | None = field(default=None)
 
+    def to(self, device: torch.device) -> "ForwardBatch":
+        return ForwardBatch(*(None if t is None else t.to(device, non_blocking=True) for t in
+                              (self.input_ids, self.position_ids, self.slots, self.token_request, self.token_local,
+                               self.write_pos, self.attn_mask, self.logits_index)))
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -277,7 +282,10 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> Tensor:
-        """Logits (S, V) float32 of the rows in batch.logits_index (all T rows when None)."""
+        """Logits (S, V) float32 of the rows in batch.logits_index (all T rows when None), on the model's device
+        (a batch built elsewhere, e.g. by the host control plane, is moved there first)."""
+        if batch.input_ids.device != self.device:
+            batch = batch.to(self.device)
         x = self.model.embed_tokens(batch.input_ids)  # (T, hidden)
         freqs = batch.position_ids.float()[:, None] * self.inv_freq[None, :]  # (T, hd/2)
         emb = torch.cat([freqs, freqs], dim=-1)

@@ -13,6 +13,8 @@ acceptance uses the target's processed distribution, so outputs stay lossless wh
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import Tensor
 
@@ -31,11 +33,13 @@ class Drafter:
         self.model = model
         self.cache = cache
         self._requests: list[Request] = []
+        self.model_seconds = 0.0  # draft forward time of the current step (the rest of drafting is control)
 
     # ---------------------------------------------------------------- per step
 
     def begin(self, requests: list[Request]) -> None:
         self._requests = requests
+        self.model_seconds = 0.0
         b = len(requests)
         self._slots = torch.tensor([r.slot for r in requests], dtype=torch.long)
         self._root_pos = torch.tensor([len(r.all_token_ids) - 1 for r in requests], dtype=torch.long)
@@ -48,11 +52,14 @@ class Drafter:
 
     def draft_fn(self, level: DraftLevel, frontier: Tensor) -> Tensor:
         """(F, V) draft distribution after each frontier node of `level`."""
+        t0 = time.perf_counter()
         if level.depth == 0:
             logits = self._expand_roots(frontier)
         else:
             logits = self._expand_nodes(level, frontier)
-        return torch.softmax(logits, dim=-1)
+        probs = torch.softmax(logits, dim=-1).cpu()  # the drafting loop (host control plane) reads them
+        self.model_seconds += time.perf_counter() - t0
+        return probs
 
     def _expand_roots(self, frontier: Tensor) -> Tensor:
         reqs = frontier.tolist()  # level 0: node index == request index

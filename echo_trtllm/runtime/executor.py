@@ -15,14 +15,18 @@ all tokens but the last (the root of the next tree).
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from echo_trtllm import kernels
 from echo_trtllm.core import EchoConfig, SamplingTensors, draft_tree, make_policy, pack, verify
+from echo_trtllm.core.policies import DraftResult
+from echo_trtllm.core.verify import VerifyResult
 from echo_trtllm.core.cost import CostModel
 from echo_trtllm.models.llama import CausalLM
 from echo_trtllm.models.loader import Tokenizer
@@ -31,7 +35,7 @@ from .drafter import Drafter
 from .inputs import chain_batch, tree_batch
 from .request import Request, SamplingParams
 
-__all__ = ["Executor", "StepReport", "SpeculationTracker", "check_limits"]
+__all__ = ["Executor", "StepReport", "StepTimings", "SpeculationTracker", "check_limits"]
 
 
 def check_limits(config: EchoConfig, max_batch_size: int, has_draft: bool) -> None:
@@ -57,13 +61,16 @@ class SpeculationTracker:
     An explore/exploit rule on measured throughput: exponential moving averages of tokens per second per request
     for speculative steps and for plain AR steps (wall time of the whole step: drafting, control, verification,
     bookkeeping). The better mode runs; the other is re-measured every `probe_every`-th step so the choice follows
-    the traffic. A probe that confirms the choice doubles the interval (up to `max_probe_every`); one that
-    overturns it resets the interval. Within a speculative step the cost model picks K (`choose_budget`).
+    the traffic. A probe that confirms the choice at least doubles the interval (up to `max_probe_every`), and
+    stretches it so that probes cost at most `explore_share` of the throughput: a probe step that is p times
+    slower per token than the chosen mode waits (p - 1) / explore_share steps. A probe that overturns the choice
+    resets the interval. Within a speculative step the cost model picks K (`choose_budget`).
     """
 
     probe_every: int = 8
     min_probe_every: int = 8
-    max_probe_every: int = 128
+    max_probe_every: int = 512
+    explore_share: float = 0.02
     smoothing: float = 0.3
     spec_rate: float | None = None
     ar_rate: float | None = None
@@ -97,15 +104,33 @@ class SpeculationTracker:
         if was_probe:
             self.steps_since_probe = 0
             confirmed = self._spec_better() == before
-            self.probe_every = (min(2 * self.probe_every, self.max_probe_every) if confirmed
-                                else self.min_probe_every)
+            if confirmed:
+                fast, slow = sorted((self.spec_rate, self.ar_rate), reverse=True)
+                penalty = fast / max(slow, 1e-12) - 1.0
+                stretched = math.ceil(penalty / self.explore_share)
+                self.probe_every = min(max(2 * self.probe_every, stretched), self.max_probe_every)
+            else:
+                self.probe_every = self.min_probe_every
         else:
             self.steps_since_probe += 1
 
 
 @dataclass
+class StepTimings:
+    """Wall seconds of one decode step by phase (prefill of newly admitted requests excluded).
+
+    control: ECHO's gate + schedule + pack (drafting loop and selection minus the draft model's forwards, plus
+    packing); draft_model: the draft's forwards; verify: the target's forward over the packed trees."""
+
+    total: float = 0.0
+    draft_model: float = 0.0
+    control: float = 0.0
+    verify: float = 0.0
+
+
+@dataclass
 class StepReport:
-    """What one step did (for benchmarks and the progress bar)."""
+    """What one step did (for benchmarks, traces and the progress bar)."""
 
     batch_size: int
     verified_tokens: int
@@ -114,6 +139,10 @@ class StepReport:
     finished: list[Request]
     updated: list[Request]
     speculated: bool = True
+    timings: StepTimings = field(default_factory=StepTimings)
+    # what was drafted and what the target accepted (None on an empty step)
+    draft: DraftResult | None = None
+    result: VerifyResult | None = None
 
 
 class Executor:
@@ -131,6 +160,7 @@ class Executor:
         self.policy = make_policy(config, cost_model)
         self.cost_model = cost_model
         self.tracker = SpeculationTracker() if cost_model is not None and self.policy.shares_budget else None
+        self._ar_policy = make_policy(EchoConfig(policy="ar"))  # the tracker's plain AR steps
         check_limits(config, max_batch_size, has_draft=draft is not None)
         if draft is not None and draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(
@@ -282,15 +312,20 @@ class Executor:
         slots = torch.tensor([r.slot for r in reqs])
         t_step = time.perf_counter()
         speculate = self.tracker is None or self.tracker.should_speculate()
-        if self.drafter is not None:
-            self.drafter.begin(reqs)
-        budget = None
-        if self.policy.shares_budget:  # K_max = B: nobody drafts, plain AR
-            budget = min(self.config.k_max, self.max_num_tokens) if speculate else b
-        drafted = draft_tree(self.policy, roots, self.drafter.draft_fn if self.drafter else None, budget)
+        drafter = self.drafter if speculate else None  # a plain AR step leaves the draft model alone
+        policy = self.policy if speculate else self._ar_policy
+        if drafter is not None:
+            drafter.begin(reqs)
+        budget = min(self.config.k_max, self.max_num_tokens) if policy.shares_budget else None
+        t_draft = time.perf_counter()
+        drafted = draft_tree(policy, roots, drafter.draft_fn if drafter else None, budget)
         selected = drafted.selected
-        packed = pack(selected, ctx)
-        logits = self.target(tree_batch(packed, ctx, slots), self.target_cache)  # (N_tot, V)
+        packed = self._pack(selected, ctx)
+        t_verify = time.perf_counter()
+        logits = self.target(tree_batch(packed, ctx, slots), self.target_cache).cpu()  # (N_tot, V)
+        t_verified = time.perf_counter()
+        draft_model = drafter.model_seconds if drafter is not None else 0.0
+        timings = StepTimings(0.0, draft_model, t_verify - t_draft - draft_model, t_verified - t_verify)
         sampling = self._sampling(reqs)
         result = verify(packed, logits, sampling, [r.generator for r in reqs])
 
@@ -306,16 +341,25 @@ class Executor:
             if req.finished:
                 finished.append(req)
         self._commit(reqs, result, keep)
-        if self.drafter is not None:
-            self.drafter.commit(selected, drafted.candidates.total_nodes, result, keep)
+        if drafter is not None:
+            drafter.commit(selected, drafted.candidates.total_nodes, result, keep)
         for req in finished:
             self.running.remove(req)
             self.free_slots.append(req.slot)
+        timings.total = time.perf_counter() - t_step
         if self.tracker is not None:
             produced = int(result.cu_accepted[-1])  # before stop conditions cut anything
-            self.tracker.update(speculate, b, produced, time.perf_counter() - t_step)
+            self.tracker.update(speculate, b, produced, timings.total)
         return StepReport(b, int(packed.total_nodes), emitted, int(drafted.candidates.total_nodes) - b, finished, reqs,
-                          speculate)
+                          speculate, timings, drafted, result)
+
+    def _pack(self, selected, ctx: torch.Tensor):
+        """Flatten & pack. With CUDA models and the plugin built, the packing runs in the plugin's CUDA kernel
+        (echo_trtllm.kernels) and its small result comes back to the host control plane; otherwise the core."""
+        dev = self.target.device
+        if dev.type == "cuda" and kernels.backend_for(dev) == "cuda":
+            return kernels.pack(selected.to(dev), ctx.to(dev)).to("cpu")
+        return pack(selected, ctx)
 
     def _commit(self, reqs: list[Request], result, keep: list[bool]) -> None:
         """Target KV: move the accepted path (root, accepted drafts) to ctx, ctx+1, ...; drop the rest."""

@@ -209,8 +209,8 @@ def test_engine_dir_round_trip(tmp_path, prompts):
 
     cfg = EchoConfig(k_max=48, max_depth=4)
     out = build_engine(tmp_path / "tiny", DEFAULT_TARGET, DEFAULT_DRAFT, cfg)
-    target, draft, read_cfg, dtype = read_engine(out)
-    assert read_cfg == cfg and dtype == "float32" and (target / "config.json").is_file()
+    target, draft, read_cfg, dtype, calibration = read_engine(out)
+    assert read_cfg == cfg and dtype == "float32" and (target / "config.json").is_file() and calibration is None
     sp = SamplingParams(max_tokens=12, temperature=0)
     with LLM(engine_dir=out, max_batch_size=2) as a, LLM(DEFAULT_TARGET, DEFAULT_DRAFT, speculative_config=cfg,
                                                          max_batch_size=2) as b:

@@ -1,0 +1,135 @@
+"""Calibration: the samples it learns from (against a naive per-request loop), the file it writes (round trip,
+engine directory), and what the runtime does with it (same outputs as AR, calibrated gate in use)."""
+
+import json
+
+import pytest
+import torch
+
+from echo_trtllm.api import LLM
+from echo_trtllm.core import EchoConfig, draft_tree, make_policy
+from echo_trtllm.core.cost import CostModel
+from echo_trtllm.core.verify import VerifyResult
+from echo_trtllm.engine_dir import attach_calibration, build_engine, read_engine
+from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
+from echo_trtllm.runtime.calibrate import Calibration, break_even_accept_prob, calibrate, gate_samples
+from echo_trtllm.runtime.request import SamplingParams
+from tests.helpers import markov_draft_fn
+
+
+def random_accepted_paths(tree, gen):
+    """A VerifyResult accepting a random root path of every request of `tree` (flat indices)."""
+    ids, cu = [], [0]
+    parents, cu_nodes = tree.parents.tolist(), tree.cu_num_nodes.tolist()
+    for i in range(tree.batch_size):
+        lo, hi = cu_nodes[i], cu_nodes[i + 1]
+        path, node = [lo], 0
+        while True:
+            children = [j for j in range(hi - lo) if parents[lo + j] == node]
+            if not children or torch.rand(1, generator=gen).item() < 0.3:
+                break
+            node = children[int(torch.randint(len(children), (1,), generator=gen))]
+            path.append(lo + node)
+        ids += path
+        cu.append(len(ids))
+    t = torch.tensor(ids)
+    return VerifyResult(t, tree.token_ids[t], torch.tensor(cu))
+
+
+def naive_gate_samples(drafted, result):
+    cand = drafted.candidates
+    verified = torch.nonzero(drafted.mask).squeeze(1).tolist()
+    accepted = {verified[j] for j in result.accepted_node_ids.tolist()}
+    out = []
+    cu = cand.cu_num_nodes.tolist()
+    for i in range(cand.batch_size):
+        nodes = range(cu[i], cu[i + 1])
+        for d in range(1, int(cand.depths.max()) + 1):
+            at_d = [n for n in nodes if int(cand.depths[n]) == d]
+            if not at_d:
+                continue
+            best = max(at_d, key=lambda n: (float(cand.path_probs[n]), -n))  # first of ties
+            if best in verified:
+                out.append((d, float(cand.path_probs[best]), best in accepted))
+    return sorted(out)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gate_samples_match_a_naive_loop(seed):
+    gen = torch.Generator().manual_seed(seed)
+    policy = make_policy(EchoConfig(k_max=40, max_depth=4, top_k=3, beam_width=2, max_nodes_per_request=12))
+    roots = torch.randint(0, 16, (5,), generator=gen)
+    drafted = draft_tree(policy, roots, markov_draft_fn(16, seed), budget=40)
+    result = random_accepted_paths(drafted.selected, gen)
+    d, c, a = gate_samples(drafted, result)
+    got = sorted(zip(d.tolist(), c.tolist(), a.tolist()))
+    want = naive_gate_samples(drafted, result)
+    assert [(x[0], x[2]) for x in got] == [(x[0], x[2]) for x in want]
+    assert [x[1] for x in got] == pytest.approx([x[1] for x in want])
+    assert any(x[2] for x in want) and len(want) > 5  # the case exercises both labels
+
+
+def test_break_even_probability_by_hand():
+    assert break_even_accept_prob(CostModel.linear(0.1, 0.01), 10) == pytest.approx((0.3 - 0.2) / 0.2)
+    assert break_even_accept_prob(CostModel.linear(0.0, 0.01), 4) == 0.95  # linear: never pays, clamped
+    assert break_even_accept_prob(CostModel((1, 64), (0.01, 0.01)), 4) == 0.02  # flat: always pays, clamped
+
+
+@pytest.fixture(scope="module")
+def calibration(default_pair, prompts):
+    target, draft, tok = default_pair
+    return calibrate(target, draft, tok, EchoConfig(max_depth=5), prompts[:8], batch_size=4, max_tokens=16,
+                     cost_tokens=(1, 4, 16, 64), repeats=2)
+
+
+def test_calibration_is_valid_and_round_trips(calibration, tmp_path):
+    g = calibration.gate
+    assert g.gate_depths[0] == 1 and g.gate_depths[-1] == 5 and len(g.gate_depths) <= 4
+    assert all(0.0 <= t <= 1.0 for t in g.thresholds)
+    assert 0.02 <= calibration.break_even_accept_prob <= 0.95
+    assert calibration.warmup["samples"] >= 8 * 4  # several depths per request-step
+    assert sum(g.num_samples.values()) == calibration.warmup["samples"]
+    # acceptance falls with depth (the draft's best path survives less often deeper down)
+    assert g.acceptance_rate[1] > g.acceptance_rate[5]
+    path = tmp_path / "cal.json"
+    calibration.save(path)
+    back = Calibration.load(path)
+    assert back.to_json() == calibration.to_json()
+    assert back.cost_model == calibration.cost_model
+    bad = json.loads(path.read_text())
+    del bad["gate"]
+    with pytest.raises(ValueError, match="lacks fields"):
+        Calibration.from_json(json.dumps(bad))
+
+
+def test_apply_sets_the_gate_and_rejects_another_depth(calibration):
+    cfg = calibration.apply(EchoConfig(max_depth=5, policy="echo-fixed"))
+    assert cfg.gate_depths == tuple(calibration.gate.gate_depths) and cfg.policy == "echo-fixed"
+    assert cfg.fixed_threshold == pytest.approx(calibration.gate.fixed_threshold)
+    with pytest.raises(ValueError, match="max_depth=5 but the config has max_depth=6"):
+        calibration.apply(EchoConfig(max_depth=6))
+
+
+def test_calibrated_engine_directory_is_used_and_lossless(calibration, tmp_path, prompts):
+    cfg = EchoConfig(k_max=64, max_depth=5, max_nodes_per_request=16)
+    out = build_engine(tmp_path / "tiny", DEFAULT_TARGET, DEFAULT_DRAFT, cfg)
+    attach_calibration(out, calibration)
+    assert read_engine(out).calibration == out / "calibration.json"
+    sp = SamplingParams(max_tokens=16, temperature=0)
+    with LLM(engine_dir=out, max_batch_size=4) as llm, LLM(DEFAULT_TARGET, speculative_config=EchoConfig(policy="ar"),
+                                                           max_batch_size=4) as ar:
+        ex = llm.executor
+        assert ex.cost_model == calibration.cost_model and ex.tracker is not None
+        assert ex.config.gate_depths == tuple(calibration.gate.gate_depths)
+        got = [o.token_ids for o in llm.generate(prompts[:6], sp)]
+        want = [o.token_ids for o in ar.generate(prompts[:6], sp)]
+    assert got == want
+    (out / "calibration.json").unlink()
+    with pytest.raises(FileNotFoundError, match="calibration"):
+        read_engine(out)
+
+
+def test_calibration_needs_prompts(default_pair):
+    target, draft, tok = default_pair
+    with pytest.raises(ValueError, match="at least one warm-up prompt"):
+        calibrate(target, draft, tok, EchoConfig(), [], cost_tokens=(1,), repeats=1)
