@@ -11,6 +11,9 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "build": ("echo_trtllm.engine_dir", "build an engine directory from a target + draft pair"),
     "generate": ("echo_trtllm.generate_cli", "generate text with speculative decoding and print stats"),
+    "calibrate": ("echo_trtllm.calibrate_cli", "measure the cost curve and calibrate the gate (writes calibration.json)"),
+    "bench": ("echo_trtllm.bench.run", "benchmark methods x batch sizes side by side (JSON, markdown, plots)"),
+    "simulate": ("echo_trtllm.bench.simulate", "predict throughput vs batch size from recorded traces (simulation)"),
     "bench-control": ("echo_trtllm.bench.control", "time ECHO's control plane (gate + schedule + pack) per step"),
 }
 

@@ -1,0 +1,219 @@
+"""Throughput simulator: replay recorded acceptance traces through a verification cost model. SIMULATION.
+
+    echo-trtllm simulate --trace trace.json --target 235b --gpu H100 --dtype fp8 --batch-sizes 1,16,64,256
+
+A trace (from `echo-trtllm bench --trace`) holds, per method, one record per request and step: the drafted
+candidates' path probabilities in priority order with hindsight acceptance flags, and the tokens the method
+verified and emitted. The simulator builds steps of B records (taken cyclically, so runs are deterministic) and
+charges each step
+
+    t_step = t_verify(T) + levels * t_draft_level(drafted per level) + control
+
+  ar            T = B, emitted = B, no drafting
+  fixed methods T = sum of recorded verified, emitted = sum of recorded emitted (their trees do not react to load)
+  echo family   the B records' candidates merged in probability order (a prefix is ancestor-closed); K from
+                `choose_budget` on the simulated curve (capped at K_max), emitted = B + accepted among the K - B
+
+Cost models: either the measured curve of a calibration file (`--calibration`; then the simulation can be
+checked against the real benchmark on the same machine), or an analytic roofline for a model class on a GPU:
+
+    t_verify(T) = max(t_memory, a + b * T)
+    t_memory    = (weight bytes + B * context * KV bytes per token) / (num_gpus * bandwidth * bw_efficiency)
+    b           = 2 * active parameters / (num_gpus * peak FLOP/s * mfu)
+    a           = fixed per-forward overhead (launches, all-reduce)
+
+The draft level costs the same roofline for the draft head's parameters. Every number this module prints is a
+prediction from recorded acceptance and a cost model, not a measurement of the named hardware or model; the
+paper's reported figures are printed beside it for orientation only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from echo_trtllm.core.cost import CostModel, choose_budget
+
+__all__ = ["GPUSpec", "ModelSpec", "GPUS", "MODELS", "PAPER", "roofline_cost", "simulate_method", "simulate", "main"]
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    name: str
+    bf16_flops: float  # dense peak FLOP/s
+    fp8_flops: float
+    bandwidth: float  # bytes/s
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    total_params: float
+    active_params: float  # per token (MoE: the routed experts' share)
+    kv_bytes_per_token: float  # bf16 K and V over all layers
+    num_gpus: int
+    draft_params: float  # the draft head (one decoder layer plus its LM head, EAGLE-3 style)
+
+
+# Public datasheet peaks (dense, no sparsity).
+GPUS = {
+    "H100": GPUSpec("H100 SXM", 989e12, 1979e12, 3.35e12),
+    "H200": GPUSpec("H200 SXM", 989e12, 1979e12, 4.8e12),
+}
+# Model classes: parameter counts and KV sizes of the public architectures (layers x KV heads x head dim x 2 x 2 B).
+MODELS = {
+    "8b": ModelSpec("8B dense (Llama-3.1-8B class)", 8.0e9, 8.0e9, 32 * 8 * 128 * 4, 1, 0.75e9),
+    "70b": ModelSpec("70B dense (Llama-3.3-70B class)", 70.6e9, 70.6e9, 80 * 8 * 128 * 4, 8, 1.9e9),
+    "235b": ModelSpec("235B MoE, 22B active (Qwen3-235B-A22B class)", 235e9, 22e9, 94 * 4 * 128 * 4, 8, 0.9e9),
+}
+# The paper's reported numbers (8xH100), printed beside simulations for orientation.
+PAPER = {
+    "235b": "paper, Qwen3-235B-A22B, BS=256, 8xH100: EAGLE-3 2,803 -> ECHO 3,207 tok/s (+14.4 %); "
+            "BS=1 mean 2.02x over AR",
+    "70b": "paper, LLaMA-3.3-70B: up to 5.35x at BS=1; +12.96 % over EAGLE-3 at high load",
+    "8b": "paper, LLaMA-3.1-8B: +7.92 % over EAGLE-3 at high load",
+}
+
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def roofline_cost(model: ModelSpec, gpu: GPUSpec, dtype: str, batch_size: int, context: int,
+                  mfu: float = 0.5, bw_efficiency: float = 0.8, fixed_overhead: float = 1e-3,
+                  draft_overhead: float = 2e-4) -> CostModel:
+    """The analytic cost model of one batch size (the KV read grows with B) as a CostModel over TOKENS."""
+    if dtype not in ("bf16", "fp8"):
+        raise ValueError(f"dtype must be 'bf16' or 'fp8', got {dtype!r}")
+    weight_bytes = model.total_params * (1 if dtype == "fp8" else 2)
+    flops = (gpu.fp8_flops if dtype == "fp8" else gpu.bf16_flops) * model.num_gpus * mfu
+    bandwidth = gpu.bandwidth * model.num_gpus * bw_efficiency
+    t_mem = (weight_bytes + batch_size * context * model.kv_bytes_per_token) / bandwidth
+    verify = tuple(max(t_mem, fixed_overhead + 2 * model.active_params * t / flops) for t in TOKENS)
+    d_bytes = model.draft_params * (1 if dtype == "fp8" else 2)
+    draft = tuple(max(d_bytes / bandwidth, draft_overhead + 2 * model.draft_params * t / flops) for t in TOKENS)
+    return CostModel(TOKENS, verify, TOKENS, draft, 0.0, f"{gpu.name} x{model.num_gpus} {dtype} (roofline)")
+
+
+ECHO_FAMILY = ("echo", "echo-dense", "echo-fixed")
+
+
+def simulate_method(method: str, records: list[dict], batch_size: int, cost: CostModel, steps: int = 200,
+                    k_max: int = 1 << 30, control_seconds: float = 0.0) -> dict:
+    """Simulated tokens/s of one method at one batch size (module docstring)."""
+    if not records:
+        raise ValueError(f"no trace records for method {method!r}")
+    emitted_total = 0
+    seconds = 0.0
+    verified_total = 0
+    for s in range(steps):
+        batch = [records[(s * batch_size + j) % len(records)] for j in range(batch_size)]
+        if method == "ar":
+            emitted, verified, draft_time = batch_size, batch_size, 0.0
+        else:
+            levels = max(r["levels"] for r in batch)
+            drafted = sum(len(r["probs"]) for r in batch)
+            draft_time = levels * float(cost.draft_time(max(1, -(-drafted // max(levels, 1))))) if levels else 0.0
+            if method in ECHO_FAMILY:
+                cands = sorted(((-p, rank, j, a) for j, r in enumerate(batch)
+                                for rank, (p, a) in enumerate(zip(r["probs"], r["accepted"]))))
+                est = torch.tensor([-c[0] for c in cands], dtype=torch.float64)
+                k = min(choose_budget(est, batch_size, cost, draft_time), k_max)
+                taken = k - batch_size
+                emitted = batch_size + sum(c[3] for c in cands[:taken])
+                verified = k
+            else:
+                emitted = sum(r["emitted"] for r in batch)
+                verified = sum(r["verified"] for r in batch)
+        emitted_total += emitted
+        verified_total += verified
+        seconds += float(cost.verify_time(verified)) + draft_time + (control_seconds if method != "ar" else 0.0)
+    return {"method": method, "batch_size": batch_size, "tokens_per_s": emitted_total / seconds,
+            "mat": emitted_total / (steps * batch_size), "verified_per_step": verified_total / steps}
+
+
+def simulate(traces: dict[str, list[dict]], batch_sizes: list[int], cost_for_batch, steps: int = 200,
+             k_max: int = 1 << 30, control_seconds: float = 0.0) -> list[dict]:
+    """traces: method -> records. cost_for_batch(B) -> CostModel. Rows carry speedup_vs_ar when 'ar' is traced."""
+    rows = []
+    for b in batch_sizes:
+        cost = cost_for_batch(b)
+        cells = {m: simulate_method(m, recs, b, cost, steps, k_max, control_seconds) for m, recs in traces.items()}
+        ar = cells.get("ar")
+        for m, cell in cells.items():
+            cell["speedup_vs_ar"] = cell["tokens_per_s"] / ar["tokens_per_s"] if ar else None
+            rows.append(cell)
+    return rows
+
+
+def load_traces(path: str, source_batch_size: int | None = None) -> dict[str, list[dict]]:
+    """method -> records from a bench trace file (records of every batch size pooled unless one is chosen)."""
+    with open(path) as f:
+        data = json.load(f)
+    out: dict[str, list[dict]] = {}
+    for key, recs in data["traces"].items():
+        method, b = key.rsplit("/", 1)
+        if source_batch_size is None or int(b) == source_batch_size:
+            out.setdefault(method, []).extend(recs)
+    if not out:
+        raise ValueError(f"{path} holds no traces" + (f" for batch size {source_batch_size}" if source_batch_size else ""))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="echo-trtllm simulate", description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", required=True, help="trace JSON from echo-trtllm bench --trace")
+    ap.add_argument("--source-batch-size", type=int, help="use only the traces recorded at this batch size")
+    ap.add_argument("--calibration", help="use this calibration's measured cost curve instead of a roofline")
+    ap.add_argument("--target", default="235b", choices=list(MODELS))
+    ap.add_argument("--gpu", default="H100", choices=list(GPUS))
+    ap.add_argument("--dtype", default="fp8", choices=["bf16", "fp8"])
+    ap.add_argument("--context", type=int, default=2048, help="tokens of KV per request read every step")
+    ap.add_argument("--mfu", type=float, default=0.5)
+    ap.add_argument("--batch-sizes", default="1,4,16,64,128,256")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--k-max", type=int, default=1 << 30)
+    ap.add_argument("--control-us", type=float, default=0.0, help="ECHO control per speculative step (µs)")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+    try:
+        traces = load_traces(args.trace, args.source_batch_size)
+        batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+        if args.calibration:
+            from echo_trtllm.runtime.calibrate import Calibration
+
+            measured = Calibration.load(args.calibration).cost_model
+            label = f"measured cost curve ({measured.device})"
+
+            def cost_for_batch(b):
+                return measured
+        else:
+            model, gpu = MODELS[args.target], GPUS[args.gpu]
+            label = f"{model.name} on {model.num_gpus}x{gpu.name}, {args.dtype}, context {args.context}"
+
+            def cost_for_batch(b):
+                return roofline_cost(model, gpu, args.dtype, b, args.context, mfu=args.mfu)
+
+        rows = simulate(traces, batch_sizes, cost_for_batch, args.steps, args.k_max, args.control_us * 1e-6)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"echo-trtllm simulate: error: {e}", file=sys.stderr)
+        return 2
+    print(f"SIMULATION — {label}; acceptance replayed from {args.trace.rsplit('/', 1)[-1]}")
+    print("| method | B | sim tokens/s | sim ×AR | sim MAT | sim verified/step |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        sp = "–" if r["speedup_vs_ar"] is None else f"{r['speedup_vs_ar']:.2f}"
+        print(f"| {r['method']} | {r['batch_size']} | {r['tokens_per_s']:.0f} | {sp} | {r['mat']:.2f} | "
+              f"{r['verified_per_step']:.1f} |")
+    if not args.calibration:
+        print(f"for orientation ({PAPER[args.target]}); not comparable: other draft, other acceptance")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"simulation": True, "cost": label, "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""Per-step acceptance traces and the hindsight oracle.
+
+At temperature 0 a lossless run's output *is* the target's greedy continuation, so after the run we know, for
+every drafted candidate of every step, whether the target would have accepted it: a node is accepted in
+hindsight iff its token equals the output token at its depth and its parent is accepted (the root always is).
+
+Oracle bound. For the same drafted candidates and the same number of verified tokens K of a step, an allocator
+that knew those flags would spend the step's K - B non-root slots on the accepted chains: request i has an
+accepted chain of L_i nodes (capped by its per-request tree limit and by what was left of its output), so the
+oracle emits B + min(K - B, sum_i L_i) tokens. `mat_vs_oracle` is the method's emitted tokens over the oracle's,
+summed over the run's steps (1.0 = the allocation lost nothing that was drafted).
+
+Traces (for `echo_trtllm.bench.simulate`): one record per request and step — the candidates' path probabilities
+in priority order with their hindsight flags, the tokens verified and emitted, and the drafted levels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["StepEntry", "TraceRecorder", "hindsight_flags", "oracle_emitted"]
+
+
+@dataclass
+class StepEntry:
+    """One request in one step (candidate arrays exclude the root)."""
+
+    request: int  # index into the recorder's request list
+    position: int  # output tokens the request had before the step
+    tokens: list[int]
+    parents: list[int]  # parent index among these candidates, -1 for a child of the root
+    path_probs: list[float]
+    depths: list[int]
+    verified: int  # nodes verified, root included
+    emitted: int  # tokens kept this step (accepted + bonus, cut at the end of generation)
+
+
+def hindsight_flags(entry: StepEntry, output: list[int]) -> list[bool]:
+    """For each candidate: would the target have accepted it (its path matches the output)?"""
+    flags = []
+    for tok, parent, depth in zip(entry.tokens, entry.parents, entry.depths):
+        pos = entry.position + depth - 1
+        ok = (parent < 0 or flags[parent]) and pos < len(output) and output[pos] == tok
+        flags.append(ok)
+    return flags
+
+
+def oracle_emitted(chain_lengths: list[int], verified_total: int) -> int:
+    """Tokens the hindsight allocator emits in one step with the same verified total (module docstring)."""
+    b = len(chain_lengths)
+    return b + min(max(verified_total - b, 0), sum(chain_lengths))
+
+
+class TraceRecorder:
+    """Collects StepEntry records from executor steps; evaluates them once the outputs are final."""
+
+    def __init__(self, requests: list, per_request_cap: int) -> None:
+        self.requests = list(requests)
+        self.index = {id(r): i for i, r in enumerate(self.requests)}
+        self.cap = per_request_cap  # most non-root nodes one request may verify in a step
+        self.steps: list[list[StepEntry]] = []
+
+    def record(self, report) -> None:
+        if report.draft is None or not report.batch_size:
+            return
+        cand = report.draft.candidates
+        cu = cand.cu_num_nodes.tolist()
+        tokens, parents = cand.token_ids.tolist(), cand.parents.tolist()
+        probs, depths = cand.path_probs.float().tolist(), cand.depths.tolist()
+        verified = report.draft.selected.num_nodes.tolist()
+        step = []
+        for i, req in enumerate(report.updated):
+            lo, hi = cu[i] + 1, cu[i + 1]  # skip the root (node cu[i])
+            emitted = req.stats.emitted_per_step[-1]
+            step.append(StepEntry(self.index[id(req)], len(req.output_token_ids) - emitted, tokens[lo:hi],
+                                  [p - 1 for p in parents[lo:hi]], probs[lo:hi], depths[lo:hi], verified[i], emitted))
+        self.steps.append(step)
+
+    def evaluate(self) -> dict:
+        """Oracle comparison and per-request-step trace records (call after every request finished)."""
+        actual = oracle = 0
+        records = []
+        for step in self.steps:
+            chains, verified_total = [], 0
+            for e in step:
+                out = self.requests[e.request].output_token_ids
+                flags = hindsight_flags(e, out)
+                left = len(out) - e.position  # tokens this request still had to produce
+                chains.append(min(sum(flags), self.cap, max(left - 1, 0)))
+                verified_total += e.verified
+                actual += e.emitted
+                order = sorted(range(len(e.tokens)), key=lambda j: (-e.path_probs[j], e.depths[j], j))
+                records.append({"probs": [round(e.path_probs[j], 6) for j in order],
+                                "accepted": [int(flags[j]) for j in order], "verified": e.verified,
+                                "emitted": e.emitted, "levels": max(e.depths, default=0)})
+            oracle += oracle_emitted(chains, verified_total)
+        return {"emitted": actual, "oracle_emitted": oracle,
+                "mat_vs_oracle": actual / oracle if oracle else float("nan"), "records": records}
+

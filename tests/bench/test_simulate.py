@@ -1,0 +1,79 @@
+"""The simulator against hand-computed steps, and the oracle's pieces against hand-worked cases."""
+
+import math
+
+import pytest
+
+from echo_trtllm.bench.simulate import GPUS, MODELS, roofline_cost, simulate, simulate_method
+from echo_trtllm.bench.trace import StepEntry, hindsight_flags, oracle_emitted
+from echo_trtllm.core.cost import CostModel
+
+# t_verify(T) = 0.1 + 0.01 T and t_draft(T) = 0.01 + 0.001 T, exact under linear interpolation
+COST = CostModel((1, 100), (0.11, 1.1), (1, 100), (0.011, 0.11))
+R0 = {"probs": [0.9, 0.05], "accepted": [1, 0], "verified": 3, "emitted": 2, "levels": 2}
+R1 = {"probs": [0.6], "accepted": [1], "verified": 2, "emitted": 2, "levels": 1}
+
+
+def t_verify(t):
+    return 0.1 + 0.01 * t
+
+
+def t_draft(t):
+    return 0.01 + 0.001 * t
+
+
+def test_ar_step_by_hand():
+    row = simulate_method("ar", [R0, R1], 2, COST, steps=1)
+    assert row["tokens_per_s"] == pytest.approx(2 / t_verify(2), rel=1e-12)
+    assert row["mat"] == 1.0
+
+
+def test_fixed_tree_step_by_hand():
+    # emitted 2 + 2, verified 3 + 2; 2 levels, 3 drafted -> 2 per level
+    row = simulate_method("chain", [R0, R1], 2, COST, steps=1)
+    assert row["tokens_per_s"] == pytest.approx(4 / (t_verify(5) + 2 * t_draft(2)), rel=1e-12)
+    assert row["verified_per_step"] == 5
+
+
+def test_echo_step_by_hand():
+    # candidates by probability: 0.9 (accepted), 0.6 (accepted), 0.05; drafting 2 * t_draft(2) is sunk.
+    spent = 2 * t_draft(2)
+    rates = [(2 + sum([0.9, 0.6, 0.05][:n])) / (spent + t_verify(2 + n)) for n in range(4)]
+    n_best = max(range(4), key=lambda n: rates[n])
+    assert n_best == 2  # the 0.05 candidate is not worth its verification
+    row = simulate_method("echo", [R0, R1], 2, COST, steps=1)
+    assert row["verified_per_step"] == 4
+    assert row["tokens_per_s"] == pytest.approx(4 / (spent + t_verify(4)), rel=1e-12)
+    # a budget cap binds: K_max = 3 takes only the 0.9 candidate
+    capped = simulate_method("echo", [R0, R1], 2, COST, steps=1, k_max=3)
+    assert capped["tokens_per_s"] == pytest.approx(3 / (spent + t_verify(3)), rel=1e-12)
+
+
+def test_records_are_taken_cyclically():
+    rows = simulate({"ar": [R0], "chain": [R0, R1]}, [1], lambda b: COST, steps=2)
+    chain = next(r for r in rows if r["method"] == "chain")
+    # step 0 takes R0, step 1 takes R1
+    expected = 4 / (t_verify(3) + 2 * t_draft(1) + t_verify(2) + t_draft(1))
+    assert chain["tokens_per_s"] == pytest.approx(expected, rel=1e-12)
+    assert chain["speedup_vs_ar"] == pytest.approx(expected / (1 / t_verify(1)), rel=1e-12)
+
+
+def test_roofline_is_memory_bound_then_compute_bound():
+    model, gpu = MODELS["70b"], GPUS["H100"]
+    cost = roofline_cost(model, gpu, "bf16", batch_size=1, context=0, mfu=0.5, bw_efficiency=0.8, fixed_overhead=0)
+    t_mem = model.total_params * 2 / (gpu.bandwidth * 8 * 0.8)
+    assert float(cost.verify_time(1)) == pytest.approx(t_mem)
+    per_token = 2 * model.active_params / (gpu.bf16_flops * 8 * 0.5)
+    assert float(cost.verify_time(16384)) == pytest.approx(per_token * 16384)
+    with pytest.raises(ValueError, match="dtype"):
+        roofline_cost(model, gpu, "int4", 1, 0)
+
+
+def test_hindsight_flags_follow_the_output():
+    # root -> a(5) -> b(6); root -> c(7); a -> d(9). Output after the step's position 2: [.., .., 5, 6, 8]
+    e = StepEntry(0, 2, [5, 7, 6, 9], [-1, -1, 0, 0], [0.9, 0.1, 0.8, 0.05], [1, 1, 2, 2], 3, 2)
+    assert hindsight_flags(e, [1, 2, 5, 6, 8]) == [True, False, True, False]
+    assert hindsight_flags(e, [1, 2, 5]) == [True, False, False, False]  # output ends: nothing deeper is known
+    assert oracle_emitted([2, 0, 3], verified_total=6) == 3 + 3  # budget binds: 6 - 3 spare slots
+    assert oracle_emitted([2, 0, 3], verified_total=20) == 3 + 5
+    assert math.isclose(oracle_emitted([], 0), 0)

@@ -1,0 +1,93 @@
+"""echo-trtllm bench and simulate end to end on the tiny pair, and the oracle against exact cases."""
+
+import json
+import math
+
+import pytest
+
+from echo_trtllm.bench.run import METRICS, run_cell
+from echo_trtllm.cli import main
+from echo_trtllm.core import EchoConfig
+from echo_trtllm.runtime.executor import Executor
+
+
+def cell(default_pair, prompts, policy, batch_size=4, **kw):
+    target, draft, tok = default_pair
+    ex = Executor(target, draft if policy != "ar" else None, tok, EchoConfig(policy=policy, k_max=64, **kw),
+                  max_batch_size=batch_size, max_seq_len=256)
+    return run_cell(ex, prompts, batch_size, max_tokens=16, temperature=0.0)
+
+
+def test_oracle_equals_a_method_that_verifies_every_draft(default_pair, prompts):
+    """A chain verifies all it drafts, so the hindsight oracle with its budget can do no better: ratio exactly 1.
+    A static tree verifies a subset of its drafted levels' children, so its ratio is at most 1."""
+    chain = cell(default_pair, prompts, "chain")
+    assert chain["mat_vs_oracle"] == 1.0
+    static = cell(default_pair, prompts, "static")
+    assert 0.0 < static["mat_vs_oracle"] <= 1.0
+    ar = cell(default_pair, prompts, "ar")
+    assert ar["mat_vs_oracle"] == 1.0 and ar["mat"] == 1.0 and ar["acceptance_rate"] == 0.0
+
+
+def test_oracle_is_an_upper_bound_for_echo(default_pair, prompts):
+    row = cell(default_pair, prompts, "echo", max_nodes_per_request=8, max_depth=4)
+    assert 0.0 < row["mat_vs_oracle"] <= 1.0
+    assert row["mat"] > 1.0 and 0 < row["acceptance_rate"] <= 1.0
+    # trace records: candidates in priority order, flags 0/1, counts consistent
+    for rec in row["trace"]:
+        assert rec["probs"] == sorted(rec["probs"], reverse=True)
+        assert set(rec["accepted"]) <= {0, 1} and 1 <= rec["emitted"] <= 1 + sum(rec["accepted"])
+
+
+def test_bench_smoke_writes_every_metric_and_simulate_reads_its_trace(tmp_path, capsys):
+    out, trace, md = tmp_path / "b.json", tmp_path / "t.json", tmp_path / "b.md"
+    rc = main(["bench", "--methods", "ar,chain,echo,echo-fixed", "--batch-sizes", "1,3", "--temperatures", "0,0.8",
+               "--max-tokens", "6", "--max-depth", "3", "--max-nodes-per-request", "8", "--warmup-rounds", "0",
+               "--json", str(out), "--trace", str(trace), "--markdown", str(md), "--plot", str(tmp_path / "p")])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    rows = data["results"]
+    assert {(r["method"], r["batch_size"], r["temperature"]) for r in rows} == {
+        (m, b, t) for m in ("ar", "chain", "echo", "echo-fixed") for b in (1, 3) for t in (0.0, 0.8)}
+    for r in rows:
+        for key in (*METRICS, "speedup_vs_ar"):
+            assert key in r
+        assert r["tokens_per_s"] > 0 and r["mat"] >= 1.0 and r["latency_p99_s"] >= r["latency_p50_s"] > 0
+        assert 0.0 <= r["control_share"] < 1.0 and 0.0 <= r["speculated_share"] <= 1.0
+        # the oracle needs greedy outputs: reported at T=0 only
+        assert (r["mat_vs_oracle"] is None) == (r["temperature"] > 0)
+    assert next(r for r in rows if r["method"] == "ar")["speedup_vs_ar"] == 1.0
+    assert data["command"].startswith("echo-trtllm bench ") and data["machine"]["threads"] >= 1
+    assert data["calibration"]["gate"]["max_depth"] == 3
+    assert (tmp_path / "p-t0.png").stat().st_size > 1000 and (tmp_path / "p-t0.8.png").is_file()
+    assert md.read_text().startswith("| method |")
+    assert set(json.loads(trace.read_text())["traces"]) == {f"{m}/{b}" for m in ("ar", "chain", "echo", "echo-fixed")
+                                                            for b in (1, 3)}
+    capsys.readouterr()
+    sim = tmp_path / "sim.json"
+    assert main(["simulate", "--trace", str(trace), "--batch-sizes", "1,64", "--json", str(sim)]) == 0
+    assert "SIMULATION" in capsys.readouterr().out
+    srows = json.loads(sim.read_text())["rows"]
+    assert {r["batch_size"] for r in srows} == {1, 64} and all(r["tokens_per_s"] > 0 for r in srows)
+    assert all(math.isclose(r["speedup_vs_ar"], 1.0) for r in srows if r["method"] == "ar")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--methods", "ar,medusa"], "unknown ['medusa']"),
+    (["--batch-sizes", "0"], "integers >= 1"),
+    (["--temperatures", "hot"], "comma-separated numbers"),
+    (["--hf-assisted", "many"], "'heuristic' or integers"),
+    (["--max-nodes-per-request", "0"], "max_nodes_per_request must be an integer >= 1"),
+])
+def test_bench_rejects_bad_arguments_before_loading(argv, message, capsys):
+    assert main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_calibrate_cli_errors(tmp_path, capsys):
+    assert main(["calibrate"]) == 2
+    assert "exactly one of --engine-dir" in capsys.readouterr().err
+    assert main(["calibrate", "--output", str(tmp_path / "c.json"), "--batch-size", "0"]) == 2
+    assert "--batch-size must be >= 1" in capsys.readouterr().err
+    assert main(["calibrate", "--engine-dir", str(tmp_path)]) == 2
+    assert "engine.json is missing" in capsys.readouterr().err
