@@ -75,12 +75,12 @@ class LLM:
         config = speculative_config or EchoConfig()
         if not isinstance(config, EchoConfig):
             raise TypeError(f"speculative_config must be an EchoConfig, got {type(config).__name__}")
-        cost_model = None
+        cost_model = gate_provider = None
         if calibration is not None:
             if not isinstance(calibration, Calibration):
                 calibration = Calibration.load(calibration)
             config = calibration.apply(config)
-            cost_model = calibration.cost_model
+            cost_model, gate_provider = calibration.cost_model, calibration.gate_for
         self.calibration = calibration
         check_limits(config, max_batch_size, has_draft=draft_model is not None or config.policy == "ar")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -96,7 +96,7 @@ class LLM:
         self.config = config
         self.target, self.draft = target, draft
         self.executor = Executor(target, draft, self.tokenizer, config, max_batch_size, max_seq_len, max_num_tokens,
-                                 cost_model=cost_model)
+                                 cost_model=cost_model, gate_provider=gate_provider)
         self._loop = EngineLoop(self.executor)
 
     @staticmethod

@@ -161,11 +161,11 @@ def bench(target, draft, tokenizer, methods: list[str], batch_sizes: list[int], 
             samples: dict[str, list[dict]] = {m: [] for m in order}
             executors = {}
             for m in order:
-                cfg, cost = _config(m, args, b), None
+                cfg, cost, gates = _config(m, args, b), None, None
                 if calibration is not None and m.startswith("echo"):
-                    cfg, cost = calibration.apply(cfg), calibration.cost_model
+                    cfg, cost, gates = calibration.apply(cfg), calibration.cost_model, calibration.gate_for
                 executors[m] = Executor(target, draft if m != "ar" else None, tokenizer, cfg, max_batch_size=b,
-                                        max_seq_len=args.max_seq_len, cost_model=cost)
+                                        max_seq_len=args.max_seq_len, cost_model=cost, gate_provider=gates)
             hf_methods = [f"hf-assisted-{n}" for n in args.hf_assisted] if hf is not None and b == 1 and temp == 0 else []
             if hf_methods:
                 samples.update({m: [] for m in ["hf-ar", *hf_methods]})
@@ -293,8 +293,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--calibration", help="calibration JSON from echo-trtllm calibrate")
     ap.add_argument("--no-calibrate", action="store_true",
                     help="without --calibration: run the echo family uncalibrated (default gate, fixed K_max)")
-    ap.add_argument("--calibration-batch-size", type=int, help="operating batch size of the in-process "
-                    "calibration (default: the largest benchmarked)")
     ap.add_argument("--hf-assisted", type=lambda t: [x for x in t.split(",") if x], default=[],
                     help="at B=1, T=0 also run HF transformers generate(): plain and assisted by the same draft with "
                          "these num_assistant_tokens, e.g. heuristic,4,8")
@@ -353,15 +351,12 @@ def main(argv: list[str] | None = None) -> int:
     draft, _ = load_model(args.draft_model or DEFAULT_DRAFT, dtype=args.dtype, with_tokenizer=False)
     print(f"loaded target + draft in {time.perf_counter() - t0:.0f} s", flush=True)
     if calibration is None and not args.no_calibrate and any(m.startswith("echo") for m in methods):
-        cb = args.calibration_batch_size or max(batch_sizes)
+        # the gate is re-derived per batch size (Calibration.gate_for); the warm-up needs only a few requests
         calibration = calibrate(target, draft, tok, EchoConfig(max_depth=args.max_depth), prompts[:8],
-                                batch_size=min(cb, 8), max_tokens=min(args.max_tokens, 32))
-        # lambda is a property of the operating batch size, the warm-up needs only a few requests
-        from echo_trtllm.runtime.calibrate import break_even_accept_prob
-
-        calibration.break_even_accept_prob = break_even_accept_prob(calibration.cost_model, cb)
-        print(f"calibrated in-process: gate depths {calibration.gate.gate_depths}, "
-              f"{calibration.warmup['samples']} samples", flush=True)
+                                batch_size=8, max_tokens=min(args.max_tokens, 32))
+        print(f"calibrated in-process: {calibration.warmup['samples']} gate samples; gate at B=1: depths "
+              f"{calibration.gate_for(1).gate_depths}, at B={max(batch_sizes)}: "
+              f"{calibration.gate_for(max(batch_sizes)).gate_depths}", flush=True)
     hf = None
     if args.hf_assisted and 1 in batch_sizes and 0.0 in temperatures:
         hf = load_hf_pair(args.model or str(DEFAULT_TARGET), args.draft_model or str(DEFAULT_DRAFT), args.dtype)

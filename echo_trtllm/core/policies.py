@@ -34,7 +34,7 @@ from torch import Tensor
 from .budget import BudgetAllocation, allocate_budget, greedy_fill
 from .config import EchoConfig
 from .cost import CostModel, choose_budget
-from .gating import GateConfig, best_path_confidence, default_gate, gate
+from .gating import GateCalibration, GateConfig, best_path_confidence, default_gate, gate
 from .tree import DraftLevel, SuperTree, expand_level, priority_order, root_level, segment_rank
 
 __all__ = [
@@ -338,12 +338,19 @@ class EchoPolicy(TreePolicy):
     def __init__(self, config: EchoConfig, cost_model: CostModel | None = None) -> None:
         super().__init__(config, cost_model)
         self.gate_config = self._make_gate(config)
+        # batch size -> GateCalibration (a calibration's gate_for); when set, each step's gate is the one
+        # calibrated for its batch size instead of the fixed config's
+        self.gate_provider: Callable[[int], GateCalibration] | None = None
 
     @staticmethod
     def _make_gate(config: EchoConfig) -> GateConfig:
         if config.gate_depths is not None:
             return GateConfig(tuple(config.gate_depths), tuple(config.gate_thresholds or ()))
         return default_gate(config.max_depth)
+
+    @staticmethod
+    def _gate_from(calibration: GateCalibration) -> GateConfig:
+        return calibration.gate_config()
 
     @property
     def expand_width(self) -> int:
@@ -353,6 +360,8 @@ class EchoPolicy(TreePolicy):
         budget = self.config.k_max if budget is None else budget
         if budget < batch_size:
             raise ValueError(f"K_max = {budget} is below the batch size {batch_size}: every request needs its root")
+        if self.gate_provider is not None:
+            self.gate_config = self._gate_from(self.gate_provider(batch_size))
         state = super().start(batch_size, budget)
         state.active &= budget > batch_size  # no budget beyond the roots: nobody drafts (plain AR)
         return state
@@ -412,6 +421,10 @@ class EchoDenseGatePolicy(EchoPolicy):
                 taus.append(float(known[lo] ** (1 - t) * known[hi] ** t))
         return GateConfig(depths, tuple(taus))
 
+    @staticmethod
+    def _gate_from(calibration: GateCalibration) -> GateConfig:
+        return calibration.dense_gate_config()  # its own calibrated tau_d at every depth
+
 
 @register
 class EchoFixedThresholdPolicy(EchoPolicy):
@@ -423,6 +436,10 @@ class EchoFixedThresholdPolicy(EchoPolicy):
     def _make_gate(config: EchoConfig) -> GateConfig:
         sparse = EchoPolicy._make_gate(config)
         return GateConfig(sparse.depths, tuple(config.fixed_threshold for _ in sparse.depths))
+
+    @staticmethod
+    def _gate_from(calibration: GateCalibration) -> GateConfig:
+        return calibration.fixed_gate_config()
 
 
 def draft_tree(

@@ -98,6 +98,27 @@ class Calibration:
     device: str = ""
     created: str = ""
     format_version: int = FORMAT_VERSION
+    # the warm-up's gate samples {"depths": [...], "confidences": [...], "accepted": [...]}; they let the gate
+    # be re-derived for any batch size (gate_for)
+    samples: dict | None = None
+
+    def gate_for(self, batch_size: int) -> GateCalibration:
+        """The gate calibrated for `batch_size`: same samples, break-even probability from the cost curve at that
+        batch size (verification is nearly free at B = 1 and dear under load, so tau_d rises with load)."""
+        if self.samples is None:
+            return self.gate
+        lam = break_even_accept_prob(self.cost_model, batch_size)
+        cached = self._gates.get(lam)
+        if cached is None:
+            cached = calibrate_gate(torch.tensor(self.samples["depths"], dtype=torch.long),
+                                    torch.tensor(self.samples["confidences"], dtype=torch.float32),
+                                    torch.tensor(self.samples["accepted"], dtype=torch.bool), self.gate.max_depth,
+                                    self.gate.num_sweet_spots, lam)
+            self._gates[lam] = cached
+        return cached
+
+    def __post_init__(self) -> None:
+        self._gates: dict[float, GateCalibration] = {}
 
     def apply(self, config: EchoConfig) -> EchoConfig:
         """The config with the calibrated gate (sparse depths and tau_d; echo-fixed's single tau)."""
@@ -120,6 +141,7 @@ class Calibration:
             "warmup": self.warmup,
             "cost_model": json.loads(self.cost_model.to_json()),
             "gate": json.loads(self.gate.to_json()),
+            "samples": self.samples,
         }, indent=2)
 
     @classmethod
@@ -132,7 +154,7 @@ class Calibration:
             raise ValueError(f"calibration JSON lacks fields {sorted(missing)}")
         return cls(CostModel.from_json(json.dumps(d["cost_model"])), GateCalibration.from_json(json.dumps(d["gate"])),
                    float(d["break_even_accept_prob"]), int(d["operating_batch_size"]), dict(d["warmup"]),
-                   d.get("device", ""), d.get("created", ""), d["format_version"])
+                   d.get("device", ""), d.get("created", ""), d["format_version"], d.get("samples"))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json() + "\n")
@@ -214,5 +236,8 @@ def calibrate(target: CausalLM, draft: CausalLM, tokenizer, config: EchoConfig, 
     gate = calibrate_gate(depths, conf, acc, config.max_depth, num_sweet_spots=num_sweet_spots, min_accept_prob=lam)
     warmup = {"prompts": len(prompts), "batch_size": batch_size, "max_tokens": max_tokens, "steps": steps,
               "samples": int(depths.numel()), "seconds": round(time.perf_counter() - t0, 3)}
+    samples = {"depths": depths.tolist(), "confidences": conf.tolist(), "accepted":
+               [int(x) for x in acc]}
     return Calibration(cost, gate, lam, batch_size, warmup, str(target.device),
-                       datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+                       datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), FORMAT_VERSION,
+                       samples)

@@ -27,6 +27,8 @@ from .request import Request
 
 __all__ = ["Drafter"]
 
+STEADY_CHAIN = 2  # pending tokens per request in steady speculation: the bonus token and at most one leaf
+
 
 class Drafter:
     def __init__(self, model: CausalLM, cache: KVCache) -> None:
@@ -34,12 +36,14 @@ class Drafter:
         self.cache = cache
         self._requests: list[Request] = []
         self.model_seconds = 0.0  # draft forward time of the current step (the rest of drafting is control)
+        self.catch_up_seconds = 0.0  # part of it spent catching up after AR steps (see _expand_roots)
 
     # ---------------------------------------------------------------- per step
 
     def begin(self, requests: list[Request]) -> None:
         self._requests = requests
         self.model_seconds = 0.0
+        self.catch_up_seconds = 0.0
         b = len(requests)
         self._slots = torch.tensor([r.slot for r in requests], dtype=torch.long)
         self._root_pos = torch.tensor([len(r.all_token_ids) - 1 for r in requests], dtype=torch.long)
@@ -65,7 +69,15 @@ class Drafter:
         reqs = frontier.tolist()  # level 0: node index == request index
         chains = [torch.tensor(self._requests[i].all_token_ids[self._requests[i].draft_ctx :]) for i in reqs]
         starts = torch.tensor([self._requests[i].draft_ctx for i in reqs], dtype=torch.long)
+        t0 = time.perf_counter()
         logits = self.model(chain_batch(chains, starts, self._slots[frontier], logits="last"), self.cache)
+        # Steady speculation feeds the draft 1-2 pending tokens per request; a longer chain is catch-up after
+        # AR steps (or a fresh prompt). Its share of this forward beyond STEADY_CHAIN tokens per request is a
+        # one-off cost (estimated as proportional to tokens).
+        tokens = sum(c.numel() for c in chains)
+        steady = STEADY_CHAIN * len(chains)
+        if tokens > steady:
+            self.catch_up_seconds += (time.perf_counter() - t0) * (1 - steady / tokens)
         b = len(self._requests)
         self._expanded_root[frontier] = True
         pos = torch.full((b,), -1, dtype=torch.long)

@@ -60,20 +60,27 @@ class SpeculationTracker:
 
     An explore/exploit rule on measured throughput: exponential moving averages of tokens per second per request
     for speculative steps and for plain AR steps (wall time of the whole step: drafting, control, verification,
-    bookkeeping). The better mode runs; the other is re-measured every `probe_every`-th step so the choice follows
-    the traffic. A probe that confirms the choice at least doubles the interval (up to `max_probe_every`), and
-    stretches it so that probes cost at most `explore_share` of the throughput: a probe step that is p times
-    slower per token than the chosen mode waits (p - 1) / explore_share steps. A probe that overturns the choice
-    resets the interval. Within a speculative step the cost model picks K (`choose_budget`).
+    bookkeeping). The better mode runs; the other is re-measured by a probe every `probe_every` steps so the
+    choice follows the traffic. A speculative step right after AR steps also makes the draft model catch up on
+    the tokens it skipped; that one-off cost is charged to exploration, not to the speculative rate
+    (`update(..., one_off_seconds=...)`).
+
+    Probe spacing: a probe that confirms the choice costs `loss` tokens per request against running the better
+    mode for the same time (loss = probe seconds x better rate - tokens the probe produced). The next probe waits
+    until that is at most `explore_share` of the tokens produced meanwhile (at least twice the last interval, at
+    most `max_probe_every`). A probe that overturns the choice resets the interval. Within a speculative step
+    the cost model picks K (`choose_budget`).
     """
 
     probe_every: int = 8
     min_probe_every: int = 8
-    max_probe_every: int = 512
+    max_probe_every: int = 1024
     explore_share: float = 0.02
     smoothing: float = 0.3
     spec_rate: float | None = None
     ar_rate: float | None = None
+    # EMA of tokens per request in a speculative step (AR steps make one)
+    spec_tokens: float = 1.0
     steps_since_probe: int = 0
 
     def should_speculate(self) -> bool:
@@ -91,23 +98,28 @@ class SpeculationTracker:
             return None
         return self.spec_rate > self.ar_rate
 
-    def update(self, speculated: bool, batch_size: int, emitted: int, seconds: float) -> None:
-        rate = emitted / batch_size / max(seconds, 1e-9)
+    def update(self, speculated: bool, batch_size: int, emitted: int, seconds: float,
+               one_off_seconds: float = 0.0) -> None:
+        """One step's outcome. one_off_seconds: part of `seconds` that steady speculation would not pay (the
+        draft's catch-up after AR steps); excluded from the rate, counted in the probe's cost."""
+        per_request = emitted / batch_size
+        rate = per_request / max(seconds - one_off_seconds, 1e-9)
         before = self._spec_better()
         was_probe = before is not None and speculated != before
         old = self.spec_rate if speculated else self.ar_rate
         new = rate if old is None else (1 - self.smoothing) * old + self.smoothing * rate
         if speculated:
             self.spec_rate = new
+            self.spec_tokens = (1 - self.smoothing) * self.spec_tokens + self.smoothing * per_request
         else:
             self.ar_rate = new
         if was_probe:
             self.steps_since_probe = 0
-            confirmed = self._spec_better() == before
-            if confirmed:
-                fast, slow = sorted((self.spec_rate, self.ar_rate), reverse=True)
-                penalty = fast / max(slow, 1e-12) - 1.0
-                stretched = math.ceil(penalty / self.explore_share)
+            if self._spec_better() == before:
+                better = max(self.spec_rate, self.ar_rate)
+                loss = max(seconds * better - per_request, 0.0)  # tokens per request the probe cost
+                per_step = self.spec_tokens if before else 1.0  # tokens per request of a chosen-mode step
+                stretched = math.ceil(loss / (self.explore_share * per_step))
                 self.probe_every = min(max(2 * self.probe_every, stretched), self.max_probe_every)
             else:
                 self.probe_every = self.min_probe_every
@@ -156,8 +168,12 @@ class Executor:
         max_seq_len: int | None = None,
         max_num_tokens: int | None = None,
         cost_model: CostModel | None = None,
+        gate_provider=None,
     ) -> None:
+        """gate_provider: batch size -> GateCalibration (a Calibration's gate_for) for the echo family's gate."""
         self.policy = make_policy(config, cost_model)
+        if gate_provider is not None and hasattr(self.policy, "gate_provider"):
+            self.policy.gate_provider = gate_provider
         self.cost_model = cost_model
         self.tracker = SpeculationTracker() if cost_model is not None and self.policy.shares_budget else None
         self._ar_policy = make_policy(EchoConfig(policy="ar"))  # the tracker's plain AR steps
@@ -349,7 +365,8 @@ class Executor:
         timings.total = time.perf_counter() - t_step
         if self.tracker is not None:
             produced = int(result.cu_accepted[-1])  # before stop conditions cut anything
-            self.tracker.update(speculate, b, produced, timings.total)
+            catch_up = drafter.catch_up_seconds if drafter is not None else 0.0
+            self.tracker.update(speculate, b, produced, timings.total, catch_up)
         return StepReport(b, int(packed.total_nodes), emitted, int(drafted.candidates.total_nodes) - b, finished, reqs,
                           speculate, timings, drafted, result)
 

@@ -1,6 +1,8 @@
 """The cost-curve budget rule in the running executor: it falls back to AR by itself when drafting cannot pay,
 takes more budget when drafts are perfect, and never changes the output."""
 
+import math
+
 import pytest
 import torch
 
@@ -76,3 +78,40 @@ def test_perfect_drafts_get_more_budget(default_pair, prompts, ar_outputs, measu
 
     assert verified_per_request(rep_self) > max(1.5, verified_per_request(rep_real))
     assert rep_self[0].speculated and rep_self[0].emitted_tokens > 2 * rep_self[0].batch_size
+
+
+def test_tracker_probe_spacing_and_catch_up_by_hand():
+    from echo_trtllm.runtime.executor import SpeculationTracker
+
+    tr = SpeculationTracker()
+    assert tr.should_speculate()  # nothing measured: try speculation first
+    # a speculative step after AR steps: 3 s, of which 2 s were the draft catching up -> rate 4 tokens / 1 s
+    tr.update(True, batch_size=1, emitted=4, seconds=3.0, one_off_seconds=2.0)
+    assert tr.spec_rate == 4.0 and not tr.should_speculate()  # AR not measured yet
+    tr.update(False, 1, 1, 0.5)  # AR: 2 tokens/s; not a probe (nothing was chosen before)
+    assert tr.ar_rate == 2.0 and tr.steps_since_probe == 2
+    for _ in range(5):
+        assert tr.should_speculate()
+        tr.update(True, 1, 4, 1.0)
+    assert not tr.should_speculate()  # the 8th step probes AR
+    tr.update(False, 1, 1, 0.5)
+    # confirmed: loss = 0.5 s x 4 tokens/s - 1 token = 1 token; a spec step makes spec_tokens ~ 4 tokens
+    expected = max(16, math.ceil(1.0 / (0.02 * tr.spec_tokens)))
+    assert tr.probe_every == expected and tr.steps_since_probe == 0
+    # a probe that overturns the choice resets the spacing
+    tr.steps_since_probe = tr.probe_every - 1
+    tr.update(False, 1, 1, 0.01)  # AR suddenly at 100 tokens/s: EMA 0.7 * 2 + 0.3 * 100 = 31.4 > 4
+    assert tr.probe_every == tr.min_probe_every and not tr.should_speculate()
+
+
+def test_gate_thresholds_rise_with_load(default_pair, prompts):
+    """The calibration's gate, re-derived per batch size, is at least as strict under load as at B = 1."""
+    from echo_trtllm.runtime.calibrate import calibrate
+
+    target, draft, tok = default_pair
+    cal = calibrate(target, draft, tok, EchoConfig(max_depth=4), prompts[:4], batch_size=4, max_tokens=12,
+                    cost_tokens=(1, 4, 16, 64, 256), repeats=2)
+    small, large = cal.gate_for(1), cal.gate_for(128)
+    assert small.min_accept_prob <= large.min_accept_prob
+    assert all(a <= b for a, b in zip(small.dense_thresholds, large.dense_thresholds))
+    assert cal.gate_for(1) is small  # cached per break-even probability
