@@ -352,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"loaded target + draft in {time.perf_counter() - t0:.0f} s", flush=True)
     if calibration is None and not args.no_calibrate and any(m.startswith("echo") for m in methods):
         # the gate is re-derived per batch size (Calibration.gate_for); the warm-up needs only a few requests
-        calibration = calibrate(target, draft, tok, EchoConfig(max_depth=args.max_depth), prompts[:8],
+        calibration = calibrate(target, draft, tok, EchoConfig(max_depth=args.max_depth, top_k=args.top_k,
+                                                               beam_width=args.beam_width), prompts[:8],
                                 batch_size=8, max_tokens=min(args.max_tokens, 32))
         print(f"calibrated in-process: {calibration.warmup['samples']} gate samples; gate at B=1: depths "
               f"{calibration.gate_for(1).gate_depths}, at B={max(batch_sizes)}: "

@@ -11,9 +11,10 @@ its path probability (the gate's c_{i,d}), accepted = the target accepted that n
 the node was verified; the warm-up opens every gate (tau = 0 at every depth) with a budget that verifies every
 request's best spine, so the deepest levels are observed too.
 
-Break-even acceptance probability (the gate's lambda). Verifying one more token per request at the operating
-batch size B costs (t_verify(2B) - t_verify(B)) / t_verify(B) of a step and yields p tokens where a step yields
-one per request; it pays when p exceeds that ratio. It is clamped to [0.02, 0.95].
+Break-even acceptance probability (the gate's lambda). Drafting and verifying one more level for every request
+at batch size B costs one draft forward over B * beam_width tokens plus the verification of B more tokens,
+(t_draft(B * w) + t_verify(2B) - t_verify(B)) / t_verify(B) of a step, and yields p tokens per request where
+a step yields one; it pays when p exceeds that ratio. It is clamped to [0.02, 0.95].
 """
 
 from __future__ import annotations
@@ -78,11 +79,17 @@ def measure_cost_model(target: CausalLM, draft: CausalLM | None, tokens: tuple[i
     return CostModel(tuple(tokens), verify, tuple(tokens) if draft else (), draft_times, 0.0, str(target.device))
 
 
-def break_even_accept_prob(cost: CostModel, batch_size: int) -> float:
-    """lambda: the acceptance probability above which one more verified token per request pays (module doc)."""
+def break_even_accept_prob(cost: CostModel, batch_size: int, draft_width: int = 0) -> float:
+    """lambda: the acceptance probability above which drafting and verifying one more level pays (module doc).
+
+    Deepening every request of a batch of B by one level costs one draft forward over B * draft_width tokens
+    (the level's expanded nodes) and the verification of B more tokens, against a step that yields one token
+    per request: lambda = (t_draft(B * draft_width) + t_verify(2B) - t_verify(B)) / t_verify(B)."""
     b = max(1, batch_size)
     base = float(cost.verify_time(b))
     extra = float(cost.verify_time(2 * b)) - base
+    if draft_width > 0 and cost.draft_tokens:
+        extra += float(cost.draft_time(b * draft_width))
     return min(0.95, max(0.02, extra / base))
 
 
@@ -107,7 +114,7 @@ class Calibration:
         batch size (verification is nearly free at B = 1 and dear under load, so tau_d rises with load)."""
         if self.samples is None:
             return self.gate
-        lam = break_even_accept_prob(self.cost_model, batch_size)
+        lam = break_even_accept_prob(self.cost_model, batch_size, int(self.warmup.get("draft_width", 0)))
         cached = self._gates.get(lam)
         if cached is None:
             cached = calibrate_gate(torch.tensor(self.samples["depths"], dtype=torch.long),
@@ -227,7 +234,7 @@ def calibrate(target: CausalLM, draft: CausalLM, tokenizer, config: EchoConfig, 
     if not prompts:
         raise ValueError("calibration needs at least one warm-up prompt")
     cost = measure_cost_model(target, draft, cost_tokens, repeats=repeats)
-    lam = break_even_accept_prob(cost, batch_size)
+    lam = break_even_accept_prob(cost, batch_size, config.beam_width)
     warm = warmup_config(config, batch_size)
     ex = Executor(target, draft, tokenizer, warm, max_batch_size=batch_size, max_seq_len=max_seq_len)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -235,6 +242,7 @@ def calibrate(target: CausalLM, draft: CausalLM, tokenizer, config: EchoConfig, 
     depths, conf, acc, steps = collect_gate_samples(ex, prompts, params, progress)
     gate = calibrate_gate(depths, conf, acc, config.max_depth, num_sweet_spots=num_sweet_spots, min_accept_prob=lam)
     warmup = {"prompts": len(prompts), "batch_size": batch_size, "max_tokens": max_tokens, "steps": steps,
+              "draft_width": config.beam_width,
               "samples": int(depths.numel()), "seconds": round(time.perf_counter() - t0, 3)}
     samples = {"depths": depths.tolist(), "confidences": conf.tolist(), "accepted":
                [int(x) for x in acc]}

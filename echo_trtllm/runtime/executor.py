@@ -58,9 +58,11 @@ def check_limits(config: EchoConfig, max_batch_size: int, has_draft: bool) -> No
 class SpeculationTracker:
     """Decides before drafting whether a step should speculate at all (echo family with a cost model).
 
-    An explore/exploit rule on measured throughput: exponential moving averages of tokens per second per request
-    for speculative steps and for plain AR steps (wall time of the whole step: drafting, control, verification,
-    bookkeeping). The better mode runs; the other is re-measured by a probe every `probe_every` steps so the
+    An explore/exploit rule on measured throughput, tokens per second per request for speculative steps and for
+    plain AR steps: the ratio of exponential moving averages of tokens and of seconds (wall time of the whole
+    step: drafting, control, verification, bookkeeping). A ratio of averages, not an average of per-step rates:
+    speculative steps take about the same time but emit very different numbers of tokens, and averaging their
+    rates would favour lucky steps. The better mode runs; the other is re-measured by a probe every `probe_every` steps so the
     choice follows the traffic. A speculative step right after AR steps also makes the draft model catch up on
     the tokens it skipped; that one-off cost is charged to exploration, not to the speculative rate
     (`update(..., one_off_seconds=...)`).
@@ -76,12 +78,21 @@ class SpeculationTracker:
     min_probe_every: int = 8
     max_probe_every: int = 1024
     explore_share: float = 0.02
-    smoothing: float = 0.3
-    spec_rate: float | None = None
-    ar_rate: float | None = None
-    # EMA of tokens per request in a speculative step (AR steps make one)
-    spec_tokens: float = 1.0
+    smoothing: float = 0.1
+    # EMAs per mode: tokens per request and seconds per step (None until the mode has run)
+    spec_tokens: float | None = None
+    spec_seconds: float | None = None
+    ar_tokens: float | None = None
+    ar_seconds: float | None = None
     steps_since_probe: int = 0
+
+    @property
+    def spec_rate(self) -> float | None:
+        return None if self.spec_tokens is None else self.spec_tokens / max(self.spec_seconds, 1e-9)
+
+    @property
+    def ar_rate(self) -> float | None:
+        return None if self.ar_tokens is None else self.ar_tokens / max(self.ar_seconds, 1e-9)
 
     def should_speculate(self) -> bool:
         if self.spec_rate is None:
@@ -103,22 +114,22 @@ class SpeculationTracker:
         """One step's outcome. one_off_seconds: part of `seconds` that steady speculation would not pay (the
         draft's catch-up after AR steps); excluded from the rate, counted in the probe's cost."""
         per_request = emitted / batch_size
-        rate = per_request / max(seconds - one_off_seconds, 1e-9)
+        steady = max(seconds - one_off_seconds, 1e-9)
         before = self._spec_better()
         was_probe = before is not None and speculated != before
-        old = self.spec_rate if speculated else self.ar_rate
-        new = rate if old is None else (1 - self.smoothing) * old + self.smoothing * rate
-        if speculated:
-            self.spec_rate = new
-            self.spec_tokens = (1 - self.smoothing) * self.spec_tokens + self.smoothing * per_request
-        else:
-            self.ar_rate = new
+        mode = "spec" if speculated else "ar"
+
+        def ema(old: float | None, x: float) -> float:
+            return x if old is None else (1 - self.smoothing) * old + self.smoothing * x
+
+        setattr(self, f"{mode}_tokens", ema(getattr(self, f"{mode}_tokens"), per_request))
+        setattr(self, f"{mode}_seconds", ema(getattr(self, f"{mode}_seconds"), steady))
         if was_probe:
             self.steps_since_probe = 0
             if self._spec_better() == before:
                 better = max(self.spec_rate, self.ar_rate)
                 loss = max(seconds * better - per_request, 0.0)  # tokens per request the probe cost
-                per_step = self.spec_tokens if before else 1.0  # tokens per request of a chosen-mode step
+                per_step = (self.spec_tokens if before else self.ar_tokens) or 1.0  # per chosen-mode step
                 stretched = math.ceil(loss / (self.explore_share * per_step))
                 self.probe_every = min(max(2 * self.probe_every, stretched), self.max_probe_every)
             else:

@@ -83,7 +83,7 @@ def test_perfect_drafts_get_more_budget(default_pair, prompts, ar_outputs, measu
 def test_tracker_probe_spacing_and_catch_up_by_hand():
     from echo_trtllm.runtime.executor import SpeculationTracker
 
-    tr = SpeculationTracker()
+    tr = SpeculationTracker(smoothing=0.3)
     assert tr.should_speculate()  # nothing measured: try speculation first
     # a speculative step after AR steps: 3 s, of which 2 s were the draft catching up -> rate 4 tokens / 1 s
     tr.update(True, batch_size=1, emitted=4, seconds=3.0, one_off_seconds=2.0)
@@ -95,13 +95,31 @@ def test_tracker_probe_spacing_and_catch_up_by_hand():
         tr.update(True, 1, 4, 1.0)
     assert not tr.should_speculate()  # the 8th step probes AR
     tr.update(False, 1, 1, 0.5)
-    # confirmed: loss = 0.5 s x 4 tokens/s - 1 token = 1 token; a spec step makes spec_tokens ~ 4 tokens
-    expected = max(16, math.ceil(1.0 / (0.02 * tr.spec_tokens)))
-    assert tr.probe_every == expected and tr.steps_since_probe == 0
+    # confirmed: loss = 0.5 s x 4 tokens/s - 1 token = 1 token against 4 tokens per speculative step
+    assert tr.probe_every == max(16, math.ceil(1.0 / (0.02 * 4.0))) and tr.steps_since_probe == 0
     # a probe that overturns the choice resets the spacing
     tr.steps_since_probe = tr.probe_every - 1
-    tr.update(False, 1, 1, 0.01)  # AR suddenly at 100 tokens/s: EMA 0.7 * 2 + 0.3 * 100 = 31.4 > 4
-    assert tr.probe_every == tr.min_probe_every and not tr.should_speculate()
+    tr.update(False, 1, 1, 0.01)  # AR seconds EMA 0.7 * 0.5 + 0.3 * 0.01 = 0.353: 2.8 tokens/s, still < 4
+    assert tr.probe_every > tr.min_probe_every
+    for _ in range(3):
+        tr.steps_since_probe = tr.probe_every - 1
+        tr.update(False, 1, 1, 0.01)  # AR keeps measuring fast: its rate passes speculation's
+    assert tr.ar_rate > tr.spec_rate and tr.probe_every == tr.min_probe_every
+    tr.steps_since_probe = 0
+    assert not tr.should_speculate()  # AR is now the choice
+
+
+def test_tracker_rate_is_a_ratio_of_averages():
+    """Speculative steps of equal time but varying tokens: the rate is total tokens / total time, not the mean
+    of per-step rates (which a lucky step would inflate)."""
+    from echo_trtllm.runtime.executor import SpeculationTracker
+
+    tr = SpeculationTracker(smoothing=0.5)
+    tr.update(True, 1, 1, 1.0)
+    tr.update(True, 1, 7, 1.0)  # EMA tokens 4, seconds 1
+    assert tr.spec_rate == pytest.approx(4.0)
+    tr.update(True, 1, 2, 3.0)  # tokens 3, seconds 2
+    assert tr.spec_rate == pytest.approx(1.5)
 
 
 def test_gate_thresholds_rise_with_load(default_pair, prompts):

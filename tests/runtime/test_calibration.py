@@ -73,6 +73,9 @@ def test_break_even_probability_by_hand():
     assert break_even_accept_prob(CostModel.linear(0.1, 0.01), 10) == pytest.approx((0.3 - 0.2) / 0.2)
     assert break_even_accept_prob(CostModel.linear(0.0, 0.01), 4) == 0.95  # linear: never pays, clamped
     assert break_even_accept_prob(CostModel((1, 64), (0.01, 0.01)), 4) == 0.02  # flat: always pays, clamped
+    # with the draft: one more level of 2 nodes per request for 10 requests costs t_draft(20) on top
+    with_draft = CostModel((1, 100), (0.11, 1.1), (1, 100), (0.011, 0.11))  # t_d(T) = 0.01 + 0.001 T
+    assert break_even_accept_prob(with_draft, 10, draft_width=2) == pytest.approx((0.3 - 0.2 + 0.03) / 0.2)
 
 
 @pytest.fixture(scope="module")
