@@ -261,7 +261,9 @@ class Executor:
     # ---------------------------------------------------------------- phases
 
     def admit(self) -> list[Request]:
-        """Move waiting requests into free slots and prefill their prompts (all but the last token)."""
+        """Move waiting requests into free slots and prefill their prompts (all but the last token) into the
+        target's cache and, when there is a draft model, into the draft's (as serving engines do: decode steps
+        then feed the draft only the tokens each step adds)."""
         admitted = []
         while self.waiting and self.free_slots:
             req = self.waiting.popleft()
@@ -285,9 +287,14 @@ class Executor:
             chains = [torch.tensor(r.prompt_token_ids[r.target_ctx : r.target_ctx + n]) for r, n in group]
             starts = torch.tensor([r.target_ctx for r, _ in group])
             slots = torch.tensor([r.slot for r, _ in group])
-            self.target(chain_batch(chains, starts, slots, logits="none"), self.target_cache)
+            batch = chain_batch(chains, starts, slots, logits="none")
+            self.target(batch, self.target_cache)
+            if self.drafter is not None:  # the draft model's prefill belongs to the prefill phase too
+                self.drafter.model(batch, self.drafter.cache)
             for r, n in group:
                 r.target_ctx += n
+                if self.drafter is not None:
+                    r.draft_ctx += n
         self.running.extend(admitted)
         return admitted
 
