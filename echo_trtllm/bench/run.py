@@ -35,6 +35,7 @@ import time
 import torch
 
 from echo_trtllm.core.config import POLICY_NAMES, EchoConfig
+from echo_trtllm.core.policies import make_policy
 from echo_trtllm.runtime.executor import Executor
 from echo_trtllm.runtime.request import SamplingParams
 
@@ -164,8 +165,10 @@ def bench(target, draft, tokenizer, methods: list[str], batch_sizes: list[int], 
                 cfg, cost, gates = _config(m, args, b), None, None
                 if calibration is not None and m.startswith("echo"):
                     cfg, cost, gates = calibration.apply(cfg), calibration.cost_model, calibration.gate_for
+                room = b * make_policy(cfg).max_tree_nodes  # a step of full trees for every request
                 executors[m] = Executor(target, draft if m != "ar" else None, tokenizer, cfg, max_batch_size=b,
-                                        max_seq_len=args.max_seq_len, cost_model=cost, gate_provider=gates)
+                                        max_seq_len=args.max_seq_len, max_num_tokens=max(2048, room),
+                                        cost_model=cost, gate_provider=gates)
             hf_methods = [f"hf-assisted-{n}" for n in args.hf_assisted] if hf is not None and b == 1 and temp == 0 else []
             if hf_methods:
                 samples.update({m: [] for m in ["hf-ar", *hf_methods]})
