@@ -141,8 +141,7 @@ def hf_assisted_cell(hf_target, hf_draft, tokenizer, prompts: list[str], max_tok
     return {"tokens": tokens, "steps": nan, "decode_seconds": seconds, "tokens_per_s": tokens / seconds,
             "e2e_tokens_per_s": tokens / seconds, "mat": nan, "verified_per_step": nan, "acceptance_rate": nan,
             "latency_p50_s": seconds, "latency_p99_s": seconds, "control_share": nan, "draft_share": nan,
-            "speculated_share": nan, "mat_vs_oracle": nan, "trace": None,
-            "output_token_ids": out[0, ids.shape[1]:].tolist()}
+            "speculated_share": nan, "mat_vs_oracle": nan, "trace": None}
 
 
 def _config(method: str, args, batch_size: int) -> EchoConfig:
