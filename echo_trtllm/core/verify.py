@@ -3,22 +3,25 @@
 `verify_greedy` (temperature 0): accept the deepest root path whose every node equals the target's argmax at
 its parent (ties: the lowest node index), then add the argmax after its last node (the bonus token).
 
-`verify_sampling`: lossless multi-draft speculative sampling, the recursive residual rule of SpecInfer /
-Sequoia. Walking down from the root with the target distribution p at the current node (after temperature,
-top-k and top-p) and the draft distribution q there:
+`verify_sampling` with deterministic drafts (the runtime's: top-k by draft probability, `draft_probs=None`):
+the target's own sample at every node, s(n) = inverse-CDF(p(n), u_{position of n}), then the greedy rule with s in
+place of the argmax. The uniforms are keyed by output position (request i's u_t is the t-th draw of its own
+stream, whatever the tree), so the emitted tokens are exactly those of plain AR sampling with the same uniforms:
+lossless, and reproducible per seed whatever the drafts, the budget or the AR fallback chose. It accepts some
+child of a node with probability sum_children p(x), as the recursive point-mass rule does.
+
+`verify_sampling` with sampled drafts (`draft_probs` given): lossless multi-draft speculative sampling, the
+recursive residual rule of SpecInfer / Sequoia. Walking down from the root with the target distribution p at the
+current node (after temperature, top-k and top-p) and the draft distribution q there:
 
     for each child x in index order:       accept x with probability min(1, p(x) / q(x))
         accepted -> move to x, p <- p at x, q <- q at x
         rejected -> p <- norm(max(p - q, 0));  q <- norm(q with x removed)   (drafts without replacement)
-    no child accepted -> sample the bonus token from p and stop
+    no child accepted -> sample the bonus token from p and stop (from the node's target distribution if
+                         rounding left p without mass)
 
-With deterministic drafts (top-k by draft probability, `draft_probs=None`) q is a point mass on each child:
-accept x with probability p(x), on rejection p <- norm(p with x removed). Either way the emitted tokens are
-distributed exactly as sampling the target token by token.
-
-Randomness: request i draws N_i uniforms from its own generator once per step (node j's test uses the j-th,
-the bonus draw uses the 0th, the root's, which is never tested), so results depend only on the request's seed
-and its tree, not on the rest of the batch.
+There request i draws N_i uniforms from its own generator once per step (node j's test uses the j-th, the bonus
+draw uses the 0th, the root's, which is never tested).
 
 Result layout (flat, `cu_accepted` [B+1]): request i owns positions cu[i]..cu[i+1]; its accepted_node_ids are
 the root then the accepted drafts (for KV compaction) and its accepted_token_ids the accepted draft tokens
@@ -36,7 +39,8 @@ from torch import Tensor
 from .pack import PackedVerifyBatch
 from .tree import ancestor_paths, nodes_by_depth, segment_rank
 
-__all__ = ["SamplingTensors", "VerifyResult", "process_logits", "verify_greedy", "verify_sampling", "verify"]
+__all__ = ["SamplingTensors", "VerifyResult", "process_logits", "verify_greedy", "verify_sampling", "verify",
+           "depth_uniforms"]
 
 
 @dataclass
@@ -103,7 +107,10 @@ def process_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Te
     dev = logits.device
     temperature, top_k, top_p = temperature.to(dev), top_k.to(dev), top_p.to(dev)
     greedy = temperature <= 0
-    probs = torch.softmax(logits.float() / torch.where(greedy, 1.0, temperature.float())[:, None], dim=-1)
+    # Shift by the row maximum before dividing: with a tiny temperature (1e-40) the maximum maps to 0 and every
+    # other logit to -inf, so the softmax is the argmax (ties shared) instead of inf/inf = NaN.
+    shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)
+    probs = torch.softmax(shifted / torch.where(greedy, 1.0, temperature.float())[:, None], dim=-1)
     need = ((top_k > 0) & (top_k < v)) | (top_p < 1)
     need &= ~greedy
     if bool(need.any()):
@@ -148,7 +155,12 @@ def _result(batch: PackedVerifyBatch, last_node: Tensor, bonus: Tensor) -> Verif
 def verify_greedy(batch: PackedVerifyBatch, target_logits: Tensor) -> VerifyResult:
     """Greedy acceptance over the packed batch. target_logits (N_tot, V): the target's logits at every node."""
     _check_logits(batch, target_logits, "target_logits")
-    pred = target_logits.argmax(-1)  # (N_tot,) target's next token after each node
+    return _accept_predicted(batch, target_logits.argmax(-1))
+
+
+def _accept_predicted(batch: PackedVerifyBatch, pred: Tensor) -> VerifyResult:
+    """The deepest root path whose every node equals `pred` (N_tot,) at its parent (ties: the lowest node index),
+    plus pred at its last node as the bonus token."""
     gp = batch.global_parents
     nonroot = gp >= 0
     ok = torch.ones(batch.total_nodes, dtype=torch.bool, device=pred.device)
@@ -163,6 +175,21 @@ def verify_greedy(batch: PackedVerifyBatch, target_logits: Tensor) -> VerifyResu
     best_key = best_key.scatter_reduce(0, batch.request_ids, key, reduce="amax", include_self=True)
     last = n - best_key % (n + 1)  # (B,)
     return _result(batch, last, pred[last])
+
+
+def depth_uniforms(batch: PackedVerifyBatch, generators: Sequence[torch.Generator | None] | None) -> Tensor:
+    """(B, D+1) float64: request i's first (its own depth + 1) draws from its generator, one per tree depth
+    (positions pos_i, pos_i + 1, ...); padded with 0.5. For callers without a per-position stream (tests)."""
+    b = batch.batch_size
+    if generators is not None and len(generators) != b:
+        raise ValueError(f"generators has {len(generators)} entries for {b} requests")
+    depth = batch.node_depths.long().cpu()
+    own = torch.zeros(b, dtype=torch.long).scatter_reduce(0, batch.request_ids.cpu(), depth, "amax", include_self=True)
+    out = torch.full((b, int(depth.max()) + 1), 0.5, dtype=torch.float64)
+    for i in range(b):
+        n = int(own[i]) + 1
+        out[i, :n] = torch.rand(n, generator=None if generators is None else generators[i], dtype=torch.float64)
+    return out
 
 
 def _children_table(batch: PackedVerifyBatch) -> Tensor:
@@ -189,7 +216,7 @@ def _sample(p: Tensor, u: Tensor) -> Tensor:
 
 
 def _uniforms(batch: PackedVerifyBatch, generators: Sequence[torch.Generator | None] | None) -> Tensor:
-    """(N_tot,) uniforms: N_i per request from its own generator."""
+    """(N_tot,) uniforms: N_i per request from its own generator (the sampled-drafts rule)."""
     counts = batch.generation_lengths.tolist()
     if generators is not None and len(generators) != len(counts):
         raise ValueError(f"generators has {len(generators)} entries for {len(counts)} requests")
@@ -205,18 +232,26 @@ def verify_sampling(
     sampling: SamplingTensors,
     generators: Sequence[torch.Generator | None] | None = None,
     draft_probs: Tensor | None = None,
+    position_uniforms: Tensor | None = None,
 ) -> VerifyResult:
     """Lossless tree speculative sampling (module docstring).
 
     target_logits (N_tot, V); draft_probs (N_tot, V) or None: the processed draft distribution each node's
-    children were sampled from (without replacement), None for deterministic top-k drafts.
+    children were sampled from (without replacement), None for deterministic top-k drafts. position_uniforms
+    (B, >= D+1): request i's uniforms for its next positions (deterministic drafts; default `depth_uniforms`).
     """
     _check_logits(batch, target_logits, "target_logits")
-    if draft_probs is not None:
-        _check_logits(batch, draft_probs, "draft_probs")
     b = batch.batch_size
     req = batch.request_ids
     p_all = process_logits(target_logits, sampling.temperature[req.cpu()], sampling.top_k[req.cpu()], sampling.top_p[req.cpu()])
+    if draft_probs is None:
+        u_pos = depth_uniforms(batch, generators) if position_uniforms is None else position_uniforms
+        depth = batch.node_depths.long()
+        if u_pos.ndim != 2 or u_pos.shape[0] != b or u_pos.shape[1] <= int(depth.max()):
+            raise ValueError(f"position_uniforms must be (B={b}, >= {int(depth.max()) + 1}), got {tuple(u_pos.shape)}")
+        u = u_pos.to(p_all.device)[req, depth]  # (N_tot,) node n's uniform is its position's
+        return _accept_predicted(batch, _sample(p_all, u))
+    _check_logits(batch, draft_probs, "draft_probs")
     u = _uniforms(batch, generators)  # (N_tot,)
     table = _children_table(batch)  # (N_tot, C)
     roots = batch.cu_num_nodes[:-1].long()  # (B,)
@@ -257,6 +292,12 @@ def verify_sampling(
         done |= ~moved
         if bool(done.all()):
             break
+    # A residual can lose all its mass to rounding (the drafts covered p up to float error, e.g. a draft equal to
+    # the target); sampling from nothing would return an arbitrary id, so those rows fall back to the target's
+    # distribution at the node.
+    empty = ~(p_res.sum(-1) > 0)
+    if bool(empty.any()):
+        p_res[empty] = p_all[cur[empty]]
     bonus = _sample(p_res, u[roots])
     return _result(batch, cur, bonus)
 
@@ -267,8 +308,9 @@ def verify(
     sampling: SamplingTensors | None = None,
     generators: Sequence[torch.Generator | None] | None = None,
     draft_probs: Tensor | None = None,
+    position_uniforms: Tensor | None = None,
 ) -> VerifyResult:
     """`verify_greedy` when every request is greedy, else `verify_sampling` (greedy rows become one-hot)."""
     if sampling is None or sampling.all_greedy:
         return verify_greedy(batch, target_logits)
-    return verify_sampling(batch, target_logits, sampling, generators, draft_probs)
+    return verify_sampling(batch, target_logits, sampling, generators, draft_probs, position_uniforms)

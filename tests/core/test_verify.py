@@ -1,5 +1,7 @@
 """Verification: greedy against a naive per-path loop, sampling against the target distribution."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -233,3 +235,75 @@ def test_greedy_rows_inside_a_sampling_batch_follow_the_argmax():
             strict += 1
     assert strict >= 2, "the case must hold rows without duplicate sibling tokens"
     assert verify(batch, logits, SamplingTensors.uniform(8, 0.0)).token_lists() == greedy
+
+
+def naive_coupled_sampling(parents, batch, probs, u_pos):
+    """Per request: walk from the root, drawing the target's token at each position from its uniform
+    (inverse CDF), moving to the child that drafted it; the first token no child drafted ends the step."""
+    out = []
+    toks = batch.input_ids.tolist()
+    for i, p in enumerate(parents):
+        lo = int(batch.cu_num_nodes[i])
+        plist = p.tolist()
+        node, emitted = 0, []
+        for t in range(len(plist) + 1):
+            cdf = torch.cumsum(probs[lo + node].double(), 0)
+            s = int(torch.searchsorted(cdf, u_pos[i, t] * cdf[-1], right=True))
+            emitted.append(s)
+            children = [j for j in range(len(plist)) if plist[j] == node and toks[lo + j] == s]
+            if not children:
+                break
+            node = children[0]
+        out.append(emitted)
+    return out
+
+
+@pytest.mark.parametrize("batch_size, vocab", [(1, 5), (7, 9), (64, 50)])
+def test_sampling_with_topk_drafts_equals_ar_sampling_with_the_same_uniforms(batch_size, vocab):
+    """The runtime's rule: the emitted tokens are the target's own samples at each position (inverse CDF of the
+    position's uniform), so they equal plain AR sampling with the same uniforms, whatever the tree."""
+    gen = torch.Generator().manual_seed(batch_size + vocab)
+    parents, batch, logits = _greedy_case(batch_size, vocab, gen, max_nodes=12)
+    # no duplicate sibling tokens: then the accepted path is unique
+    toks = batch.input_ids.clone()
+    for i, p in enumerate(parents):
+        lo = int(batch.cu_num_nodes[i])
+        for j in range(1, p.numel()):
+            sib = [k for k in range(1, j) if int(p[k]) == int(p[j])]
+            while int(toks[lo + j]) in [int(toks[lo + k]) for k in sib]:
+                toks[lo + j] = (toks[lo + j] + 1) % vocab
+    batch = dataclasses.replace(batch, input_ids=toks)
+    sampling = SamplingTensors.uniform(batch_size, 0.8, 0, 0.95)
+    u_pos = torch.rand(batch_size, int(batch.node_depths.max()) + 1, generator=gen, dtype=torch.float64)
+    got = verify_sampling(batch, logits, sampling, position_uniforms=u_pos)
+    probs = process_logits(logits, torch.full((batch.total_nodes,), 0.8), torch.zeros(batch.total_nodes, dtype=torch.long),
+                           torch.full((batch.total_nodes,), 0.95))
+    assert got.token_lists() == naive_coupled_sampling(parents, batch, probs, u_pos)
+    if batch_size > 1:
+        assert int(got.num_accepted_drafts.sum()) > 0, "the case must exercise acceptance"
+
+
+def test_tiny_temperatures_are_the_argmax_not_nan():
+    logits = torch.tensor([[0.1, 2.0, -1.0, 2.0 - 1e-3], [5.0, -3.0, 0.0, 1.0]])
+    for t in (1e-40, 1e-30, 1e-8):
+        p = process_logits(logits, torch.full((2,), t), torch.zeros(2, dtype=torch.long), torch.ones(2))
+        assert not torch.isnan(p).any()
+        assert p.argmax(-1).tolist() == [1, 0] and torch.allclose(p.sum(-1), torch.ones(2))
+
+
+def test_a_residual_without_mass_falls_back_to_the_target_distribution():
+    """Sampled drafts whose q covers p everywhere (draft == target up to rounding, here q = 2p): rejecting both
+    children leaves max(p - q, 0) = 0. The bonus must come from the target's distribution, not be an arbitrary id."""
+    probs = torch.tensor([0.0, 0.4, 0.3, 0.3, 0.0, 0.0])  # top_k = 3 makes p exactly this
+    logits = torch.log(probs.clamp(min=1e-3))[None].repeat(3, 1)  # root and its two children
+    batch = pack(SuperTree.from_parents([torch.tensor([-1, 0, 0])], [torch.tensor([0, 1, 2])]))
+    q = (2 * probs)[None].repeat(3, 1)
+    bonuses = set()
+    for seed in range(200):
+        res = verify_sampling(batch, logits, SamplingTensors.uniform(1, 1.0, top_k=3),
+                              [torch.Generator().manual_seed(seed)], q)
+        toks = res.token_lists()[0]
+        if len(toks) == 1:  # both children rejected
+            bonuses.add(toks[0])
+    assert bonuses, "the case must reject both children sometimes"
+    assert bonuses <= {1, 2, 3}, f"bonus tokens {bonuses} outside the target's support"
