@@ -3,7 +3,7 @@ Same as `echo-trtllm build`."""
 
 import sys
 
-from echo_trtllm.engine_dir import main
+from echo_trtllm.cli.build import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -4,6 +4,9 @@
     llm = LLM()                                     # the embedded default target/draft pair, policy "echo"
     outputs = llm.generate(["To be, or not"], SamplingParams(max_tokens=32, temperature=0))
     print(outputs[0].text, outputs[0].stats.mean_accepted_tokens)
+
+Every argument is checked before anything is loaded or submitted; a bad one raises ValueError / TypeError naming
+the argument and what is accepted.
 """
 
 from __future__ import annotations
@@ -14,13 +17,16 @@ from typing import Sequence, Union
 import torch
 
 from echo_trtllm.core.config import EchoConfig
+from echo_trtllm.core.cost import CostModel
+from echo_trtllm.core.policies import make_policy
 from echo_trtllm.engine_dir import read_engine
 from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
 from echo_trtllm.models.llama import CausalLM
-from echo_trtllm.models.loader import Tokenizer, check_same_vocabulary, load_model
-from echo_trtllm.runtime.calibrate import Calibration
+from echo_trtllm.models.loader import DTYPE_CHOICES, Tokenizer, check_model_path, check_same_vocabulary, load_model
+from echo_trtllm.runtime.calibrate import LOAD_REPEATS, Calibration, measure_cost_model
+from echo_trtllm.runtime.clock import Clock
 from echo_trtllm.runtime.engine import CompletionOutput, EngineLoop, GenerationHandle, RequestOutput
-from echo_trtllm.runtime.executor import Executor, check_limits
+from echo_trtllm.runtime.executor import Executor, StepReport, check_limits
 from echo_trtllm.runtime.request import RequestStats, SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "EchoConfig", "RequestOutput", "CompletionOutput", "RequestStats"]
@@ -29,10 +35,26 @@ Prompt = Union[str, Sequence[int]]
 ModelSource = Union[str, Path, CausalLM]
 
 
-def _is_single_prompt(prompts) -> bool:
-    return isinstance(prompts, str) or (
-        isinstance(prompts, (list, tuple)) and len(prompts) > 0 and all(isinstance(t, int) for t in prompts)
-    )
+def _is_token_ids(value) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) > 0 and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _positive_int(name: str, value, minimum: int = 1, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        accepted = f"an integer >= {minimum}" + (" or None" if allow_none else "")
+        raise ValueError(f"{name} must be {accepted}, got {value!r}")
+
+
+def _check_source(name: str, source) -> None:
+    if isinstance(source, CausalLM):
+        return
+    if not isinstance(source, (str, Path)):
+        raise TypeError(f"{name} must be a path (HF model directory or .gguf file) or a CausalLM, got "
+                        f"{type(source).__name__}")
+    check_model_path(source, name)
 
 
 class LLM:
@@ -40,10 +62,19 @@ class LLM:
 
     model / draft_model: HF model directories, .gguf files, or loaded `CausalLM`s (a draft must share the
     target's tokenizer). engine_dir: a directory built by `echo-trtllm build` (engine.json names both models and
-    the EchoConfig). With neither, the embedded default pair is used. calibration: a file (or `Calibration`)
-    written by `echo-trtllm calibrate`; an engine directory's own calibration is used when none is given. A
-    calibration sets the gate (depths, tau_d) and lets the echo family pick each step's budget from the measured
-    cost curve, falling back to plain AR by itself when speculation does not pay.
+    the EchoConfig). With neither, the embedded default pair is used.
+
+    dtype: "auto" (bfloat16 on CUDA; on a CPU whichever of float32 / bfloat16 runs the model's linears faster,
+    measured at load: see docs/dtype.md), "float32", "bfloat16", "float16".
+
+    Speculation under load (echo family): each step's budget K and the gate's break-even probability come from a
+    cost curve, and a tracker falls back to plain AR when speculation does not pay, per batch size. calibration:
+    a file (or `Calibration`) written by `echo-trtllm calibrate` (an engine directory's own is used when none is
+    given): its cost curve and its gate samples. cost_model: "auto" (the calibration's curve, else one measured at
+    load, a few seconds), a `CostModel`, or None (no budget rule, no fallback: the fixed K_max of the config every
+    step, for ablations). clock: where step times come from (default wall time; `ModelledClock` for tests).
+
+    iter_stats_max_iterations: keep this many per-step reports for `get_stats()` (0 = none).
     """
 
     def __init__(
@@ -57,47 +88,77 @@ class LLM:
         max_batch_size: int = 16,
         max_seq_len: int | None = 1024,
         max_num_tokens: int | None = None,
-        dtype: str = "float32",
+        dtype: str = "auto",
         device: str | None = None,
         calibration: "str | Path | Calibration | None" = None,
+        cost_model: "CostModel | str | None" = "auto",
+        clock: Clock | None = None,
+        iter_stats_max_iterations: int = 0,
     ) -> None:
+        _positive_int("max_batch_size", max_batch_size)
+        _positive_int("max_seq_len", max_seq_len, minimum=2, allow_none=True)
+        _positive_int("max_num_tokens", max_num_tokens, allow_none=True)
+        _positive_int("iter_stats_max_iterations", iter_stats_max_iterations, minimum=0)
+        if not (isinstance(cost_model, CostModel) or cost_model is None or cost_model == "auto"):
+            raise ValueError(f"cost_model must be 'auto', a CostModel or None, got {cost_model!r}")
+        if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+            raise TypeError(f"tokenizer must be an echo_trtllm.models.loader.Tokenizer, got {type(tokenizer).__name__}")
+        if device is not None:
+            try:
+                torch.device(device)
+            except (RuntimeError, TypeError):
+                raise ValueError(f"device must be a torch device string such as 'cpu' or 'cuda:0', got {device!r}") from None
         if engine_dir is not None:
             if model is not None or draft_model is not None:
                 raise ValueError("give either engine_dir or model/draft_model, not both")
             spec = read_engine(engine_dir)
-            model, draft_model, dtype = spec.target, spec.draft, spec.dtype
+            model, draft_model, engine_dtype = spec.target, spec.draft, spec.dtype
+            dtype = engine_dtype if dtype == "auto" else dtype
             speculative_config = speculative_config or spec.config
             calibration = calibration if calibration is not None else spec.calibration
+        if dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
         if model is None:
             model = DEFAULT_TARGET
             if draft_model is None:
                 draft_model = DEFAULT_DRAFT
+        _check_source("model", model)
+        if draft_model is not None:
+            _check_source("draft_model", draft_model)
         config = speculative_config or EchoConfig()
         if not isinstance(config, EchoConfig):
             raise TypeError(f"speculative_config must be an EchoConfig, got {type(config).__name__}")
-        cost_model = gate_provider = None
-        if calibration is not None:
-            if not isinstance(calibration, Calibration):
-                calibration = Calibration.load(calibration)
-            config = calibration.apply(config)
-            cost_model, gate_provider = calibration.cost_model, calibration.gate_for
+        if calibration is not None and not isinstance(calibration, Calibration):
+            if not isinstance(calibration, (str, Path)):
+                raise TypeError(f"calibration must be a path or a Calibration, got {type(calibration).__name__}")
+            calibration = Calibration.load(calibration)
         self.calibration = calibration
-        check_limits(config, max_batch_size, has_draft=draft_model is not None or config.policy == "ar")
+        policy = make_policy(config)
+        check_limits(config, max_batch_size, has_draft=draft_model is not None or not policy.needs_draft_model)
+        gate_samples = calibration.gate_samples() if calibration is not None and policy.shares_budget else None
+        if gate_samples is not None and gate_samples.max_depth != config.max_depth:
+            raise ValueError(
+                f"the calibration was made for max_depth={gate_samples.max_depth} but speculative_config has "
+                f"max_depth={config.max_depth}: recalibrate (echo-trtllm calibrate --max-depth {config.max_depth})")
+
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         target, target_tok = self._load(model, dtype, device)
         self.tokenizer = tokenizer or target_tok
         if self.tokenizer is None:
             raise ValueError("a loaded CausalLM needs tokenizer=... (a Tokenizer from echo_trtllm.models.loader)")
         draft = None
-        if draft_model is not None and config.policy != "ar":
+        if draft_model is not None and policy.needs_draft_model:
             draft, draft_tok = self._load(draft_model, dtype, device)
             if draft_tok is not None:
                 check_same_vocabulary(self.tokenizer, draft_tok)
         self.config = config
         self.target, self.draft = target, draft
+        self.dtype = {"target": str(target.dtype).removeprefix("torch."),
+                      "draft": str(draft.dtype).removeprefix("torch.") if draft is not None else None}
+        self.cost_model = self._cost_model(cost_model, calibration, policy, target, draft)
         self.executor = Executor(target, draft, self.tokenizer, config, max_batch_size, max_seq_len, max_num_tokens,
-                                 cost_model=cost_model, gate_provider=gate_provider)
-        self._loop = EngineLoop(self.executor)
+                                 cost_model=self.cost_model, gate_samples=gate_samples, clock=clock)
+        self._loop = EngineLoop(self.executor, iter_stats_max_iterations)
 
     @staticmethod
     def _load(source: ModelSource, dtype: str, device: str) -> tuple[CausalLM, Tokenizer | None]:
@@ -105,24 +166,48 @@ class LLM:
             return source, None
         return load_model(source, dtype=dtype, device=device)
 
+    @staticmethod
+    def _cost_model(choice, calibration, policy, target, draft) -> CostModel | None:
+        """The echo family's cost curve (see the class docstring); None for policies that do not use one."""
+        if not policy.shares_budget or draft is None or choice is None:
+            return None
+        if isinstance(choice, CostModel):
+            return choice
+        if calibration is not None:
+            return calibration.cost_model
+        return measure_cost_model(target, draft, repeats=LOAD_REPEATS)
+
     # ---------------------------------------------------------------- generation
 
     def _requests(self, prompts, sampling_params):
-        single = _is_single_prompt(prompts)
-        plist = [prompts] if single else list(prompts)
+        """Validate and tokenise every prompt (nothing is submitted until all are good)."""
+        single = isinstance(prompts, str) or _is_token_ids(prompts)
+        if single:
+            plist = [prompts]
+        elif isinstance(prompts, (list, tuple)):
+            plist = list(prompts)
+        else:
+            raise TypeError(f"prompts must be a string, a list of token ids, or a list of those, got "
+                            f"{type(prompts).__name__}")
         if not plist:
             raise ValueError("prompts is empty: give a string, a list of token ids, or a list of those")
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(plist)
-        if len(params) != len(plist):
-            raise ValueError(f"got {len(params)} sampling_params for {len(plist)} prompts")
+        if isinstance(sampling_params, (list, tuple)):
+            params = list(sampling_params)
+            if len(params) != len(plist):
+                raise ValueError(f"sampling_params has {len(params)} entries for {len(plist)} prompts")
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(plist)
+        else:
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
+                            f"{type(sampling_params).__name__}")
         reqs = []
         for i, (p, sp) in enumerate(zip(plist, params)):
             try:
-                reqs.append(self.executor.make_request(list(p) if not isinstance(p, str) else p, sp))
+                reqs.append(self.executor.make_request(p, sp))
             except (ValueError, TypeError) as e:
-                raise type(e)(f"prompt {i}: {e}") from None
+                raise type(e)(e if single else f"prompt {i}: {e}") from None
         return single, reqs
 
     def generate(
@@ -132,10 +217,16 @@ class LLM:
         use_tqdm: bool = True,
     ) -> RequestOutput | list[RequestOutput]:
         """Generate for one prompt (returns one RequestOutput) or a list (returns a list, in order). Every prompt
-        is validated before any is submitted; a bad one raises ValueError naming its index."""
+        is validated before any is submitted; a bad one raises naming its index. If the wait is interrupted
+        (KeyboardInterrupt), the call's requests are aborted."""
         single, reqs = self._requests(prompts, sampling_params)
-        handles = [self._loop.submit(r) for r in reqs]
-        outputs = self._wait(handles, use_tqdm and not single)
+        handles = self._loop.submit(reqs)
+        try:
+            outputs = self._wait(handles, bool(use_tqdm) and not single)
+        except BaseException:
+            for h in handles:
+                h.abort()
+            raise
         return outputs[0] if single else outputs
 
     def _wait(self, handles: list[GenerationHandle], progress: bool) -> list[RequestOutput]:
@@ -156,11 +247,23 @@ class LLM:
     def generate_async(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, streaming: bool = False
     ) -> GenerationHandle:
-        """Submit one request; returns a handle: `.result()`, or iterate it (for / async for) when streaming."""
-        if not _is_single_prompt(prompt):
-            raise TypeError("generate_async takes one prompt (a string or a list of token ids)")
+        """Submit one request without waiting for a step; returns a handle: `.result()` / `await .aresult()`,
+        or iterate it (for / async for) when streaming; `.abort()` cancels it."""
+        if not (isinstance(prompt, str) or _is_token_ids(prompt)):
+            raise TypeError(f"generate_async takes one prompt (a string or a list of token ids), got "
+                            f"{type(prompt).__name__}")
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         _, reqs = self._requests(prompt, sampling_params)
-        return self._loop.submit(reqs[0], streaming=streaming)
+        return self._loop.submit(reqs, streaming=streaming)[0]
+
+    def abort(self, request_id: int) -> None:
+        """Cancel a request (finish_reason "abort"); its KV slot is freed. Unknown or finished ids are ignored."""
+        self._loop.abort(request_id)
+
+    def get_stats(self) -> list[StepReport]:
+        """Per-step reports since the last call (needs iter_stats_max_iterations > 0)."""
+        return self._loop.get_stats()
 
     def shutdown(self) -> None:
         self._loop.shutdown()
@@ -170,3 +273,4 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+

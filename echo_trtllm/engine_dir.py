@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 from echo_trtllm.core.config import EchoConfig
+from echo_trtllm.models.loader import DTYPE_CHOICES
 
-__all__ = ["FORMAT_VERSION", "EngineSpec", "build_engine", "read_engine", "attach_calibration", "main"]
+__all__ = ["FORMAT_VERSION", "EngineSpec", "build_engine", "read_engine", "attach_calibration"]
 
 FORMAT_VERSION = 1
 
@@ -76,7 +77,13 @@ def _read_meta(path: Path) -> dict:
     meta_file = path / "engine.json"
     if not meta_file.is_file():
         raise FileNotFoundError(f"{path} is not an engine directory: engine.json is missing")
-    return json.loads(meta_file.read_text())
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{meta_file}: not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_file}: expected a JSON object, got {type(meta).__name__}")
+    return meta
 
 
 def attach_calibration(path: str | Path, calibration) -> Path:
@@ -92,46 +99,36 @@ def attach_calibration(path: str | Path, calibration) -> Path:
 
 
 def read_engine(path: str | Path) -> EngineSpec:
-    """Target path, draft path or None, EchoConfig, dtype and calibration file of an engine directory."""
+    """Target path, draft path or None, EchoConfig, dtype and calibration file of an engine directory. Every
+    problem with engine.json is a ValueError naming the file and the field."""
     path = Path(path)
     meta = _read_meta(path)
+    where = path / "engine.json"
     if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"engine {path} has format_version {meta.get('format_version')!r}; this build reads {FORMAT_VERSION}")
+        raise ValueError(f"{where}: format_version {meta.get('format_version')!r}; this build reads {FORMAT_VERSION}")
     if meta.get("backend") != "torch":
-        raise ValueError(f"engine {path} has backend {meta.get('backend')!r}; this runtime runs backend 'torch'")
+        raise ValueError(f"{where}: backend {meta.get('backend')!r}; this runtime runs backend 'torch'")
+    for key, kind in (("target", str), ("echo_config", dict)):
+        if not isinstance(meta.get(key), kind):
+            raise ValueError(f"{where}: field {key!r} must be a {kind.__name__}, got {meta.get(key)!r}")
+    for key in ("draft", "calibration"):
+        if meta.get(key) is not None and not isinstance(meta[key], str):
+            raise ValueError(f"{where}: field {key!r} must be a path inside the engine or null, got {meta[key]!r}")
+    dtype = meta.get("dtype", "float32")
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"{where}: dtype {dtype!r} is not one of {', '.join(DTYPE_CHOICES)}")
     cfg = dict(meta["echo_config"])
-    cfg["static_choices"] = tuple(tuple(c) for c in cfg["static_choices"])
-    for key in ("gate_depths", "gate_thresholds"):
-        if cfg.get(key) is not None:
-            cfg[key] = tuple(cfg[key])
+    try:
+        if "static_choices" in cfg:
+            cfg["static_choices"] = tuple(tuple(c) for c in cfg["static_choices"])
+        for key in ("gate_depths", "gate_thresholds"):
+            if cfg.get(key) is not None:
+                cfg[key] = tuple(cfg[key])
+        config = EchoConfig(**cfg)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: echo_config is invalid ({e})") from None
     draft = path / meta["draft"] if meta.get("draft") else None
     calibration = path / meta["calibration"] if meta.get("calibration") else None
     if calibration is not None and not calibration.is_file():
         raise FileNotFoundError(f"engine {path} names calibration {meta['calibration']!r}, which is missing")
-    return EngineSpec(path / meta["target"], draft, EchoConfig(**cfg), meta.get("dtype", "float32"), calibration)
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import sys
-
-    from echo_trtllm.core.config import POLICY_NAMES
-    from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
-
-    ap = argparse.ArgumentParser(prog="echo-trtllm build", description="build an engine directory (backend torch)")
-    ap.add_argument("--model", default=str(DEFAULT_TARGET))
-    ap.add_argument("--draft-model", default=str(DEFAULT_DRAFT))
-    ap.add_argument("--output", required=True, help="engine directory to create, e.g. engines/tiny")
-    ap.add_argument("--policy", default="echo", choices=POLICY_NAMES)
-    ap.add_argument("--k-max", type=int, default=512)
-    ap.add_argument("--max-depth", type=int, default=6)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    args = ap.parse_args(argv)
-    try:
-        out = build_engine(args.output, args.model, args.draft_model,
-                           EchoConfig(policy=args.policy, k_max=args.k_max, max_depth=args.max_depth), args.dtype)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"echo-trtllm build: error: {e}", file=sys.stderr)
-        return 2
-    print(out)
-    return 0
+    return EngineSpec(path / meta["target"], draft, config, dtype, calibration)

@@ -32,6 +32,6 @@ export ECHO_PLUGIN_LIB="$PWD/plugins/build/libecho_plugin.so"
 "$PY" -m pytest -q -p no:cacheprovider tests/plugins tests/runtime/test_cuda_runtime.py -rs
 
 echo "== 3. microbenchmark (µs per step: gate x3 + budget + select & pack)"
-"$PY" -m echo_trtllm.bench.kernels --batch-sizes 16,64,256 --k-max 512,2048 --backends torch,cuda \
+"$PY" -m echo_trtllm.cli bench-kernels --batch-sizes 16,64,256 --k-max-values 512,2048 --backends torch,cuda --threads 1 \
     --iters 200 --warmup 20 --json "$OUT_DIR/kernel_bench.json"
 echo "== done in $SECONDS s"

@@ -11,9 +11,6 @@ the core's before timing.
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import statistics
 import time
 
@@ -76,46 +73,3 @@ def time_backend(tree, spine, ctx, k_max: int, backend: str, iters: int, warmup:
         one_step(t, s, c, k_max, backend, levels)
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e6
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch-sizes", default="16,64,256")
-    ap.add_argument("--k-max", default="512,2048")
-    ap.add_argument("--backends", default="torch,host,cuda", help="unavailable ones are skipped with a note")
-    ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--json")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    backends = []
-    for b in args.backends.split(","):
-        if b == "cuda" and not (torch.cuda.is_available() and kernels.load_library("cuda")):
-            print("cuda backend skipped: no CUDA device or libecho_plugin.so not built")
-        elif b == "host" and kernels.load_library("host") is None:
-            print("host backend skipped: libecho_host.so not built (cmake -S plugins -B plugins/build)")
-        else:
-            backends.append(b)
-    rows = []
-    print(f"{'B':>5} {'K_max':>6} {'nodes':>7} {'verified':>8} " + " ".join(f"{b + ' µs':>12}" for b in backends))
-    for bs in (int(x) for x in args.batch_sizes.split(",")):
-        for k in (int(x) for x in args.k_max.split(",")):
-            if k < bs:
-                continue
-            tree, spine, ctx = make_step(bs, k)
-            verified = int(allocate_budget(tree, spine, k, 64).num_nodes.sum())
-            us = {b: time_backend(tree, spine, ctx, k, b, args.iters, args.warmup) for b in backends}
-            rows.append({"batch_size": bs, "k_max": k, "candidates": tree.total_nodes, "verified": verified,
-                         **{f"{b}_us_per_step": v for b, v in us.items()}})
-            print(f"{bs:>5} {k:>6} {tree.total_nodes:>7} {verified:>8} " + " ".join(f"{us[b]:>12.1f}" for b in backends),
-                  flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"results": rows, "machine": platform.platform(),
-                       "device": torch.cuda.get_device_name() if "cuda" in backends else "cpu"}, f, indent=2)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

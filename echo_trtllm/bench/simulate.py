@@ -1,6 +1,6 @@
 """Throughput simulator: replay recorded acceptance traces through a verification cost model. SIMULATION.
 
-    echo-trtllm simulate --trace trace.json --target 235b --gpu H100 --dtype fp8 --batch-sizes 1,16,64,256
+    echo-trtllm simulate --trace trace.json --target 235b --gpu H100 --gpu-dtype fp8 --batch-sizes 1,16,64,256
 
 A trace (from `echo-trtllm bench --trace`) holds, per method, one record per request and step: the drafted
 candidates' path probabilities in priority order with hindsight acceptance flags, and the tokens the method
@@ -29,16 +29,16 @@ paper's reported figures are printed beside it for orientation only.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from dataclasses import dataclass
 
 import torch
 
 from echo_trtllm.core.cost import CostModel, choose_budget
+from echo_trtllm.core.policies import POLICIES
 
-__all__ = ["GPUSpec", "ModelSpec", "GPUS", "MODELS", "PAPER", "roofline_cost", "simulate_method", "simulate", "main"]
+__all__ = ["GPUSpec", "ModelSpec", "GPUS", "MODELS", "PAPER", "roofline_cost", "simulate_method", "simulate",
+           "load_traces"]
 
 
 @dataclass(frozen=True)
@@ -97,26 +97,26 @@ def roofline_cost(model: ModelSpec, gpu: GPUSpec, dtype: str, batch_size: int, c
     return CostModel(TOKENS, verify, TOKENS, draft, 0.0, f"{gpu.name} x{model.num_gpus} {dtype} (roofline)")
 
 
-ECHO_FAMILY = ("echo", "echo-dense", "echo-fixed")
-
-
 def simulate_method(method: str, records: list[dict], batch_size: int, cost: CostModel, steps: int = 200,
                     k_max: int = 1 << 30, control_seconds: float = 0.0) -> dict:
     """Simulated tokens/s of one method at one batch size (module docstring)."""
     if not records:
         raise ValueError(f"no trace records for method {method!r}")
+    if method not in POLICIES:
+        raise ValueError(f"trace method {method!r} is not a policy; known: {', '.join(POLICIES)}")
+    policy = POLICIES[method]
     emitted_total = 0
     seconds = 0.0
     verified_total = 0
     for s in range(steps):
         batch = [records[(s * batch_size + j) % len(records)] for j in range(batch_size)]
-        if method == "ar":
+        if not policy.needs_draft_model:
             emitted, verified, draft_time = batch_size, batch_size, 0.0
         else:
             levels = max(r["levels"] for r in batch)
             drafted = sum(len(r["probs"]) for r in batch)
             draft_time = levels * float(cost.draft_time(max(1, -(-drafted // max(levels, 1))))) if levels else 0.0
-            if method in ECHO_FAMILY:
+            if policy.shares_budget:
                 cands = sorted(((-p, rank, j, a) for j, r in enumerate(batch)
                                 for rank, (p, a) in enumerate(zip(r["probs"], r["accepted"]))))
                 est = torch.tensor([-c[0] for c in cands], dtype=torch.float64)
@@ -129,7 +129,7 @@ def simulate_method(method: str, records: list[dict], batch_size: int, cost: Cos
                 verified = sum(r["verified"] for r in batch)
         emitted_total += emitted
         verified_total += verified
-        seconds += float(cost.verify_time(verified)) + draft_time + (control_seconds if method != "ar" else 0.0)
+        seconds += float(cost.verify_time(verified)) + draft_time + (control_seconds if policy.needs_draft_model else 0.0)
     return {"method": method, "batch_size": batch_size, "tokens_per_s": emitted_total / seconds,
             "mat": emitted_total / (steps * batch_size), "verified_per_step": verified_total / steps}
 
@@ -160,60 +160,3 @@ def load_traces(path: str, source_batch_size: int | None = None) -> dict[str, li
     if not out:
         raise ValueError(f"{path} holds no traces" + (f" for batch size {source_batch_size}" if source_batch_size else ""))
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="echo-trtllm simulate", description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", required=True, help="trace JSON from echo-trtllm bench --trace")
-    ap.add_argument("--source-batch-size", type=int, help="use only the traces recorded at this batch size")
-    ap.add_argument("--calibration", help="use this calibration's measured cost curve instead of a roofline")
-    ap.add_argument("--target", default="235b", choices=list(MODELS))
-    ap.add_argument("--gpu", default="H100", choices=list(GPUS))
-    ap.add_argument("--dtype", default="fp8", choices=["bf16", "fp8"])
-    ap.add_argument("--context", type=int, default=2048, help="tokens of KV per request read every step")
-    ap.add_argument("--mfu", type=float, default=0.5)
-    ap.add_argument("--batch-sizes", default="1,4,16,64,128,256")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--k-max", type=int, default=1 << 30)
-    ap.add_argument("--control-us", type=float, default=0.0, help="ECHO control per speculative step (µs)")
-    ap.add_argument("--json", help="write the rows here")
-    args = ap.parse_args(argv)
-    try:
-        traces = load_traces(args.trace, args.source_batch_size)
-        batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
-        if args.calibration:
-            from echo_trtllm.runtime.calibrate import Calibration
-
-            measured = Calibration.load(args.calibration).cost_model
-            label = f"measured cost curve ({measured.device})"
-
-            def cost_for_batch(b):
-                return measured
-        else:
-            model, gpu = MODELS[args.target], GPUS[args.gpu]
-            label = f"{model.name} on {model.num_gpus}x{gpu.name}, {args.dtype}, context {args.context}"
-
-            def cost_for_batch(b):
-                return roofline_cost(model, gpu, args.dtype, b, args.context, mfu=args.mfu)
-
-        rows = simulate(traces, batch_sizes, cost_for_batch, args.steps, args.k_max, args.control_us * 1e-6)
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        print(f"echo-trtllm simulate: error: {e}", file=sys.stderr)
-        return 2
-    print(f"SIMULATION — {label}; acceptance replayed from {args.trace.rsplit('/', 1)[-1]}")
-    print("| method | B | sim tokens/s | sim ×AR | sim MAT | sim verified/step |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        sp = "–" if r["speedup_vs_ar"] is None else f"{r['speedup_vs_ar']:.2f}"
-        print(f"| {r['method']} | {r['batch_size']} | {r['tokens_per_s']:.0f} | {sp} | {r['mat']:.2f} | "
-              f"{r['verified_per_step']:.1f} |")
-    if not args.calibration:
-        print(f"for orientation ({PAPER[args.target]}); not comparable: other draft, other acceptance")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"simulation": True, "cost": label, "rows": rows}, f, indent=2)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

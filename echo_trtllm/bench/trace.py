@@ -25,7 +25,7 @@ __all__ = ["StepEntry", "TraceRecorder", "hindsight_flags", "oracle_emitted"]
 class StepEntry:
     """One request in one step (candidate arrays exclude the root)."""
 
-    request: int  # index into the recorder's request list
+    request: int  # request id
     position: int  # output tokens the request had before the step
     tokens: list[int]
     parents: list[int]  # parent index among these candidates, -1 for a child of the root
@@ -52,11 +52,9 @@ def oracle_emitted(chain_lengths: list[int], verified_total: int) -> int:
 
 
 class TraceRecorder:
-    """Collects StepEntry records from executor steps; evaluates them once the outputs are final."""
+    """Collects StepEntry records from step reports; evaluates them once the outputs are final."""
 
-    def __init__(self, requests: list, per_request_cap: int) -> None:
-        self.requests = list(requests)
-        self.index = {id(r): i for i, r in enumerate(self.requests)}
+    def __init__(self, per_request_cap: int) -> None:
         self.cap = per_request_cap  # most non-root nodes one request may verify in a step
         self.steps: list[list[StepEntry]] = []
 
@@ -69,21 +67,22 @@ class TraceRecorder:
         probs, depths = cand.path_probs.float().tolist(), cand.depths.tolist()
         verified = report.draft.selected.num_nodes.tolist()
         step = []
-        for i, req in enumerate(report.updated):
+        for i in range(report.batch_size):
             lo, hi = cu[i] + 1, cu[i + 1]  # skip the root (node cu[i])
-            emitted = req.stats.emitted_per_step[-1]
-            step.append(StepEntry(self.index[id(req)], len(req.output_token_ids) - emitted, tokens[lo:hi],
-                                  [p - 1 for p in parents[lo:hi]], probs[lo:hi], depths[lo:hi], verified[i], emitted))
+            step.append(StepEntry(report.request_ids[i], report.positions[i], tokens[lo:hi],
+                                  [p - 1 for p in parents[lo:hi]], probs[lo:hi], depths[lo:hi], verified[i],
+                                  report.emitted[i]))
         self.steps.append(step)
 
-    def evaluate(self) -> dict:
-        """Oracle comparison and per-request-step trace records (call after every request finished)."""
+    def evaluate(self, outputs: dict[int, list[int]]) -> dict:
+        """Oracle comparison and per-request-step trace records. outputs: request id -> final output token ids
+        (call after every request finished)."""
         actual = oracle = 0
         records = []
         for step in self.steps:
             chains, verified_total = [], 0
             for e in step:
-                out = self.requests[e.request].output_token_ids
+                out = outputs[e.request]
                 flags = hindsight_flags(e, out)
                 left = len(out) - e.position  # tokens this request still had to produce
                 chains.append(min(sum(flags), self.cap, max(left - 1, 0)))
@@ -96,4 +95,3 @@ class TraceRecorder:
             oracle += oracle_emitted(chains, verified_total)
         return {"emitted": actual, "oracle_emitted": oracle,
                 "mat_vs_oracle": actual / oracle if oracle else float("nan"), "records": records}
-

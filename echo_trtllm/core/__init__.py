@@ -2,14 +2,16 @@
 
 from .budget import BudgetAllocation, allocate_budget
 from .config import POLICY_NAMES, EchoConfig
-from .gating import GateCalibration, GateConfig, best_path_confidence, calibrate_gate, gate
+from .cost import CostModel, SpeculationTracker, break_even_accept_prob, choose_budget
+from .gating import GateCalibration, GateConfig, GateSamples, GateSchedule, best_path_confidence, calibrate_gate, gate
 from .pack import PackedVerifyBatch, pack, pack_from_parents, unpack_mask
 from .policies import POLICIES, DraftResult, DraftState, TreePolicy, draft_tree, make_policy
 from .tree import DraftLevel, SuperTree, expand_level, root_level
 from .verify import SamplingTensors, VerifyResult, process_logits, verify, verify_greedy, verify_sampling
 
 __all__ = [
-    "BudgetAllocation", "allocate_budget", "POLICY_NAMES", "EchoConfig", "GateCalibration", "GateConfig",
+    "BudgetAllocation", "allocate_budget", "POLICY_NAMES", "EchoConfig", "CostModel", "SpeculationTracker",
+    "break_even_accept_prob", "choose_budget", "GateCalibration", "GateConfig", "GateSamples", "GateSchedule",
     "best_path_confidence", "calibrate_gate", "gate", "PackedVerifyBatch", "pack", "pack_from_parents",
     "unpack_mask", "POLICIES", "DraftResult", "DraftState", "TreePolicy", "draft_tree", "make_policy",
     "DraftLevel", "SuperTree", "expand_level", "root_level", "SamplingTensors", "VerifyResult",

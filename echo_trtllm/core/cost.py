@@ -1,4 +1,5 @@
-"""The verification cost model and the budget rule that picks each step's K from it.
+"""The verification cost model, the budget rule that picks each step's K from it, and the tracker that decides
+whether a step drafts at all. Nothing here reads a clock: the runtime measures and hands seconds in.
 
 A `CostModel` holds measured points of t_verify(T) (seconds of one target forward over T tokens in total) and of
 t_draft(T) (one draft forward over T tokens), interpolated piecewise-linearly and extrapolated along the last
@@ -14,18 +15,24 @@ charged to every choice; whether to draft at all is decided before drafting, by 
 
 Example: B = 1, estimates [0.9, 0.5, 0.1], t_verify(T) = 0.1 + 0.01·T, t_spent = 0.02:
 n = 0: 1.0/0.13 = 7.69; n = 1: 1.9/0.14 = 13.57; n = 2: 2.4/0.15 = 16.0; n = 3: 2.5/0.16 = 15.63  -> K = 3.
+
+`break_even_accept_prob` turns the curve into the gate's lambda for a batch size, and `SpeculationTracker`
+completes the rule across steps: it compares the measured throughput of speculative and plain AR steps, per
+batch-size bucket, and probes the mode it is not using.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-__all__ = ["CostModel", "choose_budget", "interpolate"]
+__all__ = ["CostModel", "choose_budget", "interpolate", "level_cost_ratio", "break_even_accept_prob", "batch_bucket",
+           "SpeculationTracker"]
 
 
 def interpolate(xs: tuple[float, ...], ys: tuple[float, ...], x: Tensor) -> Tensor:
@@ -108,3 +115,143 @@ def choose_budget(estimates: Tensor, batch_size: int, cost: CostModel, spent_sec
     seconds = spent_seconds + cost.control_seconds * speculative + cost.verify_time(batch_size + n)
     rate = (batch_size + gain) / seconds
     return batch_size + int(torch.argmax(rate))  # first maximum: the smaller K on ties
+
+
+def level_cost_ratio(cost: CostModel, batch_size: int, draft_width: int = 0) -> float:
+    """What one more draft level costs, as a fraction of a plain step, when every request of a batch of B gets
+    it: one draft forward over B * draft_width tokens plus the verification of B more tokens,
+    (t_draft(B * draft_width) + t_verify(2B) - t_verify(B)) / t_verify(B). A level yields p tokens per request
+    where a step yields one, so it pays when p exceeds this ratio; at 1 or more it cannot pay at all."""
+    b = max(1, batch_size)
+    base = float(cost.verify_time(b))
+    extra = float(cost.verify_time(2 * b)) - base
+    if draft_width > 0 and cost.draft_tokens:
+        extra += float(cost.draft_time(b * draft_width))
+    return extra / base
+
+
+def break_even_accept_prob(cost: CostModel, batch_size: int, draft_width: int = 0) -> float:
+    """lambda: the acceptance probability above which drafting and verifying one more level pays,
+    `level_cost_ratio` clamped to [0.02, 0.95] (the gate calibration's range). Verification is nearly free at
+    B = 1 on a GPU (small lambda) and dear under load."""
+    return min(0.95, max(0.02, level_cost_ratio(cost, batch_size, draft_width)))
+
+
+def batch_bucket(batch_size: int) -> int:
+    """The tracker's batch-size bucket: the next power of two (1, 2, 4, 8, ...; B = 5..8 share bucket 8)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    return 1 << (batch_size - 1).bit_length()
+
+
+@dataclass
+class ModeRates:
+    """Exponential moving averages of one bucket's speculative and AR steps (None until the mode has run)."""
+
+    spec_tokens: float | None = None  # tokens per request per step
+    spec_seconds: float | None = None  # seconds per step
+    ar_tokens: float | None = None
+    ar_seconds: float | None = None
+    probe_every: int = 8
+    steps_since_probe: int = 0
+
+    @property
+    def spec_rate(self) -> float | None:
+        return None if self.spec_tokens is None else self.spec_tokens / max(self.spec_seconds, 1e-12)
+
+    @property
+    def ar_rate(self) -> float | None:
+        return None if self.ar_tokens is None else self.ar_tokens / max(self.ar_seconds, 1e-12)
+
+    def spec_better(self) -> bool | None:
+        if self.spec_rate is None or self.ar_rate is None:
+            return None
+        return self.spec_rate > self.ar_rate
+
+
+@dataclass
+class SpeculationTracker:
+    """Decides before drafting whether a step should speculate at all (echo family with a cost model).
+
+    An explore/exploit rule on measured throughput, kept per batch-size bucket (`batch_bucket`): speculation
+    that pays at B = 1 may lose at B = 16, and one average over both would follow whichever ran last. Per bucket,
+    tokens per second per request of speculative steps and of plain AR steps: the ratio of exponential moving
+    averages of tokens and of seconds (wall time of the whole step, measured by the runtime). A ratio of
+    averages, not an average of per-step rates: speculative steps take about the same time but emit very
+    different numbers of tokens, and averaging their rates would favour lucky steps.
+
+    Start safe: with a cost model, a batch size at which even a surely accepted draft level cannot pay
+    (`level_cost_ratio` >= 1) never speculates. Otherwise a bucket's first step is plain AR (it cannot lose to
+    AR), its second speculates once to measure speculation; from then on the better mode runs and the other is re-measured by a probe every
+    `probe_every` steps. A speculative step right after AR steps also makes the draft model catch up on the
+    tokens it skipped; that one-off cost is charged to exploration, not to the speculative rate
+    (`update(..., one_off_seconds=...)`).
+
+    Probe spacing: a probe that confirms the choice costs `loss` tokens per request against running the better
+    mode for the same time (loss = probe seconds x better rate - tokens the probe produced). The next probe waits
+    until that is at most `explore_share` of the tokens produced meanwhile (at least twice the last interval, at
+    most `max_probe_every`). A probe that overturns the choice resets the interval. Within a speculative step
+    the cost model picks K (`choose_budget`).
+    """
+
+    min_probe_every: int = 8
+    max_probe_every: int = 1024
+    explore_share: float = 0.02
+    smoothing: float = 0.1
+    # the engine's cost curve and draft width (nodes expanded per request and level); None: no prior
+    cost: CostModel | None = None
+    draft_width: int = 0
+    buckets: dict[int, ModeRates] = field(default_factory=dict)
+
+    def rates(self, batch_size: int) -> ModeRates:
+        key = batch_bucket(batch_size)
+        if key not in self.buckets:
+            self.buckets[key] = ModeRates(probe_every=self.min_probe_every)
+        return self.buckets[key]
+
+    def can_pay(self, batch_size: int) -> bool:
+        """False when the cost curve says one more level cannot pay even if surely accepted."""
+        return self.cost is None or level_cost_ratio(self.cost, batch_size, self.draft_width) < 1.0
+
+    def should_speculate(self, batch_size: int) -> bool:
+        if not self.can_pay(batch_size):
+            return False
+        r = self.rates(batch_size)
+        if r.ar_rate is None:
+            return False  # measure AR first: a step that cannot lose
+        if r.spec_rate is None:
+            return True  # then speculation, once
+        better = r.spec_better()
+        if r.steps_since_probe + 1 >= r.probe_every:
+            return not better
+        return better
+
+    def update(self, batch_size: int, speculated: bool, emitted: int, seconds: float,
+               one_off_seconds: float = 0.0) -> None:
+        """One step's outcome: `emitted` tokens over the batch in `seconds`. one_off_seconds: part of `seconds`
+        that steady speculation would not pay (the draft's catch-up after AR steps); excluded from the rate,
+        counted in the probe's cost."""
+        r = self.rates(batch_size)
+        per_request = emitted / batch_size
+        steady = max(seconds - one_off_seconds, 1e-12)
+        before = r.spec_better()
+        was_probe = before is not None and speculated != before
+        mode = "spec" if speculated else "ar"
+
+        def ema(old: float | None, x: float) -> float:
+            return x if old is None else (1 - self.smoothing) * old + self.smoothing * x
+
+        setattr(r, f"{mode}_tokens", ema(getattr(r, f"{mode}_tokens"), per_request))
+        setattr(r, f"{mode}_seconds", ema(getattr(r, f"{mode}_seconds"), steady))
+        if was_probe:
+            r.steps_since_probe = 0
+            if r.spec_better() == before:
+                better = max(r.spec_rate, r.ar_rate)
+                loss = max(seconds * better - per_request, 0.0)  # tokens per request the probe cost
+                per_step = (r.spec_tokens if before else r.ar_tokens) or 1.0  # per chosen-mode step
+                stretched = math.ceil(loss / (self.explore_share * per_step))
+                r.probe_every = min(max(2 * r.probe_every, stretched), self.max_probe_every)
+            else:
+                r.probe_every = self.min_probe_every
+        else:
+            r.steps_since_probe += 1

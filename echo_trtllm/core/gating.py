@@ -23,6 +23,20 @@ path through depth d (a = 1) or not (a = 0).
    confidence values; if no prefix has positive gain, tau_d is the largest confidence seen (nobody passes).
 4. `echo-fixed` (the paper's ablation) pools the samples of every depth into one threshold with the same
    objective; `echo-dense` gates at every depth with per-depth thresholds.
+
+Where a step's gate comes from (`GateSchedule`, built once with the policy; the only way a calibration reaches
+the gate), in this order:
+
+1. the gate the user set in EchoConfig (gate_depths, gate_thresholds);
+2. calibration samples: the rule above, re-run for each batch size with lambda(B) from the cost curve
+   (`break_even_accept_prob`): verification is cheap at B = 1 and dear under load, so tau_d rises with load;
+3. a cost curve without samples (an engine that was never calibrated): tau_d = the level's cost ratio at B
+   (`level_cost_ratio`, capped at 1: closed) at the default gate depths, the draft's own path probability standing
+   in for the acceptance probability;
+4. neither: `default_gate`.
+
+Each source yields the three variants: "sparse" (echo), "dense" (echo-dense: every depth) and "fixed"
+(echo-fixed: one tau at the sparse depths).
 """
 
 from __future__ import annotations
@@ -35,6 +49,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .config import EchoConfig
+from .cost import CostModel, break_even_accept_prob, level_cost_ratio
 from .tree import DraftLevel, per_request_max
 
 __all__ = [
@@ -46,7 +62,12 @@ __all__ = [
     "choose_threshold",
     "calibrate_gate",
     "default_gate",
+    "GATE_VARIANTS",
+    "GateSamples",
+    "GateSchedule",
 ]
+
+GATE_VARIANTS = ("sparse", "dense", "fixed")
 
 
 @dataclass(frozen=True)
@@ -79,6 +100,23 @@ def default_gate(max_depth: int) -> GateConfig:
     shrink with depth). `echo-trtllm calibrate` replaces them with measured values."""
     depths = tuple(sorted({1, (max_depth + 1) // 2, max_depth}))
     return GateConfig(depths, tuple(round(0.4 * 0.7 ** (d - 1), 6) for d in depths))
+
+
+def dense_from_sparse(sparse: GateConfig, max_depth: int) -> GateConfig:
+    """A gate at every depth 1..D from a sparse one: thresholds between gate depths interpolated geometrically,
+    beyond them the nearest gate's (echo-dense without per-depth calibration)."""
+    known = dict(zip(sparse.depths, sparse.thresholds))
+    xs = sorted(known)
+    taus = []
+    for d in range(1, max_depth + 1):
+        lo = max((x for x in xs if x <= d), default=xs[0])
+        hi = min((x for x in xs if x >= d), default=xs[-1])
+        if lo == hi or known[lo] <= 0 or known[hi] <= 0:
+            taus.append(known[lo] if lo == hi else min(known[lo], known[hi]))
+        else:
+            t = (d - lo) / (hi - lo)
+            taus.append(float(known[lo] ** (1 - t) * known[hi] ** t))
+    return GateConfig(tuple(range(1, max_depth + 1)), tuple(taus))
 
 
 def best_path_confidence(level: DraftLevel, batch_size: int) -> Tensor:
@@ -161,6 +199,10 @@ class GateCalibration:
 
     def fixed_gate_config(self) -> GateConfig:
         return GateConfig(tuple(self.gate_depths), tuple(self.fixed_threshold for _ in self.gate_depths))
+
+    def variant(self, variant: str) -> GateConfig:
+        """The gate of one variant ("sparse", "dense" or "fixed")."""
+        return {"sparse": self.gate_config, "dense": self.dense_gate_config, "fixed": self.fixed_gate_config}[variant]()
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -247,3 +289,94 @@ def calibrate_gate(
         min_accept_prob=min_accept_prob,
         num_sweet_spots=num_sweet_spots,
     )
+
+
+@dataclass(frozen=True)
+class GateSamples:
+    """Warm-up evidence for the gate: one (depth, confidence, accepted) sample per request, verified depth and
+    step (runtime.calibrate.gate_samples), with the rule's settings.
+
+    accept_prob: the break-even probability used when no cost curve is known (the calibration's own)."""
+
+    # (S,) int64 in [1, max_depth]
+    depths: Tensor
+    # (S,) float
+    confidences: Tensor
+    # (S,) bool
+    accepted: Tensor
+    max_depth: int
+    num_sweet_spots: int = 2
+    accept_prob: float = 0.3
+
+    def __post_init__(self) -> None:
+        if not (self.depths.shape == self.confidences.shape == self.accepted.shape) or self.depths.ndim != 1:
+            raise ValueError("GateSamples.depths, confidences and accepted must be 1-D of equal length")
+
+    def calibrate(self, min_accept_prob: float) -> GateCalibration:
+        return calibrate_gate(self.depths, self.confidences, self.accepted, self.max_depth, self.num_sweet_spots,
+                              min_accept_prob)
+
+
+class GateSchedule:
+    """The gate of each step, by batch size and variant, from the one source chosen at construction (module
+    docstring: config gate, calibration samples, cost curve, default). Results are cached per batch size."""
+
+    def __init__(self, config: EchoConfig, cost: CostModel | None = None, samples: GateSamples | None = None) -> None:
+        if samples is not None and samples.max_depth != config.max_depth:
+            raise ValueError(
+                f"the calibration was made for max_depth={samples.max_depth} but the config has "
+                f"max_depth={config.max_depth}: recalibrate (echo-trtllm calibrate --max-depth {config.max_depth})"
+            )
+        self.config, self.cost, self.samples = config, cost, samples
+        if config.gate_depths is not None:
+            self.source = "config"
+        elif samples is not None:
+            self.source = "calibration"
+        elif cost is not None:
+            self.source = "cost-curve"
+        else:
+            self.source = "default"
+        self._cache: dict[tuple[int, str], GateConfig] = {}
+        self._calibrations: dict[float, GateCalibration] = {}
+
+    def break_even(self, batch_size: int) -> float:
+        """lambda at this batch size (the samples' own when no cost curve is known)."""
+        if self.cost is None:
+            return self.samples.accept_prob if self.samples is not None else 0.3
+        return break_even_accept_prob(self.cost, batch_size, self.config.beam_width)
+
+    def calibration_for(self, batch_size: int) -> GateCalibration | None:
+        """The calibration rule's result at this batch size (None unless the source is calibration samples)."""
+        if self.source != "calibration":
+            return None
+        lam = self.break_even(batch_size)
+        if lam not in self._calibrations:
+            self._calibrations[lam] = self.samples.calibrate(lam)
+        return self._calibrations[lam]
+
+    def gate_for(self, batch_size: int, variant: str = "sparse") -> GateConfig:
+        if variant not in GATE_VARIANTS:
+            raise ValueError(f"gate variant {variant!r} is unknown; choose one of {', '.join(GATE_VARIANTS)}")
+        key = (batch_size, variant)
+        if key not in self._cache:
+            self._cache[key] = self._make(batch_size, variant)
+        return self._cache[key]
+
+    def _make(self, batch_size: int, variant: str) -> GateConfig:
+        cfg = self.config
+        if self.source == "calibration":
+            return self.calibration_for(batch_size).variant(variant)
+        if self.source == "cost-curve":
+            lam = min(1.0, level_cost_ratio(self.cost, batch_size, cfg.beam_width))
+            depths = default_gate(cfg.max_depth).depths
+            sparse = GateConfig(depths, tuple(lam for _ in depths))
+            return dense_from_sparse(sparse, cfg.max_depth) if variant == "dense" else sparse
+        if self.source == "config":
+            sparse = GateConfig(tuple(cfg.gate_depths), tuple(cfg.gate_thresholds or ()))
+        else:
+            sparse = default_gate(cfg.max_depth)
+        if variant == "dense":
+            return dense_from_sparse(sparse, cfg.max_depth)
+        if variant == "fixed":
+            return GateConfig(sparse.depths, tuple(cfg.fixed_threshold for _ in sparse.depths))
+        return sparse

@@ -8,7 +8,8 @@ Every policy answers the same four questions, level by level, and `draft_tree` i
     select(tree, state)         -> (N_tot,) bool: the candidates the target verifies (roots always)
 
 Policies are chosen by name through `POLICIES` / `make_policy`, never by string tests elsewhere, and answer
-capability questions as class attributes (`needs_draft_model`, `is_dynamic`, `shares_budget`).
+capability questions as class attributes (`needs_draft_model`, `is_dynamic`, `shares_budget`). A policy gets
+everything a calibration holds at construction, once: `make_policy(config, cost_model, gate_samples)`.
 
 | name        | drafting                                          | selection                                      |
 |-------------|---------------------------------------------------|------------------------------------------------|
@@ -24,7 +25,6 @@ capability questions as class attributes (`needs_draft_model`, `is_dynamic`, `sh
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
@@ -34,7 +34,7 @@ from torch import Tensor
 from .budget import BudgetAllocation, allocate_budget, greedy_fill
 from .config import EchoConfig
 from .cost import CostModel, choose_budget
-from .gating import GateCalibration, GateConfig, best_path_confidence, default_gate, gate
+from .gating import GateConfig, GateSamples, GateSchedule, best_path_confidence, gate
 from .tree import DraftLevel, SuperTree, expand_level, priority_order, root_level, segment_rank
 
 __all__ = [
@@ -69,8 +69,11 @@ class DraftState:
     # policy-private label of every node of every drafted level (static: its trie node), level-major
     level_tags: list[Tensor] = field(default_factory=list)
     allocation: BudgetAllocation | None = None
-    # seconds the drafting loop took (draft model included); the budget rule charges it to speculation
-    draft_seconds: float = 0.0
+    # frontier nodes expanded by the draft per level (level 0: the roots); the budget rule charges their
+    # modelled draft time (the cost model's t_draft) to the step
+    frontier_sizes: list[int] = field(default_factory=list)
+    # the gate of this step (echo family: chosen for its batch size)
+    gate: GateConfig | None = None
 
 
 @dataclass
@@ -112,7 +115,8 @@ class TreePolicy:
     is_dynamic: ClassVar[bool] = False
     shares_budget: ClassVar[bool] = False
 
-    def __init__(self, config: EchoConfig, cost_model: CostModel | None = None) -> None:
+    def __init__(self, config: EchoConfig, cost_model: CostModel | None = None,
+                 gate_samples: GateSamples | None = None) -> None:
         self.config = config
         # With a cost model, the echo family picks each step's K with `choose_budget` (<= K_max).
         self.cost_model = cost_model
@@ -170,9 +174,12 @@ def register(cls: type[TreePolicy]) -> type[TreePolicy]:
     return cls
 
 
-def make_policy(config: EchoConfig, cost_model: CostModel | None = None) -> TreePolicy:
-    """The policy object for `config.policy` (EchoConfig has validated the name)."""
-    return POLICIES[config.policy](config, cost_model)
+def make_policy(config: EchoConfig, cost_model: CostModel | None = None,
+                gate_samples: GateSamples | None = None) -> TreePolicy:
+    """The policy object for `config.policy` (EchoConfig has validated the name). cost_model: measured forward
+    times (the echo family then picks each step's K and its gate's lambda from them); gate_samples: a
+    calibration's warm-up evidence (the echo family's gate is then calibrated per batch size)."""
+    return POLICIES[config.policy](config, cost_model, gate_samples)
 
 
 @register
@@ -223,7 +230,8 @@ class StaticTreePolicy(TreePolicy):
 
     name = "static"
 
-    def __init__(self, config: EchoConfig, cost_model: CostModel | None = None) -> None:
+    def __init__(self, config: EchoConfig, cost_model: CostModel | None = None,
+                 gate_samples: GateSamples | None = None) -> None:
         super().__init__(config, cost_model)
         paths = sorted(set(map(tuple, config.static_choices)), key=lambda p: (len(p), p))
         self._depth = max(len(p) for p in paths)
@@ -328,29 +336,27 @@ class EchoPolicy(TreePolicy):
     d, a request still drafting continues iff c_{i,d} > tau_d; a failing request stops and its spine ends one
     level above (the gate said "truncate"). Budget-aware early stop: a request whose c_{i,d} ranks below the
     (K_max - B)-th best per-level confidence of the batch stops drafting, since none of its deeper nodes could
-    win budget from the nodes already ahead of it. Selection: `allocate_budget` (P1 depth, P2 width).
+    win budget from the nodes already ahead of it. Cost-aware stop (with a cost model): drafting stops for the
+    whole batch when the next level cannot pay for itself, i.e. when the tokens it may add, at most
+    sum_active c_{i,d}, are worth less than its cost, t_draft(active * beam) + t_verify(B + active) - t_verify(B)
+    seconds at the AR rate of B / t_verify(B) tokens per second. Selection: `allocate_budget` (P1 depth, P2
+    width), then `choose_budget` picks K along that order.
     """
 
     name = "echo"
     is_dynamic = True
     shares_budget = True
+    # which gate of the schedule this policy uses (gating.GATE_VARIANTS)
+    gate_variant: ClassVar[str] = "sparse"
 
-    def __init__(self, config: EchoConfig, cost_model: CostModel | None = None) -> None:
+    def __init__(self, config: EchoConfig, cost_model: CostModel | None = None,
+                 gate_samples: GateSamples | None = None) -> None:
         super().__init__(config, cost_model)
-        self.gate_config = self._make_gate(config)
-        # batch size -> GateCalibration (a calibration's gate_for); when set, each step's gate is the one
-        # calibrated for its batch size instead of the fixed config's
-        self.gate_provider: Callable[[int], GateCalibration] | None = None
+        self.gates = GateSchedule(config, cost_model, gate_samples)
 
-    @staticmethod
-    def _make_gate(config: EchoConfig) -> GateConfig:
-        if config.gate_depths is not None:
-            return GateConfig(tuple(config.gate_depths), tuple(config.gate_thresholds or ()))
-        return default_gate(config.max_depth)
-
-    @staticmethod
-    def _gate_from(calibration: GateCalibration) -> GateConfig:
-        return calibration.gate_config()
+    def gate_for(self, batch_size: int) -> GateConfig:
+        """The gate a step of `batch_size` requests uses."""
+        return self.gates.gate_for(batch_size, self.gate_variant)
 
     @property
     def expand_width(self) -> int:
@@ -360,22 +366,22 @@ class EchoPolicy(TreePolicy):
         budget = self.config.k_max if budget is None else budget
         if budget < batch_size:
             raise ValueError(f"K_max = {budget} is below the batch size {batch_size}: every request needs its root")
-        if self.gate_provider is not None:
-            self.gate_config = self._gate_from(self.gate_provider(batch_size))
         state = super().start(batch_size, budget)
+        state.gate = self.gate_for(batch_size)
         state.active &= budget > batch_size  # no budget beyond the roots: nobody drafts (plain AR)
         return state
 
     def observe(self, level: DraftLevel, state: DraftState) -> None:
         c = best_path_confidence(level, state.batch_size).cpu()  # (B,)
         state.confidence.append(c)
-        tau = self.gate_config.threshold_at(level.depth)
+        tau = state.gate.threshold_at(level.depth)
         if tau is not None:
             passed = gate(c, tau, state.active)
             state.failed_at[state.active & ~passed] = level.depth
             state.active = passed
         state.spine_depth[state.active] = level.depth
         self._budget_stop(state)
+        self._cost_stop(state)
 
     @staticmethod
     def _budget_stop(state: DraftState) -> None:
@@ -386,12 +392,24 @@ class EchoPolicy(TreePolicy):
         bar = torch.topk(history.reshape(-1), spare).values[-1] if spare > 0 else torch.tensor(float("inf"))
         state.active &= state.confidence[-1] >= bar
 
+    def _cost_stop(self, state: DraftState) -> None:
+        if self.cost_model is None or not bool(state.active.any()) or not self.cost_model.draft_tokens:
+            return
+        cost, b = self.cost_model, state.batch_size
+        n = int(state.active.sum())
+        step = float(cost.verify_time(b))
+        seconds = float(cost.draft_time(n * self.expand_width)) + float(cost.verify_time(b + n)) - step
+        gain = float(state.confidence[-1][state.active].sum())  # tokens the next level may add, at most
+        if gain * step <= seconds * b:
+            state.active = torch.zeros_like(state.active)
+
     def select(self, tree: SuperTree, state: DraftState) -> Tensor:
         alloc = allocate_budget(
             tree, state.spine_depth.to(tree.token_ids.device), int(state.budget), self.config.max_nodes_per_request
         )
         if self.cost_model is not None and alloc.order.numel():
-            k = choose_budget(tree.path_probs[alloc.order], state.batch_size, self.cost_model, state.draft_seconds)
+            drafted = sum(float(self.cost_model.draft_time(f)) for f in state.frontier_sizes)  # sunk this step
+            k = choose_budget(tree.path_probs[alloc.order], state.batch_size, self.cost_model, drafted)
             alloc = alloc.truncated(k, tree.request_ids)
         state.allocation = alloc
         return alloc.selected
@@ -402,44 +420,15 @@ class EchoDenseGatePolicy(EchoPolicy):
     """Ablation: gate at every depth (per-depth thresholds)."""
 
     name = "echo-dense"
-
-    @staticmethod
-    def _make_gate(config: EchoConfig) -> GateConfig:
-        sparse = EchoPolicy._make_gate(config)
-        # Thresholds between configured gates are interpolated geometrically; beyond them the nearest is used.
-        depths = tuple(range(1, config.max_depth + 1))
-        known = dict(zip(sparse.depths, sparse.thresholds))
-        xs = sorted(known)
-        taus = []
-        for d in depths:
-            lo = max((x for x in xs if x <= d), default=xs[0])
-            hi = min((x for x in xs if x >= d), default=xs[-1])
-            if lo == hi or known[lo] <= 0 or known[hi] <= 0:
-                taus.append(known[lo] if lo == hi else min(known[lo], known[hi]))
-            else:
-                t = (d - lo) / (hi - lo)
-                taus.append(float(known[lo] ** (1 - t) * known[hi] ** t))
-        return GateConfig(depths, tuple(taus))
-
-    @staticmethod
-    def _gate_from(calibration: GateCalibration) -> GateConfig:
-        return calibration.dense_gate_config()  # its own calibrated tau_d at every depth
+    gate_variant = "dense"
 
 
 @register
 class EchoFixedThresholdPolicy(EchoPolicy):
-    """Ablation: one threshold (`fixed_threshold`) at every gate depth."""
+    """Ablation: one threshold (`fixed_threshold`, or the calibration's pooled one) at every gate depth."""
 
     name = "echo-fixed"
-
-    @staticmethod
-    def _make_gate(config: EchoConfig) -> GateConfig:
-        sparse = EchoPolicy._make_gate(config)
-        return GateConfig(sparse.depths, tuple(config.fixed_threshold for _ in sparse.depths))
-
-    @staticmethod
-    def _gate_from(calibration: GateCalibration) -> GateConfig:
-        return calibration.fixed_gate_config()
+    gate_variant = "fixed"
 
 
 def draft_tree(
@@ -451,18 +440,17 @@ def draft_tree(
     distribution (F, V) after each frontier node; the runtime runs the draft model there, tests use synthetic
     distributions.
     """
-    t0 = time.perf_counter()
     levels = [root_level(root_token_ids)]
     state = policy.start(root_token_ids.numel(), budget)
     for depth in range(1, policy.max_depth + 1):
         frontier = policy.frontier(levels[-1], state)
         if frontier.numel() == 0:
             break
+        state.frontier_sizes.append(frontier.numel())
         probs = draft_fn(levels[-1], frontier)  # (F, V)
         level = expand_level(levels[-1], frontier, probs, policy.num_children(depth))
         levels.append(level)
         policy.observe(level, state)
     candidates = SuperTree.from_levels(levels)
-    state.draft_seconds = time.perf_counter() - t0
     mask = policy.select(candidates, state)
     return DraftResult(candidates, mask, candidates.select(mask), state)

@@ -15,17 +15,58 @@ import torch
 
 from .llama import CausalLM, ModelConfig
 
-__all__ = ["Tokenizer", "load_model", "load_tokenizer", "check_same_vocabulary"]
+__all__ = ["Tokenizer", "load_model", "load_tokenizer", "check_same_vocabulary", "check_model_path", "choose_dtype",
+           "DTYPE_CHOICES"]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+# "auto": bfloat16 on CUDA; on a CPU whichever of float32 / bfloat16 runs this model's linears faster (choose_dtype)
+DTYPE_CHOICES = ("auto", *DTYPES)
+AUTO_ROWS = (1, 64)  # rows timed by choose_dtype: one decode row, and a verification step's worth
+AUTO_MARGIN = 1.25  # bfloat16 must be this much faster to be chosen on a CPU (close calls stay float32)
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPE_CHOICES)}")
     return DTYPES[dtype]
+
+
+def time_linear(in_features: int, out_features: int, dtype: torch.dtype, rows: int, repeats: int = 5,
+                device: str | torch.device = "cpu") -> float:
+    """Fastest of `repeats` timings (seconds) of one (rows x in) @ (in x out) linear: the shape that dominates a
+    transformer forward. The minimum, not the median: on a shared machine noise only ever adds time."""
+    import time
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(out_features, in_features, generator=gen).to(dtype=dtype, device=device)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype=dtype, device=device)
+    torch.nn.functional.linear(x, w)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def choose_dtype(config: ModelConfig, device: str | torch.device = "cpu") -> tuple[torch.dtype, dict]:
+    """The dtype "auto" resolves to for this model on this device, and the timings it was chosen from.
+
+    CUDA: bfloat16. CPU: time the model's MLP linear (hidden -> intermediate) at AUTO_ROWS rows in float32 and
+    bfloat16; bfloat16 wins when its summed time is AUTO_MARGIN times smaller. CPUs with bf16 matrix instructions
+    (AMX, AVX512-BF16) run many-row bf16 linears several times faster than fp32; CPUs without them (AVX2 only)
+    run them several times slower (docs/dtype.md)."""
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16, {"rule": "cuda: bfloat16"}
+    seconds = {name: sum(time_linear(config.hidden_size, config.intermediate_size, DTYPES[name], r) for r in AUTO_ROWS)
+               for name in ("float32", "bfloat16")}
+    choice = "bfloat16" if seconds["bfloat16"] * AUTO_MARGIN < seconds["float32"] else "float32"
+    return DTYPES[choice], {"rule": f"cpu: linear {config.hidden_size}x{config.intermediate_size} at rows "
+                                    f"{list(AUTO_ROWS)}", "seconds": seconds, "chosen": choice}
 
 
 @dataclass
@@ -61,7 +102,10 @@ def _hf_tokenizer(path: Path, gguf_file: str | None = None):
 
 def load_tokenizer(path: str | Path, config: ModelConfig | None = None) -> Tokenizer:
     path = Path(path)
-    hf = _hf_tokenizer(path.parent, path.name) if path.suffix == ".gguf" else _hf_tokenizer(path)
+    try:
+        hf = _hf_tokenizer(path.parent, path.name) if path.suffix == ".gguf" else _hf_tokenizer(path)
+    except Exception as e:  # a missing or corrupted tokenizer.json / GGUF vocabulary
+        raise ValueError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
     eos = list(config.eos_token_ids if config else ())
     if hf.eos_token_id is not None and hf.eos_token_id not in eos:
         eos.append(hf.eos_token_id)
@@ -69,6 +113,20 @@ def load_tokenizer(path: str | Path, config: ModelConfig | None = None) -> Token
 
 
 # ---------------------------------------------------------------------------------------------------------- HF
+
+
+def read_hf_config(cfg_file: Path) -> ModelConfig:
+    """An HF config.json as a ModelConfig; errors name the file."""
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{cfg_file}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{cfg_file}: expected a JSON object, got {type(raw).__name__}")
+    try:
+        return ModelConfig.from_hf(raw)
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"{cfg_file}: {e}") from None
 
 
 def load_hf(path: Path, dtype: torch.dtype, device) -> CausalLM:
@@ -80,10 +138,13 @@ def load_hf(path: Path, dtype: torch.dtype, device) -> CausalLM:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors weights (only safetensors checkpoints are supported)")
-    config = ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+    config = read_hf_config(cfg_file)
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(str(f)))
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:  # SafetensorError, OSError: a truncated or corrupted file
+            raise ValueError(f"{f}: cannot read the safetensors weights ({type(e).__name__}: {e})") from None
     model = CausalLM(config)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -165,8 +226,15 @@ def load_gguf(path: Path, dtype: torch.dtype, device) -> CausalLM:
         from gguf.quants import dequantize
     except ImportError as e:  # pragma: no cover - gguf is a dependency
         raise ImportError("loading GGUF files needs the `gguf` package") from e
-    reader = GGUFReader(str(path))
-    config = gguf_config(reader)
+    try:
+        reader = GGUFReader(str(path))
+        config = gguf_config(reader)
+    except ValueError as e:
+        if "not supported" in str(e):
+            raise ValueError(f"{path}: {e}") from None
+        raise ValueError(f"{path}: cannot read the GGUF file ({e})") from None
+    except Exception as e:  # struct / numpy errors from a truncated or corrupted file
+        raise ValueError(f"{path}: cannot read the GGUF file ({type(e).__name__}: {e})") from None
     state = {}
     for t in reader.tensors:
         if t.name in _GGUF_NAMES:
@@ -194,18 +262,30 @@ def load_gguf(path: Path, dtype: torch.dtype, device) -> CausalLM:
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
                with_tokenizer: bool = True) -> tuple[CausalLM, Tokenizer | None]:
-    """Load an HF model directory or a .gguf file (and its tokenizer)."""
+    """Load an HF model directory or a .gguf file (and its tokenizer). dtype "auto": see `choose_dtype` (the
+    weights are read in float32, then converted)."""
     path = Path(path)
-    dt = resolve_dtype(dtype)
-    if not path.exists():
-        raise FileNotFoundError(f"model path {str(path)!r} does not exist (expected an HF model directory or a .gguf file)")
-    if path.is_file() and path.suffix == ".gguf":
+    auto = dtype == "auto"
+    dt = torch.float32 if auto else resolve_dtype(dtype)
+    check_model_path(path)
+    if path.is_file():
         model = load_gguf(path, dt, device)
-    elif path.is_dir():
-        model = load_hf(path, dt, device)
     else:
-        raise ValueError(f"model path {str(path)!r} is neither an HF model directory nor a .gguf file")
+        model = load_hf(path, dt, device)
+    if auto:
+        chosen, _ = choose_dtype(model.config, device)
+        model = model.to(chosen)
     return model, (load_tokenizer(path, model.config) if with_tokenizer else None)
+
+
+def check_model_path(path: str | Path, name: str = "model") -> None:
+    """Cheap checks before anything is loaded: the path exists and is a .gguf file or a directory."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{name} path {str(path)!r} does not exist (expected an HF model directory or a "
+                                ".gguf file)")
+    if not (path.is_dir() or (path.is_file() and path.suffix == ".gguf")):
+        raise ValueError(f"{name} path {str(path)!r} is neither an HF model directory nor a .gguf file")
 
 
 def check_same_vocabulary(target: Tokenizer, draft: Tokenizer) -> None:

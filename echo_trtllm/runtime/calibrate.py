@@ -1,7 +1,7 @@
 """Calibration on the current device: the cost curve, warm-up gate samples, and the file that holds both.
 
     measure_cost_model   t_verify(T) and t_draft(T): one target / draft forward over T new tokens at a fixed
-                         context, median of `repeats` timed runs after a warm-up
+                         context, fastest of `repeats` timed runs after a warm-up (noise only ever adds time)
     gate_samples         (depth, confidence, accepted) samples from one executed step (see below)
     collect_gate_samples warm-up traffic through an executor with the gate wide open
     calibrate            all of it -> `Calibration` (cost model + gate calibration + break-even probability)
@@ -11,10 +11,8 @@ its path probability (the gate's c_{i,d}), accepted = the target accepted that n
 the node was verified; the warm-up opens every gate (tau = 0 at every depth) with a budget that verifies every
 request's best spine, so the deepest levels are observed too.
 
-Break-even acceptance probability (the gate's lambda). Drafting and verifying one more level for every request
-at batch size B costs one draft forward over B * beam_width tokens plus the verification of B more tokens,
-(t_draft(B * w) + t_verify(2B) - t_verify(B)) / t_verify(B) of a step, and yields p tokens per request where
-a step yields one; it pays when p exceeds that ratio. It is clamped to [0.02, 0.95].
+The gate's break-even probability lambda comes from the cost curve (core.cost.break_even_accept_prob); the file
+keeps the warm-up samples, so the runtime re-derives the gate for each batch size (core.gating.GateSchedule).
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +28,8 @@ import torch
 from torch import Tensor
 
 from echo_trtllm.core.config import EchoConfig
-from echo_trtllm.core.cost import CostModel
-from echo_trtllm.core.gating import GateCalibration, calibrate_gate
+from echo_trtllm.core.cost import CostModel, break_even_accept_prob
+from echo_trtllm.core.gating import GateCalibration, GateSamples, calibrate_gate
 from echo_trtllm.models.llama import CausalLM
 
 from .inputs import chain_batch
@@ -42,20 +39,22 @@ __all__ = [
     "CALIBRATION_FILE",
     "measure_forward_seconds",
     "measure_cost_model",
-    "break_even_accept_prob",
+    "LOAD_REPEATS",
     "gate_samples",
     "collect_gate_samples",
     "calibrate",
 ]
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
+# The quick curve an uncalibrated engine measures at load (a few seconds on a 1.5B model on a CPU)
+LOAD_REPEATS = 2
 CALIBRATION_FILE = "calibration.json"
 FORMAT_VERSION = 1
 
 
 @torch.inference_mode()
 def measure_forward_seconds(model: CausalLM, tokens: int, context: int = 64, repeats: int = 5) -> float:
-    """Median seconds of one forward writing `tokens` new tokens after `context` cached ones (logits for all)."""
+    """Fastest seconds of one forward writing `tokens` new tokens after `context` cached ones (logits for all)."""
     cache = model.allocate_cache(1, context + tokens)
     gen = torch.Generator().manual_seed(tokens)
     ids = torch.randint(0, model.config.vocab_size, (context + tokens,), generator=gen)
@@ -69,33 +68,23 @@ def measure_forward_seconds(model: CausalLM, tokens: int, context: int = 64, rep
         if model.device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def measure_cost_model(target: CausalLM, draft: CausalLM | None, tokens: tuple[int, ...] = DEFAULT_TOKENS,
                        context: int = 64, repeats: int = 5) -> CostModel:
+    """t_verify(T) (and t_draft(T) with a draft) at each T in `tokens`. With the defaults' `repeats=LOAD_REPEATS`
+    this is what an uncalibrated engine measures at load."""
     verify = tuple(measure_forward_seconds(target, t, context, repeats) for t in tokens)
     draft_times = tuple(measure_forward_seconds(draft, t, context, repeats) for t in tokens) if draft else ()
     return CostModel(tuple(tokens), verify, tuple(tokens) if draft else (), draft_times, 0.0, str(target.device))
 
 
-def break_even_accept_prob(cost: CostModel, batch_size: int, draft_width: int = 0) -> float:
-    """lambda: the acceptance probability above which drafting and verifying one more level pays (module doc).
-
-    Deepening every request of a batch of B by one level costs one draft forward over B * draft_width tokens
-    (the level's expanded nodes) and the verification of B more tokens, against a step that yields one token
-    per request: lambda = (t_draft(B * draft_width) + t_verify(2B) - t_verify(B)) / t_verify(B)."""
-    b = max(1, batch_size)
-    base = float(cost.verify_time(b))
-    extra = float(cost.verify_time(2 * b)) - base
-    if draft_width > 0 and cost.draft_tokens:
-        extra += float(cost.draft_time(b * draft_width))
-    return min(0.95, max(0.02, extra / base))
-
-
 @dataclass
 class Calibration:
-    """What `echo-trtllm calibrate` measured; the runtime applies it (`apply`) and uses its cost model."""
+    """What `echo-trtllm calibrate` measured: the cost curve and the gate's warm-up samples. The runtime hands both
+    to the policy at construction (`make_policy(config, cost_model, gate_samples)`); `gate` is the rule's result
+    at the warm-up's batch size, kept for the record."""
 
     cost_model: CostModel
     gate: GateCalibration
@@ -109,34 +98,14 @@ class Calibration:
     # be re-derived for any batch size (gate_for)
     samples: dict | None = None
 
-    def gate_for(self, batch_size: int) -> GateCalibration:
-        """The gate calibrated for `batch_size`: same samples, break-even probability from the cost curve at that
-        batch size (verification is nearly free at B = 1 and dear under load, so tau_d rises with load)."""
+    def gate_samples(self) -> GateSamples:
+        """The warm-up evidence the runtime's gate is calibrated from (per batch size, see GateSchedule)."""
         if self.samples is None:
-            return self.gate
-        lam = break_even_accept_prob(self.cost_model, batch_size, int(self.warmup.get("draft_width", 0)))
-        cached = self._gates.get(lam)
-        if cached is None:
-            cached = calibrate_gate(torch.tensor(self.samples["depths"], dtype=torch.long),
-                                    torch.tensor(self.samples["confidences"], dtype=torch.float32),
-                                    torch.tensor(self.samples["accepted"], dtype=torch.bool), self.gate.max_depth,
-                                    self.gate.num_sweet_spots, lam)
-            self._gates[lam] = cached
-        return cached
-
-    def __post_init__(self) -> None:
-        self._gates: dict[float, GateCalibration] = {}
-
-    def apply(self, config: EchoConfig) -> EchoConfig:
-        """The config with the calibrated gate (sparse depths and tau_d; echo-fixed's single tau)."""
-        if self.gate.max_depth != config.max_depth:
-            raise ValueError(
-                f"the calibration was made for max_depth={self.gate.max_depth} but the config has "
-                f"max_depth={config.max_depth}: recalibrate (echo-trtllm calibrate --max-depth {config.max_depth})"
-            )
-        return dataclasses.replace(config, gate_depths=tuple(self.gate.gate_depths),
-                                   gate_thresholds=tuple(float(t) for t in self.gate.thresholds),
-                                   fixed_threshold=float(self.gate.fixed_threshold))
+            raise ValueError("this calibration carries no gate samples: recalibrate with echo-trtllm calibrate")
+        return GateSamples(torch.tensor(self.samples["depths"], dtype=torch.long),
+                           torch.tensor(self.samples["confidences"], dtype=torch.float32),
+                           torch.tensor(self.samples["accepted"], dtype=torch.bool), self.gate.max_depth,
+                           self.gate.num_sweet_spots, self.break_even_accept_prob)
 
     def to_json(self) -> str:
         return json.dumps({
@@ -226,14 +195,15 @@ def warmup_config(config: EchoConfig, batch_size: int) -> EchoConfig:
 def calibrate(target: CausalLM, draft: CausalLM, tokenizer, config: EchoConfig, prompts: list[str],
               batch_size: int = 4, max_tokens: int = 32, max_seq_len: int = 1024,
               cost_tokens: tuple[int, ...] = DEFAULT_TOKENS, repeats: int = 5, num_sweet_spots: int = 2,
-              progress=None) -> Calibration:
-    """Measure the cost model, run warm-up traffic, calibrate the gate; nothing is written (see Calibration.save)."""
+              progress=None, cost_model: CostModel | None = None) -> Calibration:
+    """Measure the cost model (unless `cost_model` is given), run warm-up traffic, calibrate the gate; nothing is
+    written (see Calibration.save)."""
     from .executor import Executor
     from .request import SamplingParams
 
     if not prompts:
         raise ValueError("calibration needs at least one warm-up prompt")
-    cost = measure_cost_model(target, draft, cost_tokens, repeats=repeats)
+    cost = cost_model or measure_cost_model(target, draft, cost_tokens, repeats=repeats)
     lam = break_even_accept_prob(cost, batch_size, config.beam_width)
     warm = warmup_config(config, batch_size)
     ex = Executor(target, draft, tokenizer, warm, max_batch_size=batch_size, max_seq_len=max_seq_len)

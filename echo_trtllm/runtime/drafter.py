@@ -13,8 +13,6 @@ acceptance uses the target's processed distribution, so outputs stay lossless wh
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import Tensor
 
@@ -22,6 +20,7 @@ from echo_trtllm.core.tree import DraftLevel, SuperTree
 from echo_trtllm.core.verify import VerifyResult
 from echo_trtllm.models.llama import CausalLM, KVCache
 
+from .clock import Clock, WallClock
 from .inputs import chain_batch, make_batch
 from .request import Request
 
@@ -31,9 +30,10 @@ STEADY_CHAIN = 2  # pending tokens per request in steady speculation: the bonus 
 
 
 class Drafter:
-    def __init__(self, model: CausalLM, cache: KVCache) -> None:
+    def __init__(self, model: CausalLM, cache: KVCache, clock: Clock | None = None) -> None:
         self.model = model
         self.cache = cache
+        self.clock = clock or WallClock(model.device)
         self._requests: list[Request] = []
         self.model_seconds = 0.0  # draft forward time of the current step (the rest of drafting is control)
         self.catch_up_seconds = 0.0  # part of it spent catching up after AR steps (see _expand_roots)
@@ -56,28 +56,32 @@ class Drafter:
 
     def draft_fn(self, level: DraftLevel, frontier: Tensor) -> Tensor:
         """(F, V) draft distribution after each frontier node of `level`."""
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         if level.depth == 0:
             logits = self._expand_roots(frontier)
         else:
             logits = self._expand_nodes(level, frontier)
         probs = torch.softmax(logits, dim=-1).cpu()  # the drafting loop (host control plane) reads them
-        self.model_seconds += time.perf_counter() - t0
+        self.model_seconds += self.clock.now() - t0
         return probs
+
+    def _forward(self, batch) -> Tensor:
+        with self.clock.forward("draft", batch.input_ids.numel()):
+            return self.model(batch, self.cache)
 
     def _expand_roots(self, frontier: Tensor) -> Tensor:
         reqs = frontier.tolist()  # level 0: node index == request index
         chains = [torch.tensor(self._requests[i].all_token_ids[self._requests[i].draft_ctx :]) for i in reqs]
         starts = torch.tensor([self._requests[i].draft_ctx for i in reqs], dtype=torch.long)
-        t0 = time.perf_counter()
-        logits = self.model(chain_batch(chains, starts, self._slots[frontier], logits="last"), self.cache)
+        t0 = self.clock.now()
+        logits = self._forward(chain_batch(chains, starts, self._slots[frontier], logits="last"))
         # Steady speculation feeds the draft 1-2 pending tokens per request; a longer chain is catch-up after
         # AR steps (or a fresh prompt). Its share of this forward beyond STEADY_CHAIN tokens per request is a
         # one-off cost (estimated as proportional to tokens).
         tokens = sum(c.numel() for c in chains)
         steady = STEADY_CHAIN * len(chains)
         if tokens > steady:
-            self.catch_up_seconds += (time.perf_counter() - t0) * (1 - steady / tokens)
+            self.catch_up_seconds += (self.clock.now() - t0) * (1 - steady / tokens)
         b = len(self._requests)
         self._expanded_root[frontier] = True
         pos = torch.full((b,), -1, dtype=torch.long)
@@ -105,7 +109,7 @@ class Drafter:
             prefix_len=self._root_pos[reqs],
             visible=visible,
         )
-        logits = self.model(batch, self.cache)
+        logits = self._forward(batch)
         full_pos = torch.full((level.num_nodes,), -1, dtype=torch.long)
         full_pos[frontier] = pos
         full_visible = torch.full((level.num_nodes, visible.shape[1]), -1, dtype=torch.long)
@@ -119,11 +123,13 @@ class Drafter:
     def commit(self, selected: SuperTree, num_candidates: int, result: VerifyResult, keep: list[bool]) -> None:
         """Keep the accepted path's expanded nodes in the draft cache of every request with keep[b].
 
-        num_candidates: nodes drafted this step; the deepest levels were never expanded and hold no position."""
+        num_candidates: nodes drafted this step; the deepest levels were never expanded and hold no position.
+        The requests' draft_ctx moves only once the cache is compacted: if compaction fails, every request keeps
+        its old draft_ctx, whose positions compaction never writes, and the next step catches up from there."""
         flat_pos = torch.full((num_candidates,), -1, dtype=torch.long)
         seen = torch.cat(self._level_pos) if self._level_pos else flat_pos[:0]
         flat_pos[: seen.numel()] = seen
-        src, dst, slots = [], [], []
+        src, dst, slots, new_ctx = [], [], [], []
         for b, (req, nodes) in enumerate(zip(self._requests, result.node_lists())):
             if not keep[b] or not bool(self._expanded_root[b]):
                 continue  # the draft saw nothing new of this request this step
@@ -138,6 +144,8 @@ class Drafter:
                     dst.append(base + kept)
                     slots.append(req.slot)
                 kept += 1
-            req.draft_ctx = base + kept
+            new_ctx.append((req, base + kept))
         if src:
             self.cache.compact(torch.tensor(slots), torch.tensor(src), torch.tensor(dst))
+        for req, ctx in new_ctx:
+            req.draft_ctx = ctx

@@ -1,19 +1,31 @@
 """A background thread that runs the executor loop, and the handles requests are answered through.
 
-The loop sleeps while there is no work, runs `Executor.step()` otherwise, and pushes a snapshot to each updated
-request's handle. A failure inside a step fails the requests of that step (finish_reason "error", the message
-kept) and the loop goes on serving everyone else.
+Threads: callers submit and abort through an inbox (a short lock, never held while a step runs, so a submission
+never waits for a step and an asyncio event loop is never blocked); only the engine thread touches the executor.
+Between steps it takes the inbox, aborts what was cancelled, runs `Executor.step()` and pushes each updated
+request's output to its handle.
+
+Every request ends, with output or an error, and returns its KV slot:
+- the executor contains failures by phase (see runtime/executor.py); a step that still raises ends every request
+  the loop holds with finish_reason "error" and the loop goes on;
+- `GenerationHandle.abort()` / `LLM.abort(request_id)` end a request with finish_reason "abort"; a stream the caller
+  stops iterating (sync or async) is aborted the same way;
+- `shutdown()` (also run at interpreter exit) aborts whatever is left and joins the thread, so the process never
+  exits with the loop inside a model forward.
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
+import atexit
 import threading
+import time
 import traceback
+import weakref
+from collections import deque
 from dataclasses import dataclass, field
 
-from .executor import Executor
+from .executor import Executor, StepReport
 from .request import Request, RequestStats
 
 __all__ = ["CompletionOutput", "RequestOutput", "GenerationHandle", "EngineLoop"]
@@ -67,137 +79,289 @@ def _held_back(text: str, stops: list[str]) -> int:
     return hold
 
 
-def snapshot(req: Request, prev_text: str = "", prev_tokens: int = 0) -> RequestOutput:
-    text = req.text
-    if not req.finished:
-        text = text[: len(text) - _held_back(text, req.params.stop_strings)]
-    if not text.startswith(prev_text):
-        raise RuntimeError(f"streamed text would be taken back: sent {prev_text!r}, now {text!r}")
-    diff = text[len(prev_text):]
-    out = CompletionOutput(0, text, list(req.output_token_ids), req.finish_reason, diff,
-                           list(req.output_token_ids[prev_tokens:]))
-    stats = RequestStats(req.stats.steps, list(req.stats.emitted_per_step), req.stats.verified_tokens)
-    return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [out], req.finished, stats, req.error)
+@dataclass(frozen=True)
+class _Record:
+    """One published snapshot, as lengths into the handle's append-only text and tokens (a long stream keeps
+    O(steps) small records, not a copy of its text per step)."""
+
+    text_len: int
+    num_tokens: int
+    steps: int
+    verified_tokens: int
+    finish_reason: str | None
+    error: str | None
 
 
 class GenerationHandle:
-    """What `LLM.generate_async` returns: iterate (sync or async) for streaming snapshots, or call `result()`."""
+    """What `LLM.generate_async` returns: iterate (sync or async) for streaming snapshots, or call `result()`.
 
-    def __init__(self, request: Request, streaming: bool) -> None:
+    Iterating again replays the snapshots from the start. Leaving an iteration before the final snapshot (break,
+    an exception, an abandoned async generator) aborts the request, as does `abort()`."""
+
+    def __init__(self, request: Request, streaming: bool, engine: "EngineLoop") -> None:
         self.request = request
+        self.request_id = request.request_id
         self.streaming = streaming
-        self._queue: queue.Queue[RequestOutput] = queue.Queue()
-        self._done = threading.Event()
-        self._final: RequestOutput | None = None
-        self._sent_text, self._sent_tokens = "", 0
+        self._engine = engine
+        self._cond = threading.Condition()
+        self._records: list[_Record] = []
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        # append-only copies owned by the handle (the engine thread extends them)
+        self._text = ""
+        self._tokens: list[int] = []
+        self._emitted: list[int] = []
+        self._arrival = time.perf_counter()
+        self._first_token: float | None = None
+        self._finished_at: float | None = None
 
-    # called by the engine thread
+    # ------------------------------------------------------------ engine thread
+
     def _publish(self) -> None:
-        out = snapshot(self.request, self._sent_text, self._sent_tokens)
-        self._sent_text, self._sent_tokens = out.text, len(out.token_ids)
-        if self.streaming or out.finished:
-            self._queue.put(out)
-        if out.finished:
-            self._final = out
-            self._done.set()
+        req = self.request
+        text = req.text if req.finished else req.text[: len(req.text) - _held_back(req.text, req.params.stop_strings)]
+        if not text.startswith(self._text):
+            raise RuntimeError(f"streamed text would be taken back: sent {self._text!r}, now {text!r}")
+        self._push(text, req.output_token_ids, req.stats, req.finish_reason, req.error)
 
-    def _publish_error(self) -> None:
-        out = RequestOutput(self.request.request_id, self.request.prompt, list(self.request.prompt_token_ids),
-                            [CompletionOutput(0, self._sent_text, [], "error")], True, RequestStats(), self.request.error)
-        self._final = out
-        self._queue.put(out)
-        self._done.set()
+    def _publish_error(self, error: str) -> None:
+        """The final snapshot when the request's own output could not be produced: what was sent stays."""
+        self._push(self._text, self._tokens, None, "error", error)
+
+    def _push(self, text: str, tokens: list[int], stats: RequestStats | None, finish_reason, error) -> None:
+        now = time.perf_counter()
+        with self._cond:
+            if self._records and self._records[-1].finish_reason is not None:
+                return  # already final
+            self._text = text
+            self._tokens.extend(tokens[len(self._tokens):])
+            if stats is not None:
+                self._emitted.extend(stats.emitted_per_step[len(self._emitted):])
+            if self._tokens and self._first_token is None:
+                self._first_token = now
+            if finish_reason is not None:
+                self._finished_at = now
+            steps = stats.steps if stats is not None else len(self._emitted)
+            verified = stats.verified_tokens if stats is not None else (
+                self._records[-1].verified_tokens if self._records else 0)
+            record = _Record(len(self._text), len(self._tokens), steps, verified, finish_reason, error)
+            if self.streaming or finish_reason is not None:
+                self._records.append(record)
+            self._cond.notify_all()
+            waiters, self._waiters = self._waiters, []
+        for loop, event in waiters:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # that event loop is closed: nobody waits there any more
+                pass
+
+    # ------------------------------------------------------------ caller side
+
+    def _output(self, i: int) -> RequestOutput:
+        rec = self._records[i]
+        prev = self._records[i - 1] if i > 0 else _Record(0, 0, 0, 0, None, None)
+        req = self.request
+        out = CompletionOutput(0, self._text[: rec.text_len], self._tokens[: rec.num_tokens], rec.finish_reason,
+                               self._text[prev.text_len : rec.text_len], self._tokens[prev.num_tokens : rec.num_tokens])
+        stats = RequestStats(rec.steps, self._emitted[: rec.steps], rec.verified_tokens, self._arrival,
+                             self._first_token if rec.num_tokens else None,
+                             self._finished_at if rec.finish_reason is not None else None)
+        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [out],
+                             rec.finish_reason is not None, stats, rec.error)
 
     @property
     def done(self) -> bool:
-        return self._done.is_set()
+        with self._cond:
+            return bool(self._records) and self._records[-1].finish_reason is not None
+
+    def abort(self) -> None:
+        """Cancel the request (finish_reason "abort"; what was generated so far is kept). No-op once finished."""
+        if not self.done:
+            self._engine.abort(self.request_id)
 
     def result(self, timeout: float | None = None) -> RequestOutput:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.request.request_id} did not finish within {timeout} s")
-        assert self._final is not None
-        if self._final.error is not None:
-            raise RuntimeError(f"request {self.request.request_id} failed: {self._final.error}")
-        return self._final
+        """The final output. Raises RuntimeError if the request failed, TimeoutError after `timeout` seconds."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.done, timeout):
+                raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+            out = self._output(len(self._records) - 1)
+        if out.error is not None:
+            raise RuntimeError(f"request {self.request_id} failed: {out.error}")
+        return out
+
+    def _next(self, i: int) -> RequestOutput | None:
+        with self._cond:
+            return self._output(i) if i < len(self._records) else None
+
+    def _checked(self, out: RequestOutput) -> RequestOutput:
+        if out.error is not None:
+            raise RuntimeError(f"request {self.request_id} failed: {out.error}")
+        return out
 
     def __iter__(self):
-        while True:
-            out = self._queue.get()
-            if out.error is not None:
-                raise RuntimeError(f"request {self.request.request_id} failed: {out.error}")
-            yield out
-            if out.finished:
-                return
+        i = 0
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(lambda: i < len(self._records))
+                    out = self._output(i)
+                i += 1
+                yield self._checked(out)
+                if out.finished:
+                    return
+        finally:
+            self.abort()  # the caller left early (no-op when finished)
 
     async def __aiter__(self):
-        while True:
-            out = await asyncio.to_thread(self._queue.get)
-            if out.error is not None:
-                raise RuntimeError(f"request {self.request.request_id} failed: {out.error}")
-            yield out
-            if out.finished:
-                return
+        i = 0
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                event = asyncio.Event()
+                with self._cond:
+                    out = self._output(i) if i < len(self._records) else None
+                    if out is None:
+                        self._waiters.append((loop, event))
+                if out is None:
+                    await event.wait()
+                    continue
+                i += 1
+                yield self._checked(out)
+                if out.finished:
+                    return
+        finally:
+            self.abort()
 
     async def aresult(self) -> RequestOutput:
-        return await asyncio.to_thread(self.result)
+        """`result()` for asyncio: waits without blocking the event loop."""
+        loop = asyncio.get_running_loop()
+        while True:
+            event = asyncio.Event()
+            with self._cond:
+                if self.done:
+                    out = self._output(len(self._records) - 1)
+                    break
+                self._waiters.append((loop, event))
+            await event.wait()
+        return self._checked(out)
+
+
+def _exit_hook(ref: "weakref.ref[EngineLoop]"):
+    def hook() -> None:
+        loop = ref()
+        if loop is not None:
+            loop.shutdown()
+
+    return hook
 
 
 class EngineLoop:
-    """Runs `executor.step()` on a daemon thread while there is work."""
+    """Runs `executor.step()` on its own thread while there is work (module docstring).
 
-    def __init__(self, executor: Executor) -> None:
+    iter_stats_max_iterations: keep the last this-many `StepReport`s for `get_stats()` (0 = none)."""
+
+    def __init__(self, executor: Executor, iter_stats_max_iterations: int = 0) -> None:
         self.executor = executor
-        self._handles: dict[int, GenerationHandle] = {}
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
+        self._handles: dict[int, GenerationHandle] = {}  # engine thread only
+        self._inbox: deque[tuple[str, object]] = deque()
+        self._cond = threading.Condition()
         self._stop = False
+        self._stats: deque[StepReport] = deque(maxlen=max(iter_stats_max_iterations, 1))
+        self._keep_stats = iter_stats_max_iterations > 0
         self.last_error: str | None = None
         self._thread = threading.Thread(target=self._run, name="echo-trtllm-executor", daemon=True)
+        # Interpreter exit runs this before daemon threads are stopped: the loop finishes its step, aborts what
+        # is left and ends, instead of being killed inside a model forward.
+        self._atexit = _exit_hook(weakref.ref(self))
+        atexit.register(self._atexit)
         self._thread.start()
 
-    def submit(self, request: Request, streaming: bool = False) -> GenerationHandle:
-        handle = GenerationHandle(request, streaming)
-        with self._wake:
+    # ------------------------------------------------------------ any thread
+
+    def submit(self, requests: list[Request], streaming: bool = False) -> list[GenerationHandle]:
+        """Queue requests (atomically: one step sees all of them or none) and return their handles at once."""
+        handles = [GenerationHandle(r, streaming, self) for r in requests]
+        with self._cond:
             if self._stop:
                 raise RuntimeError("the engine has been shut down")
-            self._handles[request.request_id] = handle
-            self.executor.submit(request)
-            self._wake.notify()
-        return handle
+            self._inbox.append(("submit", handles))
+            self._cond.notify()
+        return handles
 
-    def shutdown(self) -> None:
-        with self._wake:
+    def abort(self, request_id: int) -> None:
+        """Cancel a request by id (finish_reason "abort"); unknown or finished ids are ignored."""
+        with self._cond:
+            self._inbox.append(("abort", request_id))
+            self._cond.notify()
+
+    def get_stats(self) -> list[StepReport]:
+        """The step reports kept since the last call (oldest first)."""
+        with self._cond:
+            out = list(self._stats)
+            self._stats.clear()
+        return out
+
+    def shutdown(self, timeout: float | None = 60.0) -> None:
+        with self._cond:
             self._stop = True
-            self._wake.notify()
-        self._thread.join(timeout=30)
+            self._cond.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        atexit.unregister(self._atexit)
+
+    # ------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
+        ex = self.executor
         while True:
-            with self._wake:
-                while not self._stop and not self.executor.has_work:
-                    self._wake.wait()
-                if self._stop:
-                    for h in self._handles.values():
-                        self.executor.abort(h.request, "error", "the engine was shut down")
-                        h._publish()
-                    return
-                try:
-                    report = self.executor.step()
-                    updated = report.updated
-                except Exception as exc:  # noqa: BLE001 - one bad step must not kill the server
-                    self.last_error = traceback.format_exc()
-                    updated = list(self.executor.running)
-                    for req in updated:
-                        self.executor.abort(req, "error", f"{type(exc).__name__}: {exc}")
-                for req in updated:
-                    handle = self._handles.get(req.request_id)
-                    if handle is None:
-                        continue
-                    try:
-                        handle._publish()
-                    except Exception as exc:  # noqa: BLE001 - never let one output kill the loop
-                        self.last_error = traceback.format_exc()
-                        self.executor.abort(req, "error", f"output failed: {type(exc).__name__}: {exc}")
-                        handle._publish_error()
-                    if req.finished:
-                        del self._handles[req.request_id]
+            with self._cond:
+                while not self._stop and not self._inbox and not ex.has_work:
+                    self._cond.wait()
+                items = list(self._inbox)
+                self._inbox.clear()
+                stop = self._stop
+            for kind, item in items:
+                if kind == "submit":
+                    for h in item:
+                        self._handles[h.request_id] = h
+                        ex.submit(h.request)
+                else:
+                    self._end(item, "abort", None)
+            if stop:
+                for rid in list(self._handles):
+                    self._end(rid, "abort", "the engine was shut down")
+                return
+            if not ex.has_work:
+                continue
+            try:
+                report = ex.step()
+                updated = report.updated
+                if self._keep_stats and report.batch_size:
+                    with self._cond:
+                        self._stats.append(report)
+            except Exception as exc:  # noqa: BLE001 - last resort: the executor contains failures by phase
+                self.last_error = traceback.format_exc()
+                for rid in list(self._handles):
+                    self._end(rid, "error", f"engine step failed: {type(exc).__name__}: {exc}")
+                continue
+            for req in updated:
+                self._publish(req)
+
+    def _publish(self, req: Request) -> None:
+        handle = self._handles.get(req.request_id)
+        if handle is None:
+            return
+        try:
+            handle._publish()
+        except Exception as exc:  # noqa: BLE001 - never let one output kill the loop
+            self.last_error = traceback.format_exc()
+            self.executor.abort(req, "error", f"output failed: {type(exc).__name__}: {exc}")
+            handle._publish_error(req.error)
+        if req.finished:
+            del self._handles[req.request_id]
+
+    def _end(self, request_id: int, reason: str, error: str | None) -> None:
+        handle = self._handles.get(request_id)
+        if handle is None:
+            return
+        self.executor.abort(handle.request, reason, error)
+        self._publish(handle.request)

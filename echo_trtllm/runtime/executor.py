@@ -10,14 +10,29 @@
 Every request owns one KV slot (target and draft) from admission to finish; the slot holds max_seq_len tokens plus
 scratch room for its largest tree. A request's K/V lives at its sequence positions, so the target cache holds
 all tokens but the last (the root of the next tree).
+
+Failures are contained by phase, and a request that got a slot always ends running or finished, its slot back:
+
+    prefill, target      the requests of that prefill chunk finish with an error
+    prefill, draft       ignored: the draft catches up on the prompt at the request's first speculative step
+    drafting / packing   the step falls back to plain AR (nobody fails)
+    target forward,      every request of the step finishes with an error
+      verification
+    finishing one        that request finishes with an error
+      (detokenising)
+    target KV commit     the requests it was committing finish with an error
+    draft KV commit      ignored: the draft keeps its previous context and catches up
+
+Time: every second the executor hands to the budget rule and the tracker comes from its `Clock` (wall time by
+default; a `ModelledClock` makes every decision a function of the tokens processed).
 """
 
 from __future__ import annotations
 
 import itertools
-import math
+import logging
 import random
-import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -25,18 +40,21 @@ import torch
 
 from echo_trtllm import kernels
 from echo_trtllm.core import EchoConfig, SamplingTensors, draft_tree, make_policy, pack, verify
+from echo_trtllm.core.cost import CostModel, SpeculationTracker
+from echo_trtllm.core.gating import GateSamples
 from echo_trtllm.core.policies import DraftResult
 from echo_trtllm.core.verify import VerifyResult
-from echo_trtllm.core.cost import CostModel
 from echo_trtllm.models.llama import CausalLM
 from echo_trtllm.models.loader import Tokenizer
 
+from .clock import Clock, WallClock
 from .drafter import Drafter
 from .inputs import chain_batch, tree_batch
-from .request import Request, SamplingParams
+from .request import Request, SamplingParams, check_prompt
 
-__all__ = ["Executor", "StepReport", "StepTimings", "SpeculationTracker", "check_limits"]
+__all__ = ["Executor", "StepReport", "StepTimings", "check_limits"]
 
+log = logging.getLogger("echo_trtllm.executor")
 
 def check_limits(config: EchoConfig, max_batch_size: int, has_draft: bool) -> None:
     """Reject configurations that cannot run, before anything heavy is loaded."""
@@ -55,92 +73,9 @@ def check_limits(config: EchoConfig, max_batch_size: int, has_draft: bool) -> No
 
 
 @dataclass
-class SpeculationTracker:
-    """Decides before drafting whether a step should speculate at all (echo family with a cost model).
-
-    An explore/exploit rule on measured throughput, tokens per second per request for speculative steps and for
-    plain AR steps: the ratio of exponential moving averages of tokens and of seconds (wall time of the whole
-    step: drafting, control, verification, bookkeeping). A ratio of averages, not an average of per-step rates:
-    speculative steps take about the same time but emit very different numbers of tokens, and averaging their
-    rates would favour lucky steps. The better mode runs; the other is re-measured by a probe every `probe_every` steps so the
-    choice follows the traffic. A speculative step right after AR steps also makes the draft model catch up on
-    the tokens it skipped; that one-off cost is charged to exploration, not to the speculative rate
-    (`update(..., one_off_seconds=...)`).
-
-    Probe spacing: a probe that confirms the choice costs `loss` tokens per request against running the better
-    mode for the same time (loss = probe seconds x better rate - tokens the probe produced). The next probe waits
-    until that is at most `explore_share` of the tokens produced meanwhile (at least twice the last interval, at
-    most `max_probe_every`). A probe that overturns the choice resets the interval. Within a speculative step
-    the cost model picks K (`choose_budget`).
-    """
-
-    probe_every: int = 8
-    min_probe_every: int = 8
-    max_probe_every: int = 1024
-    explore_share: float = 0.02
-    smoothing: float = 0.1
-    # EMAs per mode: tokens per request and seconds per step (None until the mode has run)
-    spec_tokens: float | None = None
-    spec_seconds: float | None = None
-    ar_tokens: float | None = None
-    ar_seconds: float | None = None
-    steps_since_probe: int = 0
-
-    @property
-    def spec_rate(self) -> float | None:
-        return None if self.spec_tokens is None else self.spec_tokens / max(self.spec_seconds, 1e-9)
-
-    @property
-    def ar_rate(self) -> float | None:
-        return None if self.ar_tokens is None else self.ar_tokens / max(self.ar_seconds, 1e-9)
-
-    def should_speculate(self) -> bool:
-        if self.spec_rate is None:
-            return True
-        if self.ar_rate is None:
-            return False
-        better = self.spec_rate > self.ar_rate
-        if self.steps_since_probe + 1 >= self.probe_every:
-            return not better
-        return better
-
-    def _spec_better(self) -> bool | None:
-        if self.spec_rate is None or self.ar_rate is None:
-            return None
-        return self.spec_rate > self.ar_rate
-
-    def update(self, speculated: bool, batch_size: int, emitted: int, seconds: float,
-               one_off_seconds: float = 0.0) -> None:
-        """One step's outcome. one_off_seconds: part of `seconds` that steady speculation would not pay (the
-        draft's catch-up after AR steps); excluded from the rate, counted in the probe's cost."""
-        per_request = emitted / batch_size
-        steady = max(seconds - one_off_seconds, 1e-9)
-        before = self._spec_better()
-        was_probe = before is not None and speculated != before
-        mode = "spec" if speculated else "ar"
-
-        def ema(old: float | None, x: float) -> float:
-            return x if old is None else (1 - self.smoothing) * old + self.smoothing * x
-
-        setattr(self, f"{mode}_tokens", ema(getattr(self, f"{mode}_tokens"), per_request))
-        setattr(self, f"{mode}_seconds", ema(getattr(self, f"{mode}_seconds"), steady))
-        if was_probe:
-            self.steps_since_probe = 0
-            if self._spec_better() == before:
-                better = max(self.spec_rate, self.ar_rate)
-                loss = max(seconds * better - per_request, 0.0)  # tokens per request the probe cost
-                per_step = (self.spec_tokens if before else self.ar_tokens) or 1.0  # per chosen-mode step
-                stretched = math.ceil(loss / (self.explore_share * per_step))
-                self.probe_every = min(max(2 * self.probe_every, stretched), self.max_probe_every)
-            else:
-                self.probe_every = self.min_probe_every
-        else:
-            self.steps_since_probe += 1
-
-
-@dataclass
 class StepTimings:
-    """Wall seconds of one decode step by phase (prefill of newly admitted requests excluded).
+    """Seconds of one decode step by phase, from the executor's clock (prefill of newly admitted requests
+    excluded).
 
     control: ECHO's gate + schedule + pack (drafting loop and selection minus the draft model's forwards, plus
     packing); draft_model: the draft's forwards; verify: the target's forward over the packed trees."""
@@ -153,19 +88,29 @@ class StepTimings:
 
 @dataclass
 class StepReport:
-    """What one step did (for benchmarks, traces and the progress bar)."""
+    """What one step did (for benchmarks, traces, iteration statistics and the progress bar).
+
+    Per-request lists follow the order of the step's batch (`updated[:batch_size]`, the draft's request order)."""
 
     batch_size: int
     verified_tokens: int
     emitted_tokens: int
     drafted_tokens: int
+    # requests that ended this step (finished, or failed with finish_reason "error")
     finished: list[Request]
+    # requests whose output changed or that ended: the step's batch first, then requests failed in admission
     updated: list[Request]
-    speculated: bool = True
+    speculated: bool = False
     timings: StepTimings = field(default_factory=StepTimings)
-    # what was drafted and what the target accepted (None on an empty step)
+    # what was drafted and what the target accepted (None on an empty or failed step)
     draft: DraftResult | None = None
     result: VerifyResult | None = None
+    # per request of the batch: id, output tokens before the step, tokens kept this step
+    request_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    emitted: list[int] = field(default_factory=list)
+    # the draft side failed and the step ran as plain AR
+    draft_failed: bool = False
 
 
 class Executor:
@@ -179,16 +124,21 @@ class Executor:
         max_seq_len: int | None = None,
         max_num_tokens: int | None = None,
         cost_model: CostModel | None = None,
-        gate_provider=None,
+        gate_samples: GateSamples | None = None,
+        clock: Clock | None = None,
     ) -> None:
-        """gate_provider: batch size -> GateCalibration (a Calibration's gate_for) for the echo family's gate."""
-        self.policy = make_policy(config, cost_model)
-        if gate_provider is not None and hasattr(self.policy, "gate_provider"):
-            self.policy.gate_provider = gate_provider
-        self.cost_model = cost_model
-        self.tracker = SpeculationTracker() if cost_model is not None and self.policy.shares_budget else None
-        self._ar_policy = make_policy(EchoConfig(policy="ar"))  # the tracker's plain AR steps
+        """cost_model: measured forward times; with one the echo family picks each step's K from it, derives its
+        gate's lambda per batch size and falls back to plain AR by measured throughput (`SpeculationTracker`).
+        gate_samples: a calibration's warm-up evidence (the gate is then calibrated per batch size).
+        clock: where step times come from (default: wall time)."""
         check_limits(config, max_batch_size, has_draft=draft is not None)
+        self.policy = make_policy(config, cost_model, gate_samples)
+        self.cost_model = cost_model
+        self.clock = clock or WallClock(target.device)
+        self.tracker = None
+        if cost_model is not None and self.policy.shares_budget:
+            self.tracker = SpeculationTracker(cost=cost_model, draft_width=config.beam_width)
+        self._ar_policy = make_policy(EchoConfig(policy="ar"))  # plain AR steps (tracker's choice, draft failure)
         if draft is not None and draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(
                 f"the draft's vocabulary size ({draft.config.vocab_size}) differs from the target's "
@@ -208,30 +158,29 @@ class Executor:
         self.drafter = None
         if self.policy.needs_draft_model:
             cache = draft.allocate_cache(max_batch_size, self.max_seq_len + self.policy.max_expanded_nodes + 1)
-            self.drafter = Drafter(draft, cache)
+            self.drafter = Drafter(draft, cache, self.clock)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_slots = list(range(max_batch_size))
         self._ids = itertools.count()
+        # the last contained failure (traceback text) and how many of each phase (for logs and stats)
+        self.last_error: str | None = None
+        self.failures: dict[str, int] = {}
 
     # ---------------------------------------------------------------- requests
 
     def make_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
-        """Validate and tokenise; raises ValueError with what was wrong and what is accepted."""
+        """Validate and tokenise; raises ValueError / TypeError with what was wrong and what is accepted."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        check_prompt(prompt)
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty: give a non-empty string or a non-empty list of token ids")
-            ids = self.tokenizer.encode(prompt)
-            text = prompt
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids, text = self.tokenizer.encode(prompt), prompt
+        else:
             ids, text = list(prompt), None
             bad = [t for t in ids if not 0 <= t < self.target.config.vocab_size]
             if bad:
                 raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.target.config.vocab_size})")
-        else:
-            raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("prompt is empty: give a non-empty string or a non-empty list of token ids")
         if len(ids) >= self.max_seq_len:
@@ -239,39 +188,56 @@ class Executor:
                 f"prompt has {len(ids)} tokens but the context holds {self.max_seq_len}: it must leave room for at "
                 "least one generated token"
             )
-        return Request(next(self._ids), ids, params, text)
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        return Request(next(self._ids), ids, params, text, generator=torch.Generator().manual_seed(seed))
 
     def submit(self, request: Request) -> None:
-        seed = request.params.seed if request.params.seed is not None else random.getrandbits(63)
-        request.generator = torch.Generator().manual_seed(seed)
         self.waiting.append(request)
 
-    def abort(self, request: Request, reason: str = "error", error: str | None = None) -> None:
-        request.finish_reason, request.error = reason, error
+    def abort(self, request: Request, reason: str = "abort", error: str | None = None) -> None:
+        """End a request wherever it is (waiting, prefilling, running) and return its slot. Idempotent."""
+        if request.finish_reason is None:
+            request.finish_reason, request.error = reason, error
         if request in self.running:
             self.running.remove(request)
-            self.free_slots.append(request.slot)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
+        if request.slot >= 0:
+            self.free_slots.append(request.slot)
+            request.slot = -1
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _contain(self, phase: str, requests: list[Request] | None = None) -> None:
+        """Record the exception being handled; fail `requests` with it (None: the step goes on without them)."""
+        self.last_error = traceback.format_exc()
+        self.failures[phase] = self.failures.get(phase, 0) + 1
+        log.warning("%s failed (%s)%s", phase, self.last_error.strip().splitlines()[-1],
+                    f": {len(requests)} request(s) end with an error" if requests else "")
+        if requests:
+            message = f"{phase} failed: {self.last_error.strip().splitlines()[-1]}"
+            for req in requests:
+                self.abort(req, "error", message)
+
     # ---------------------------------------------------------------- phases
 
-    def admit(self) -> list[Request]:
+    def admit(self) -> tuple[list[Request], list[Request]]:
         """Move waiting requests into free slots and prefill their prompts (all but the last token) into the
         target's cache and, when there is a draft model, into the draft's (as serving engines do: decode steps
-        then feed the draft only the tokens each step adds)."""
+        then feed the draft only the tokens each step adds). Returns (admitted, failed in prefill)."""
         admitted = []
         while self.waiting and self.free_slots:
             req = self.waiting.popleft()
             req.slot = self.free_slots.pop(0)
             admitted.append(req)
-        pending = [r for r in admitted if len(r.prompt_token_ids) > 1]
+        failed: list[Request] = []
         # Prefill in chunks of at most max_num_tokens tokens per forward (target_ctx starts at 0).
-        todo = deque(pending)
+        todo = deque(r for r in admitted if len(r.prompt_token_ids) > 1)
         while todo:
             group, budget = [], self.max_num_tokens
             while todo and budget > 0:
@@ -284,26 +250,61 @@ class Executor:
                     todo.popleft()
                 else:
                     break
-            chains = [torch.tensor(r.prompt_token_ids[r.target_ctx : r.target_ctx + n]) for r, n in group]
-            starts = torch.tensor([r.target_ctx for r, _ in group])
-            slots = torch.tensor([r.slot for r, _ in group])
-            batch = chain_batch(chains, starts, slots, logits="none")
-            self.target(batch, self.target_cache)
+            try:
+                self._prefill_target(group)
+            except Exception:  # noqa: BLE001 - the chunk's requests fail, the rest go on
+                reqs = [r for r, _ in group]
+                self._contain("prefill (target)", reqs)
+                failed.extend(reqs)
+                todo = deque(r for r in todo if r not in reqs)
+                continue
             if self.drafter is not None:  # the draft model's prefill belongs to the prefill phase too
-                self.drafter.model(batch, self.drafter.cache)
+                try:
+                    self._prefill_draft(group)
+                except Exception:  # noqa: BLE001 - the draft catches up at the first speculative step
+                    self._contain("prefill (draft)")
             for r, n in group:
                 r.target_ctx += n
-                if self.drafter is not None:
-                    r.draft_ctx += n
-        self.running.extend(admitted)
-        return admitted
+        ok = [r for r in admitted if not r.finished]
+        self.running.extend(ok)
+        return ok, failed
 
-    def _sampling(self, requests: list[Request]) -> SamplingTensors:
-        return SamplingTensors(
-            torch.tensor([float(r.params.temperature) for r in requests]),
-            torch.tensor([r.params.top_k for r in requests], dtype=torch.long),
-            torch.tensor([float(r.params.top_p) for r in requests]),
+    def _prefill_target(self, group: list[tuple[Request, int]]) -> None:
+        batch = self._chunk_batch(group)
+        with self.clock.forward("target", int(batch.input_ids.numel())):
+            self.target(batch, self.target_cache)
+
+    def _prefill_draft(self, group: list[tuple[Request, int]]) -> None:
+        # Only requests whose draft cache is level with the target's (a failed draft prefill leaves a gap that the
+        # pending chain of their first speculative step fills).
+        level = [(r, n) for r, n in group if r.draft_ctx == r.target_ctx]
+        if not level:
+            return
+        batch = self._chunk_batch(level)
+        with self.clock.forward("draft", int(batch.input_ids.numel())):
+            self.drafter.model(batch, self.drafter.cache)
+        for r, n in level:
+            r.draft_ctx += n
+
+    @staticmethod
+    def _chunk_batch(group: list[tuple[Request, int]]):
+        chains = [torch.tensor(r.prompt_token_ids[r.target_ctx : r.target_ctx + n]) for r, n in group]
+        starts = torch.tensor([r.target_ctx for r, _ in group])
+        slots = torch.tensor([r.slot for r, _ in group])
+        return chain_batch(chains, starts, slots, logits="none")
+
+    def _verify(self, reqs: list[Request], packed, logits: torch.Tensor) -> VerifyResult:
+        """Greedy, or sampling with each request's uniforms of the positions this step covers."""
+        sampling = SamplingTensors(
+            torch.tensor([float(r.params.temperature) for r in reqs]),
+            torch.tensor([r.params.top_k for r in reqs], dtype=torch.long),
+            torch.tensor([float(r.params.top_p) for r in reqs]),
         )
+        if sampling.all_greedy:
+            return verify(packed, logits)
+        depth = int(packed.node_depths.max()) + 1
+        u = torch.tensor([r.position_uniforms(len(r.output_token_ids), depth) for r in reqs], dtype=torch.float64)
+        return verify(packed, logits, sampling, position_uniforms=u)
 
     def _finish(self, req: Request, tokens: list[int]) -> int:
         """Append emitted tokens until a stop condition; returns how many were kept."""
@@ -336,57 +337,87 @@ class Executor:
 
     @torch.inference_mode()
     def step(self) -> StepReport:
-        self.admit()
+        _, failed = self.admit()
         reqs = list(self.running)
         if not reqs:
-            return StepReport(0, 0, 0, 0, [], [])
+            return StepReport(0, 0, 0, 0, list(failed), list(failed))
         b = len(reqs)
         roots = torch.tensor([r.all_token_ids[-1] for r in reqs])
         ctx = torch.tensor([r.target_ctx for r in reqs])
         slots = torch.tensor([r.slot for r in reqs])
-        t_step = time.perf_counter()
-        speculate = self.tracker is None or self.tracker.should_speculate()
-        drafter = self.drafter if speculate else None  # a plain AR step leaves the draft model alone
-        policy = self.policy if speculate else self._ar_policy
-        if drafter is not None:
-            drafter.begin(reqs)
-        budget = min(self.config.k_max, self.max_num_tokens) if policy.shares_budget else None
-        t_draft = time.perf_counter()
-        drafted = draft_tree(policy, roots, drafter.draft_fn if drafter else None, budget)
-        selected = drafted.selected
-        packed = self._pack(selected, ctx)
-        t_verify = time.perf_counter()
-        logits = self.target(tree_batch(packed, ctx, slots), self.target_cache).cpu()  # (N_tot, V)
-        t_verified = time.perf_counter()
+        positions = [len(r.output_token_ids) for r in reqs]
+        t_step = self.clock.now()
+        planned = self.tracker is None or self.tracker.should_speculate(b)
+        drafted, packed, speculated = self._draft(reqs, roots, ctx, planned)
+        drafter = self.drafter if speculated else None
+        t_verify = self.clock.now()
+        try:
+            with self.clock.forward("target", int(packed.total_nodes)):
+                logits = self.target(tree_batch(packed, ctx, slots), self.target_cache).cpu()  # (N_tot, V)
+            t_verified = self.clock.now()
+            result = self._verify(reqs, packed, logits)
+        except Exception:  # noqa: BLE001 - a failing target fails the requests of this step, the engine goes on
+            self._contain("target forward", reqs)
+            return StepReport(b, 0, 0, 0, reqs + failed, reqs + failed, positions=positions)
         draft_model = drafter.model_seconds if drafter is not None else 0.0
-        timings = StepTimings(0.0, draft_model, t_verify - t_draft - draft_model, t_verified - t_verify)
-        sampling = self._sampling(reqs)
-        result = verify(packed, logits, sampling, [r.generator for r in reqs])
+        timings = StepTimings(0.0, draft_model, t_verify - t_step - draft_model, t_verified - t_verify)
 
-        finished, keep, emitted = [], [], 0
-        verified = selected.num_nodes.tolist()
+        finished, keep, emitted, kept_counts = list(failed), [], 0, []
+        verified = drafted.selected.num_nodes.tolist()
         for i, (req, tokens) in enumerate(zip(reqs, result.token_lists())):
-            kept = self._finish(req, tokens)
+            try:
+                kept = self._finish(req, tokens)
+            except Exception:  # noqa: BLE001 - e.g. detokenising: only this request fails
+                self._contain("finishing a request", [req])
+                kept = 0
             emitted += kept
+            kept_counts.append(kept)
             req.stats.steps += 1
             req.stats.emitted_per_step.append(kept)
             req.stats.verified_tokens += verified[i]
             keep.append(not req.finished)
             if req.finished:
                 finished.append(req)
-        self._commit(reqs, result, keep)
+        try:
+            self._commit(reqs, result, keep)
+        except Exception:  # noqa: BLE001 - the target cache of these requests is no longer trustworthy
+            self._contain("target KV commit", [r for r, k in zip(reqs, keep) if k])
+            finished.extend(r for r, k in zip(reqs, keep) if k)
+            keep = [False] * b
         if drafter is not None:
-            drafter.commit(selected, drafted.candidates.total_nodes, result, keep)
+            try:
+                drafter.commit(drafted.selected, drafted.candidates.total_nodes, result, keep)
+            except Exception:  # noqa: BLE001 - draft_ctx stays where it was; the next step catches up
+                self._contain("draft KV commit")
         for req in finished:
-            self.running.remove(req)
-            self.free_slots.append(req.slot)
-        timings.total = time.perf_counter() - t_step
-        if self.tracker is not None:
+            if req in self.running:
+                self.running.remove(req)
+            self._release(req)
+        timings.total = self.clock.now() - t_step
+        if self.tracker is not None and speculated == planned:
             produced = int(result.cu_accepted[-1])  # before stop conditions cut anything
             catch_up = drafter.catch_up_seconds if drafter is not None else 0.0
-            self.tracker.update(speculate, b, produced, timings.total, catch_up)
-        return StepReport(b, int(packed.total_nodes), emitted, int(drafted.candidates.total_nodes) - b, finished, reqs,
-                          speculate, timings, drafted, result)
+            self.tracker.update(b, speculated, produced, timings.total, catch_up)
+        return StepReport(b, int(packed.total_nodes), emitted, int(drafted.candidates.total_nodes) - b, finished,
+                          reqs + failed, speculated, timings, drafted, result, [r.request_id for r in reqs],
+                          positions, kept_counts, draft_failed=planned and not speculated and self.drafter is not None)
+
+    def _draft(self, reqs: list[Request], roots: torch.Tensor, ctx: torch.Tensor, speculate: bool):
+        """The step's Super-Tree and its packed batch: (DraftResult, PackedVerifyBatch, speculated). Falls back to
+        plain AR when the draft side fails (the requests go on)."""
+        if speculate and self.drafter is not None:
+            try:
+                self.drafter.begin(reqs)
+                budget = min(self.config.k_max, self.max_num_tokens) if self.policy.shares_budget else None
+                drafted = draft_tree(self.policy, roots, self.drafter.draft_fn, budget)
+                return drafted, self._pack(drafted.selected, ctx), True
+            except Exception:  # noqa: BLE001 - drafting is an optimisation: this step runs as plain AR
+                self._contain("drafting")
+        elif speculate and not self.policy.needs_draft_model:
+            drafted = draft_tree(self.policy, roots, None, None)
+            return drafted, self._pack(drafted.selected, ctx), False
+        drafted = draft_tree(self._ar_policy, roots, None, None)
+        return drafted, self._pack(drafted.selected, ctx), False
 
     def _pack(self, selected, ctx: torch.Tensor):
         """Flatten & pack. With CUDA models and the plugin built, the packing runs in the plugin's CUDA kernel
@@ -398,7 +429,7 @@ class Executor:
 
     def _commit(self, reqs: list[Request], result, keep: list[bool]) -> None:
         """Target KV: move the accepted path (root, accepted drafts) to ctx, ctx+1, ...; drop the rest."""
-        src, dst, slots = [], [], []
+        src, dst, slots, new_ctx = [], [], [], []
         cu = result.cu_accepted.tolist()
         nodes = result.accepted_node_ids.tolist()
         for i, req in enumerate(reqs):
@@ -411,6 +442,8 @@ class Executor:
                     src.append(req.target_ctx + node - start)
                     dst.append(req.target_ctx + t)
                     slots.append(req.slot)
-            req.target_ctx += len(path)
+            new_ctx.append((req, req.target_ctx + len(path)))
         if src:
             self.target_cache.compact(torch.tensor(slots), torch.tensor(src), torch.tensor(dst))
+        for req, c in new_ctx:
+            req.target_ctx = c

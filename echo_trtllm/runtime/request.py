@@ -8,9 +8,41 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["SamplingParams", "RequestStats", "Request", "FINISH_REASONS"]
+__all__ = ["SamplingParams", "RequestStats", "Request", "FINISH_REASONS", "check_prompt"]
 
-FINISH_REASONS = ("stop", "length", "error")
+# "abort": cancelled by the caller (handle.abort(), LLM.abort(), an abandoned stream, shutdown)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+MAX_SEED = 2**63 - 1
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_prompt(prompt) -> None:
+    """A prompt is a non-empty string of valid Unicode or a non-empty list/tuple of int token ids; raises
+    TypeError / ValueError naming what is wrong (the vocabulary range is checked where it is known)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt is empty: give a non-empty string or a non-empty list of token ids")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"prompt is not valid Unicode text ({e.reason} at character {e.start}): "
+                             "remove lone surrogates or give token ids") from None
+        return
+    if isinstance(prompt, (list, tuple)):
+        if not prompt:
+            raise ValueError("prompt is empty: give a non-empty string or a non-empty list of token ids")
+        bad = [t for t in prompt if not _is_int(t)]
+        if bad:
+            raise TypeError(f"prompt token ids must be integers, got {type(bad[0]).__name__} ({bad[0]!r})")
+        return
+    raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
 
 @dataclass(frozen=True)
@@ -32,21 +64,27 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"SamplingParams.top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"SamplingParams.seed must be a non-negative integer or None, got {self.seed!r}")
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise ValueError(f"SamplingParams.stop must be a non-empty string or a list of them, got {self.stop!r}")
-        if self.stop_token_ids is not None and any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"SamplingParams.stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        def fail(name: str, accepted: str) -> None:
+            raise ValueError(f"SamplingParams.{name} must be {accepted}, got {getattr(self, name)!r}")
+
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            fail("max_tokens", "an integer >= 1")
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            fail("temperature", "a finite number >= 0 (0 = greedy)")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            fail("top_k", "an integer >= 0 (0 = off)")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            fail("top_p", "a number in (0, 1]")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            fail("seed", f"an integer in [0, 2**63 - 1] or None")
+        if not (self.stop is None or (isinstance(self.stop, str) and self.stop) or (
+                isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop))):
+            fail("stop", "a non-empty string, a list of non-empty strings, or None")
+        if not (self.stop_token_ids is None or (isinstance(self.stop_token_ids, (list, tuple)) and all(
+                _is_int(t) and t >= 0 for t in self.stop_token_ids))):
+            fail("stop_token_ids", "a list of non-negative integer token ids or None")
+        if not isinstance(self.ignore_eos, bool):
+            fail("ignore_eos", "True or False")
 
     @property
     def stop_strings(self) -> list[str]:
@@ -67,11 +105,28 @@ class RequestStats:
     emitted_per_step: list[int] = field(default_factory=list)
     # nodes the target verified for this request, summed over steps (root included)
     verified_tokens: int = 0
+    # perf_counter seconds: submitted, first output token published, finished (None until then)
+    arrival_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
 
     @property
     def mean_accepted_tokens(self) -> float:
         """Tokens per verification step (1.0 = plain autoregressive)."""
         return sum(self.emitted_per_step) / self.steps if self.steps else 0.0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.arrival_time is None or self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def latency(self) -> float | None:
+        """Seconds from submission to the final output."""
+        if self.arrival_time is None or self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
 
     @property
     def accepted_length_histogram(self) -> dict[int, int]:
@@ -83,6 +138,8 @@ class RequestStats:
             "mean_accepted_tokens": self.mean_accepted_tokens,
             "accepted_length_histogram": self.accepted_length_histogram,
             "verified_tokens": self.verified_tokens,
+            "time_to_first_token": self.time_to_first_token,
+            "latency": self.latency,
         }
 
 
@@ -99,11 +156,23 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
+    # seeded by make_request (the request's own sampling randomness)
+    generator: torch.Generator | None = None
     # runtime state
     slot: int = -1
     target_ctx: int = 0  # tokens in the target's KV cache (all tokens but the last)
     draft_ctx: int = 0  # tokens in the draft's KV cache
-    generator: torch.Generator | None = None
+    _uniforms: list[float] = field(default_factory=list, repr=False)
+
+    def position_uniforms(self, start: int, count: int) -> list[float]:
+        """Uniforms of output positions start .. start+count-1: the request's sampling stream, drawn from its
+        generator in order and keyed by position, so a position gets the same uniform however the steps that
+        reach it are drafted (verify.verify_sampling)."""
+        buf = self._uniforms
+        if len(buf) < start + count:
+            more = max(start + count - len(buf), 64)
+            buf.extend(torch.rand(more, generator=self.generator, dtype=torch.float64).tolist())
+        return buf[start : start + count]
 
     @property
     def all_token_ids(self) -> list[int]:

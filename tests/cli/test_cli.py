@@ -7,7 +7,7 @@ from echo_trtllm.cli import main
 
 def test_bench_control_smoke_writes_json(tmp_path, capsys):
     out = tmp_path / "control.json"
-    assert main(["bench-control", "--batch-sizes", "1,4", "--k-max", "2,16", "--steps", "2", "--warmup", "0",
+    assert main(["bench-control", "--batch-sizes", "1,4", "--k-max-values", "2,16", "--steps", "2", "--warmup", "0",
                  "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "skipped: K_max below the batch size" in text

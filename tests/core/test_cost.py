@@ -1,9 +1,12 @@
 """The budget rule against hand-computed cases and its limiting behaviours."""
 
+import math
+
 import pytest
 import torch
 
-from echo_trtllm.core.cost import CostModel, choose_budget, interpolate
+from echo_trtllm.core.cost import (CostModel, SpeculationTracker, batch_bucket, break_even_accept_prob, choose_budget,
+                                   interpolate)
 
 
 def test_docstring_example_by_hand():
@@ -54,3 +57,70 @@ def test_interpolation_and_json_round_trip(tmp_path):
         CostModel((4, 2), (0.1, 0.2))
     with pytest.raises(ValueError, match="positive"):
         CostModel((1,), (0.0,))
+
+
+def test_break_even_probability_by_hand():
+    assert break_even_accept_prob(CostModel.linear(0.1, 0.01), 10) == pytest.approx((0.3 - 0.2) / 0.2)
+    assert break_even_accept_prob(CostModel.linear(0.0, 0.01), 4) == 0.95  # linear: never pays, clamped
+    assert break_even_accept_prob(CostModel((1, 64), (0.01, 0.01)), 4) == 0.02  # flat: always pays, clamped
+    # with the draft: one more level of 2 nodes per request for 10 requests costs t_draft(20) on top
+    with_draft = CostModel((1, 100), (0.11, 1.1), (1, 100), (0.011, 0.11))  # t_d(T) = 0.01 + 0.001 T
+    assert break_even_accept_prob(with_draft, 10, draft_width=2) == pytest.approx((0.3 - 0.2 + 0.03) / 0.2)
+
+
+def test_batch_buckets():
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17, 256)] == [1, 2, 4, 4, 8, 8, 16, 16, 32, 256]
+    with pytest.raises(ValueError, match="batch_size"):
+        batch_bucket(0)
+
+
+def test_tracker_starts_with_ar_then_probes_and_spaces_probes_by_hand():
+    tr = SpeculationTracker(smoothing=0.3)
+    assert not tr.should_speculate(1)  # nothing measured: plain AR first (it cannot lose)
+    tr.update(1, speculated=False, emitted=1, seconds=0.5)  # AR: 2 tokens/s
+    assert tr.rates(1).ar_rate == 2.0 and tr.should_speculate(1)  # then speculation, once
+    # a speculative step after AR steps: 3 s, of which 2 s were the draft catching up -> rate 4 tokens / 1 s
+    tr.update(1, True, emitted=4, seconds=3.0, one_off_seconds=2.0)
+    r = tr.rates(1)
+    assert r.spec_rate == 4.0 and r.steps_since_probe == 2
+    for _ in range(5):
+        assert tr.should_speculate(1)
+        tr.update(1, True, 4, 1.0)
+    assert not tr.should_speculate(1)  # the 8th step probes AR
+    tr.update(1, False, 1, 0.5)
+    # confirmed: loss = 0.5 s x 4 tokens/s - 1 token = 1 token against 4 tokens per speculative step
+    assert r.probe_every == max(16, math.ceil(1.0 / (0.02 * 4.0))) and r.steps_since_probe == 0
+    # a probe that overturns the choice resets the spacing
+    r.steps_since_probe = r.probe_every - 1
+    tr.update(1, False, 1, 0.01)  # AR seconds EMA 0.7 * 0.5 + 0.3 * 0.01 = 0.353: 2.8 tokens/s, still < 4
+    assert r.probe_every > tr.min_probe_every
+    for _ in range(3):
+        r.steps_since_probe = r.probe_every - 1
+        tr.update(1, False, 1, 0.01)  # AR keeps measuring fast: its rate passes speculation's
+    assert r.ar_rate > r.spec_rate and r.probe_every == tr.min_probe_every
+    r.steps_since_probe = 0
+    assert not tr.should_speculate(1)  # AR is now the choice
+
+
+def test_tracker_keeps_batch_sizes_apart():
+    """Speculation that pays at B = 1 says nothing about B = 16: each bucket starts safe on its own."""
+    tr = SpeculationTracker()
+    tr.update(1, False, 1, 1.0)
+    tr.update(1, True, 5, 1.0)
+    assert tr.should_speculate(1)
+    assert not tr.should_speculate(16)  # cold bucket: AR first
+    tr.update(16, False, 16, 1.0)
+    tr.update(16, True, 20, 2.0)  # 1.25 tokens per request in 2 s: worse than AR's 1 per second
+    assert not tr.should_speculate(12)  # 12 shares bucket 16
+    assert tr.should_speculate(1)
+
+
+def test_tracker_rate_is_a_ratio_of_averages():
+    """Speculative steps of equal time but varying tokens: the rate is total tokens / total time, not the mean
+    of per-step rates (which a lucky step would inflate)."""
+    tr = SpeculationTracker(smoothing=0.5)
+    tr.update(1, True, 1, 1.0)
+    tr.update(1, True, 7, 1.0)  # EMA tokens 4, seconds 1
+    assert tr.rates(1).spec_rate == pytest.approx(4.0)
+    tr.update(1, True, 2, 3.0)  # tokens 3, seconds 2
+    assert tr.rates(1).spec_rate == pytest.approx(1.5)

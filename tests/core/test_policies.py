@@ -117,12 +117,13 @@ def test_echo_with_k_max_equal_to_batch_size_is_ar(batch_size):
 def test_echo_dense_and_fixed_differ_from_echo_as_defined():
     cfg = EchoConfig(max_depth=6)
     echo, dense, fixed = (make_policy(dataclasses.replace(cfg, policy=p)) for p in ("echo", "echo-dense", "echo-fixed"))
-    assert dense.gate_config.depths == (1, 2, 3, 4, 5, 6)
-    assert echo.gate_config.depths == fixed.gate_config.depths == (1, 3, 6)
-    assert set(fixed.gate_config.thresholds) == {cfg.fixed_threshold}
-    assert len(set(echo.gate_config.thresholds)) == 3
-    for d, tau in zip(echo.gate_config.depths, echo.gate_config.thresholds):
-        assert dense.gate_config.threshold_at(d) == pytest.approx(tau)
+    g_echo, g_dense, g_fixed = echo.gate_for(32), dense.gate_for(32), fixed.gate_for(32)
+    assert g_dense.depths == (1, 2, 3, 4, 5, 6)
+    assert g_echo.depths == g_fixed.depths == (1, 3, 6)
+    assert set(g_fixed.thresholds) == {cfg.fixed_threshold}
+    assert len(set(g_echo.thresholds)) == 3
+    for d, tau in zip(g_echo.depths, g_echo.thresholds):
+        assert g_dense.threshold_at(d) == pytest.approx(tau)
     # On the same drafts the dense gate truncates at least as often (it decides at every depth).
     draft = markov_draft_fn(40, seed=7, sharpness=2.5)
     roots = torch.arange(32) % 40

@@ -83,7 +83,7 @@ def test_first_sampled_token_follows_the_target_distribution(default_pair):
     p = process_logits(logits, torch.tensor([temperature]), torch.tensor([0]), torch.tensor([1.0]))[0]
     n = 2000
     with LLM(target, draft, tokenizer=tok, speculative_config=EchoConfig(k_max=256), max_batch_size=16,
-             max_seq_len=64) as llm:
+             max_seq_len=64, cost_model=None) as llm:  # no fallback: every step speculates
         outs = llm.generate([ids] * n, [SamplingParams(max_tokens=2, temperature=temperature, seed=s) for s in range(n)],
                             use_tqdm=False)
     counts = torch.bincount(torch.tensor([o.token_ids[0] for o in outs]), minlength=p.numel()).double()
@@ -213,14 +213,23 @@ def test_engine_dir_round_trip(tmp_path, prompts):
     assert read_cfg == cfg and dtype == "float32" and (target / "config.json").is_file() and calibration is None
     sp = SamplingParams(max_tokens=12, temperature=0)
     with LLM(engine_dir=out, max_batch_size=2) as a, LLM(DEFAULT_TARGET, DEFAULT_DRAFT, speculative_config=cfg,
-                                                         max_batch_size=2) as b:
+                                                         max_batch_size=2, dtype="float32") as b:
         assert a.generate(prompts[0], sp).token_ids == b.generate(prompts[0], sp).token_ids
     with pytest.raises(FileExistsError):
         build_engine(out, DEFAULT_TARGET, DEFAULT_DRAFT, cfg)
 
 
-def test_impossible_limits_fail_before_any_model_is_loaded(tmp_path):
+def test_impossible_limits_fail_before_any_model_is_loaded(tmp_path, monkeypatch):
+    from echo_trtllm import api
+    from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the limits were checked")
+
+    monkeypatch.setattr(api, "load_model", no_load)
     with pytest.raises(ValueError, match=r"k_max \(2\) must be >= max_batch_size \(4\)"):
-        LLM(tmp_path / "not-loaded", tmp_path / "not-loaded", speculative_config=EchoConfig(k_max=2), max_batch_size=4)
+        LLM(DEFAULT_TARGET, DEFAULT_DRAFT, speculative_config=EchoConfig(k_max=2), max_batch_size=4)
     with pytest.raises(ValueError, match="needs a draft model"):
-        LLM(tmp_path / "not-loaded", speculative_config=EchoConfig(policy="eagle2"))
+        LLM(DEFAULT_TARGET, speculative_config=EchoConfig(policy="eagle2"))
+    with pytest.raises(FileNotFoundError, match="does not exist"):  # a missing model is named as such, first
+        LLM(tmp_path / "missing.gguf")

@@ -5,17 +5,17 @@ import math
 
 import pytest
 
-from echo_trtllm.bench.run import METRICS, run_cell
+from echo_trtllm.bench.run import METRICS, make_engine, run_cell
 from echo_trtllm.cli import main
 from echo_trtllm.core import EchoConfig
-from echo_trtllm.runtime.executor import Executor
 
 
 def cell(default_pair, prompts, policy, batch_size=4, **kw):
+    """One bench cell through the public API; no cost model, so every method speculates every step."""
     target, draft, tok = default_pair
-    ex = Executor(target, draft if policy != "ar" else None, tok, EchoConfig(policy=policy, k_max=64, **kw),
-                  max_batch_size=batch_size, max_seq_len=256)
-    return run_cell(ex, prompts, batch_size, max_tokens=16, temperature=0.0)
+    with make_engine(target, draft, tok, EchoConfig(policy=policy, k_max=64, **kw), batch_size, 256,
+                     cost_model=None) as llm:
+        return run_cell(llm, prompts, batch_size, max_tokens=16, temperature=0.0)
 
 
 def test_oracle_equals_a_method_that_verifies_every_draft(default_pair, prompts):
@@ -43,7 +43,7 @@ def test_bench_smoke_writes_every_metric_and_simulate_reads_its_trace(tmp_path, 
     out, trace, md = tmp_path / "b.json", tmp_path / "t.json", tmp_path / "b.md"
     rc = main(["bench", "--methods", "ar,chain,echo,echo-fixed", "--batch-sizes", "1,3", "--temperatures", "0,0.8",
                "--max-tokens", "6", "--max-depth", "3", "--max-nodes-per-request", "8", "--warmup-rounds", "0",
-               "--json", str(out), "--trace", str(trace), "--markdown", str(md), "--plot", str(tmp_path / "p")])
+               "--rounds", "2", "--calibration", "in-process", "--json", str(out), "--trace", str(trace), "--markdown", str(md), "--plot", str(tmp_path / "p")])
     assert rc == 0
     data = json.loads(out.read_text())
     rows = data["results"]
@@ -53,11 +53,13 @@ def test_bench_smoke_writes_every_metric_and_simulate_reads_its_trace(tmp_path, 
         for key in (*METRICS, "speedup_vs_ar"):
             assert key in r
         assert r["tokens_per_s"] > 0 and r["mat"] >= 1.0 and r["latency_p99_s"] >= r["latency_p50_s"] > 0
+        assert r["rounds"] == 2 and r["speedup_vs_ar_min"] <= r["speedup_vs_ar"] <= r["speedup_vs_ar_max"]
         assert 0.0 <= r["control_share"] < 1.0 and 0.0 <= r["speculated_share"] <= 1.0
         # the oracle needs greedy outputs: reported at T=0 only
         assert (r["mat_vs_oracle"] is None) == (r["temperature"] > 0)
     assert next(r for r in rows if r["method"] == "ar")["speedup_vs_ar"] == 1.0
     assert data["command"].startswith("echo-trtllm bench ") and data["machine"]["threads"] >= 1
+    assert isinstance(data["machine"]["cpu_flags"], list) and data["calibration_source"] == "in-process"
     assert data["calibration"]["gate"]["max_depth"] == 3
     assert (tmp_path / "p-t0.png").stat().st_size > 1000 and (tmp_path / "p-t0.8.png").is_file()
     assert md.read_text().startswith("| method |")
@@ -74,6 +76,8 @@ def test_bench_smoke_writes_every_metric_and_simulate_reads_its_trace(tmp_path, 
 
 @pytest.mark.parametrize("argv, message", [
     (["--methods", "ar,medusa"], "unknown ['medusa']"),
+    (["--rounds", "0"], "rounds must be >= 1"),
+    (["--calibration", "missing.json"], "missing.json"),
     (["--batch-sizes", "0"], "integers >= 1"),
     (["--temperatures", "hot"], "comma-separated numbers"),
     (["--hf-assisted", "many"], "'heuristic' or integers"),
@@ -91,3 +95,5 @@ def test_calibrate_cli_errors(tmp_path, capsys):
     assert "--batch-size must be >= 1" in capsys.readouterr().err
     assert main(["calibrate", "--engine-dir", str(tmp_path)]) == 2
     assert "engine.json is missing" in capsys.readouterr().err
+    assert main(["calibrate", "--output", str(tmp_path / "c.json"), "--cost-tokens", "1,x"]) == 2
+    assert "--cost-tokens must be comma-separated integers" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from echo_trtllm.core.cost import CostModel
 from echo_trtllm.core.verify import VerifyResult
 from echo_trtllm.engine_dir import attach_calibration, build_engine, read_engine
 from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
-from echo_trtllm.runtime.calibrate import Calibration, break_even_accept_prob, calibrate, gate_samples
+from echo_trtllm.runtime.calibrate import Calibration, calibrate, gate_samples
 from echo_trtllm.runtime.request import SamplingParams
 from tests.helpers import markov_draft_fn
 
@@ -69,20 +69,13 @@ def test_gate_samples_match_a_naive_loop(seed):
     assert any(x[2] for x in want) and len(want) > 5  # the case exercises both labels
 
 
-def test_break_even_probability_by_hand():
-    assert break_even_accept_prob(CostModel.linear(0.1, 0.01), 10) == pytest.approx((0.3 - 0.2) / 0.2)
-    assert break_even_accept_prob(CostModel.linear(0.0, 0.01), 4) == 0.95  # linear: never pays, clamped
-    assert break_even_accept_prob(CostModel((1, 64), (0.01, 0.01)), 4) == 0.02  # flat: always pays, clamped
-    # with the draft: one more level of 2 nodes per request for 10 requests costs t_draft(20) on top
-    with_draft = CostModel((1, 100), (0.11, 1.1), (1, 100), (0.011, 0.11))  # t_d(T) = 0.01 + 0.001 T
-    assert break_even_accept_prob(with_draft, 10, draft_width=2) == pytest.approx((0.3 - 0.2 + 0.03) / 0.2)
-
-
 @pytest.fixture(scope="module")
 def calibration(default_pair, prompts):
     target, draft, tok = default_pair
+    from tests.runtime.test_budget_rule import FLAT
+
     return calibrate(target, draft, tok, EchoConfig(max_depth=5), prompts[:8], batch_size=4, max_tokens=16,
-                     cost_tokens=(1, 4, 16, 64), repeats=2)
+                     cost_model=FLAT)
 
 
 def test_calibration_is_valid_and_round_trips(calibration, tmp_path):
@@ -105,12 +98,20 @@ def test_calibration_is_valid_and_round_trips(calibration, tmp_path):
         Calibration.from_json(json.dumps(bad))
 
 
-def test_apply_sets_the_gate_and_rejects_another_depth(calibration):
-    cfg = calibration.apply(EchoConfig(max_depth=5, policy="echo-fixed"))
-    assert cfg.gate_depths == tuple(calibration.gate.gate_depths) and cfg.policy == "echo-fixed"
-    assert cfg.fixed_threshold == pytest.approx(calibration.gate.fixed_threshold)
+def test_the_policy_gets_the_calibrated_gate_at_construction(calibration):
+    """One way in: make_policy(config, cost_model, gate_samples); each variant's gate at the warm-up's batch size
+    is the calibration's own result, and another max_depth is refused."""
+    samples = calibration.gate_samples()
+    b = calibration.operating_batch_size
+    for policy, variant in (("echo", "gate_config"), ("echo-dense", "dense_gate_config"),
+                            ("echo-fixed", "fixed_gate_config")):
+        p = make_policy(EchoConfig(max_depth=5, policy=policy), calibration.cost_model, samples)
+        assert p.gates.source == "calibration"
+        assert p.gate_for(b) == getattr(calibration.gate, variant)()
     with pytest.raises(ValueError, match="max_depth=5 but the config has max_depth=6"):
-        calibration.apply(EchoConfig(max_depth=6))
+        make_policy(EchoConfig(max_depth=6), calibration.cost_model, samples)
+    with pytest.raises(ValueError, match="max_depth=5 but speculative_config has max_depth=6"):
+        LLM(speculative_config=EchoConfig(max_depth=6), calibration=calibration, max_batch_size=2)
 
 
 def test_calibrated_engine_directory_is_used_and_lossless(calibration, tmp_path, prompts):
@@ -120,10 +121,11 @@ def test_calibrated_engine_directory_is_used_and_lossless(calibration, tmp_path,
     assert read_engine(out).calibration == out / "calibration.json"
     sp = SamplingParams(max_tokens=16, temperature=0)
     with LLM(engine_dir=out, max_batch_size=4) as llm, LLM(DEFAULT_TARGET, speculative_config=EchoConfig(policy="ar"),
-                                                           max_batch_size=4) as ar:
+                                                           max_batch_size=4, dtype="float32") as ar:
         ex = llm.executor
         assert ex.cost_model == calibration.cost_model and ex.tracker is not None
-        assert ex.config.gate_depths == tuple(calibration.gate.gate_depths)
+        assert ex.policy.gates.source == "calibration" and ex.config.gate_depths is None
+        assert ex.policy.gate_for(4) == calibration.gate.gate_config()
         got = [o.token_ids for o in llm.generate(prompts[:6], sp)]
         want = [o.token_ids for o in ar.generate(prompts[:6], sp)]
     assert got == want

@@ -1,0 +1,3 @@
+from echo_trtllm.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,132 @@
+"""echo-trtllm bench: every method side by side, by batch size, on real prompt sets (echo_trtllm.bench.run).
+
+    echo-trtllm bench --methods ar,chain,static,eagle2,ddd,echo,echo-dense,echo-fixed --batch-sizes 1,4,16 \
+        --max-tokens 32 --prompt-set humaneval --json r.json --markdown r.md --plot r --trace t.json
+
+The echo family's cost curve: --calibration FILE (its curve and gate samples), --calibration in-process
+(calibrated here first, on the first 8 prompts of the set), or by default the out-of-the-box path: one curve
+measured at load, shared by every echo-family engine, with the uncalibrated gate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from . import options
+
+PROG = "echo-trtllm bench"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from echo_trtllm.bench.prompts import PROMPT_SETS
+    from echo_trtllm.core.config import POLICY_NAMES
+
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    options.add_model_options(ap, engine_dir=False)
+    ap.add_argument("--methods", default=",".join(POLICY_NAMES), help="comma-separated policies (AR always runs)")
+    ap.add_argument("--batch-sizes", default="1,4,16")
+    ap.add_argument("--temperatures", default="0", help="comma-separated; 0 = greedy (e.g. 0,0.8)")
+    ap.add_argument("--prompt-set", default="mixed", choices=list(PROMPT_SETS))
+    ap.add_argument("--rounds", type=int, default=1, help="timed rounds (medians and min-max reported)")
+    ap.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds first (same engines)")
+    ap.add_argument("--hf-assisted", type=lambda t: [x for x in t.split(",") if x], default=[],
+                    help="at B=1, T=0 also run HF transformers generate(): plain and assisted by the same draft with "
+                         "these num_assistant_tokens, e.g. heuristic,4,8")
+    options.add_runtime_options(ap, batch=False)
+    options.add_speculation_options(ap, policy=False)
+    options.add_sampling_options(ap, temperature=False)
+    options.add_calibration_options(ap)
+    ap.add_argument("--json", help="write results (and the machine, the command) here")
+    ap.add_argument("--trace", help="write per-step acceptance traces here (input of echo-trtllm simulate)")
+    ap.add_argument("--markdown", help="write the markdown table here (it is printed either way)")
+    ap.add_argument("--plot", help="write PNG plots PREFIX-t<temperature>.png")
+    return ap
+
+
+def command_line(argv: list[str] | None) -> str:
+    """The command as run, with paths cut to their file names (recorded results carry no machine paths)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return "echo-trtllm bench " + " ".join(os.path.basename(a) if os.sep in a else a for a in args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from tqdm import tqdm
+
+    from echo_trtllm.bench.prompts import load_prompts
+    from echo_trtllm.bench.run import BenchConfig, bench, load_hf_pair, machine_info, markdown_table, plot
+    from echo_trtllm.core.policies import POLICIES
+    from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
+    from echo_trtllm.models.loader import load_model
+    from echo_trtllm.runtime.calibrate import LOAD_REPEATS, Calibration, calibrate, measure_cost_model
+
+    try:
+        options.apply_threads(args)
+        cfg = BenchConfig(
+            methods=tuple(m for m in args.methods.split(",") if m),
+            batch_sizes=tuple(options.int_list(args.batch_sizes, "--batch-sizes")),
+            temperatures=tuple(options.float_list(args.temperatures, "--temperatures")),
+            max_tokens=args.max_tokens, rounds=args.rounds, warmup_rounds=args.warmup_rounds,
+            speculation=options.echo_config(args, policy="echo"), max_seq_len=args.max_seq_len,
+            hf_assisted=tuple(args.hf_assisted))
+        prompts = load_prompts(args.prompt_set)
+        in_process = args.calibration == "in-process"
+        calibration = Calibration.load(args.calibration) if args.calibration and not in_process else None
+        if args.no_cost_model and args.calibration:
+            raise ValueError("--no-cost-model runs without the calibration's cost curve: do not give --calibration")
+    except options.USAGE_ERRORS as e:
+        return options.fail(PROG, e)
+    device = args.device or "cpu"
+    t0 = time.perf_counter()
+    target, tok = load_model(args.model or DEFAULT_TARGET, dtype=args.dtype, device=device)
+    draft, _ = load_model(args.draft_model or DEFAULT_DRAFT, dtype=args.dtype, device=device, with_tokenizer=False)
+    print(f"loaded target + draft in {time.perf_counter() - t0:.0f} s ({target.dtype} / {draft.dtype})", flush=True)
+    echo_family = any(POLICIES[m].shares_budget for m in cfg.methods)
+    cost_model = None if args.no_cost_model else "auto"
+    if in_process and echo_family:
+        calibration = calibrate(target, draft, tok, cfg.speculation, prompts[:8], batch_size=8,
+                                max_tokens=min(args.max_tokens, 32))
+        print(f"calibrated in-process: {calibration.warmup['samples']} gate samples", flush=True)
+    elif calibration is None and echo_family and not args.no_cost_model:
+        cost_model = measure_cost_model(target, draft, repeats=LOAD_REPEATS)
+        print("cost curve measured at load (out of the box, no calibration): t_verify " +
+              ", ".join(f"{t}:{s * 1e3:.1f}ms" for t, s in zip(cost_model.verify_tokens, cost_model.verify_seconds)),
+              flush=True)
+    hf = None
+    if cfg.hf_assisted and 1 in cfg.batch_sizes and 0.0 in cfg.temperatures:
+        hf = load_hf_pair(args.model or str(DEFAULT_TARGET), args.draft_model or str(DEFAULT_DRAFT),
+                          str(target.dtype).removeprefix("torch."))
+    cells = len(cfg.batch_sizes) * len(cfg.temperatures) * (cfg.warmup_rounds + cfg.rounds) * len(
+        set(cfg.methods) | {"ar"})
+    cells += (cfg.warmup_rounds + cfg.rounds) * (len(cfg.hf_assisted) + 1) * (hf is not None)
+    with tqdm(total=cells, desc="bench", unit="cell", file=sys.stderr) as bar:
+        def progress(m, b, temp, cell):
+            bar.set_postfix_str(f"{m} B={b} T={temp:g} {cell['tokens_per_s']:.1f} tok/s MAT {cell['mat']:.2f}")
+            bar.update()
+
+        rows, traces = bench(target, draft, tok, prompts, cfg, calibration, cost_model, progress, hf)
+    table = markdown_table(rows)
+    print(table)
+    source = ("file" if args.calibration and not in_process else "in-process" if in_process else
+              "none (no cost model)" if args.no_cost_model else "none (cost curve measured at load)")
+    meta = {"machine": machine_info(), "date": time.strftime("%Y-%m-%d"), "command": command_line(argv),
+            "dtype": {"target": str(target.dtype), "draft": str(draft.dtype)}, "calibration_source": source,
+            "calibration": json.loads(calibration.to_json()) if calibration else None,
+            "cost_model": json.loads(cost_model.to_json()) if hasattr(cost_model, "to_json") else None}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"results": rows, **meta}, f, indent=2)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table)
+    if args.trace:
+        with open(args.trace, "w") as f:
+            json.dump({"traces": traces, **meta}, f)
+    if args.plot:
+        for name in plot(rows, args.plot, os.path.basename(args.model or "default pair")):
+            print(name)
+    return 0

@@ -1,0 +1,60 @@
+"""echo-trtllm bench-control: time ECHO's control plane (gate + schedule + pack) per step on the host
+(echo_trtllm.bench.control).
+
+    echo-trtllm bench-control [--batch-sizes 1,16,64,256] [--k-max-values 64,512,2048] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import asdict
+
+from . import options
+
+PROG = "echo-trtllm bench-control"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    ap.add_argument("--batch-sizes", default="1,16,64,256")
+    ap.add_argument("--k-max-values", default="64,512,2048", help="global budgets to time, comma-separated")
+    ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own; the docs use 1)")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    options.add_speculation_options(ap, policy=False)
+    ap.add_argument("--json", help="also write the results here")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from echo_trtllm.bench.control import time_control
+    from echo_trtllm.bench.run import machine_info
+
+    args = build_parser().parse_args(argv)
+    try:
+        options.apply_threads(args)
+        batch_sizes = options.int_list(args.batch_sizes, "--batch-sizes")
+        k_values = options.int_list(args.k_max_values, "--k-max-values")
+        base = options.echo_config(args, policy="echo")
+    except options.USAGE_ERRORS as e:
+        return options.fail(PROG, e)
+    rows = []
+    print(f"ECHO control plane per step (gate + schedule + pack), torch {torch.__version__}, "
+          f"{torch.get_num_threads()} thread(s), D={base.max_depth} top_k={base.top_k} beam={base.beam_width}")
+    print(f"{'B':>5} {'K_max':>6} {'drafted':>8} {'verified':>9} {'median ms':>10} {'p90 ms':>8}")
+    for b in batch_sizes:
+        for k in k_values:
+            if k < b:
+                print(f"{b:>5} {k:>6}   skipped: K_max below the batch size")
+                continue
+            t = time_control(b, k, dataclasses.replace(base, k_max=k), args.steps, args.warmup)
+            rows.append(t)
+            print(f"{b:>5} {k:>6} {t.candidates:>8} {t.verified:>9} {t.control_ms_median:>10.2f} {t.control_ms_p90:>8.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"results": [asdict(r) for r in rows], "machine": machine_info()}, f, indent=2)
+    return 0

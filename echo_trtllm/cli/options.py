@@ -1,0 +1,158 @@
+"""Command-line options shared by every echo-trtllm command: one definition per flag, so a flag means the same
+thing with the same default wherever it appears. Defaults of the speculation flags are EchoConfig's own; the
+sampling flags are SamplingParams' names.
+
+    models       --model --draft-model [--engine-dir]
+    runtime      --dtype --device --threads --max-batch-size --max-seq-len
+    speculation  --policy --k-max --max-depth --max-nodes-per-request --tree-top-k --beam-width --total-tokens
+                 --num-draft-tokens
+    sampling     --max-tokens --temperature --top-k --top-p --seed
+    calibration  --calibration --no-calibration
+
+`--top-k` is always the sampling top-k; the tree's children per node is `--tree-top-k`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from echo_trtllm.core.config import POLICY_NAMES, EchoConfig
+from echo_trtllm.models.loader import DTYPE_CHOICES
+
+__all__ = [
+    "add_model_options", "add_runtime_options", "add_speculation_options", "add_sampling_options",
+    "add_calibration_options", "echo_config", "sampling_params", "apply_threads", "int_list", "float_list", "fail",
+    "make_llm",
+    "USAGE_ERRORS",
+]  # fmt: skip
+
+_DEFAULT = EchoConfig()
+DEFAULT_MAX_TOKENS = 64
+# what a command turns into exit code 2 with a one-line message (bad input, missing file); anything else is a bug
+USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError)
+
+
+def fail(prog: str, message: object) -> int:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def int_list(text: str, flag: str, minimum: int = 1) -> list[int]:
+    """Comma-separated integers >= minimum ("1,4,16"), or ValueError naming the flag."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not values or any(v < minimum for v in values):
+        raise ValueError(f"{flag} must list integers >= {minimum}, got {text!r}")
+    return values
+
+
+def float_list(text: str, flag: str, minimum: float = 0.0) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+    if not values or any(not v >= minimum for v in values):
+        raise ValueError(f"{flag} must list numbers >= {minimum:g}, got {text!r}")
+    return values
+
+
+def add_model_options(ap: argparse.ArgumentParser, engine_dir: bool = True) -> None:
+    g = ap.add_argument_group("models")
+    g.add_argument("--model", help="target: HF model directory or .gguf file (default: the embedded tiny target)")
+    g.add_argument("--draft-model", help="draft: HF model directory or .gguf file (default: the embedded tiny draft)")
+    if engine_dir:
+        g.add_argument("--engine-dir", help="an engine directory built by `echo-trtllm build` (instead of --model)")
+
+
+def add_runtime_options(ap: argparse.ArgumentParser, batch: bool = True) -> None:
+    g = ap.add_argument_group("runtime")
+    g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="weights and activations; auto: bfloat16 on CUDA, on a CPU the faster of float32/bfloat16 "
+                        "for this model, measured at load (default: auto)")
+    g.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
+    g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own)")
+    if batch:
+        g.add_argument("--max-batch-size", type=int, help="requests in flight at most (default: the number of prompts)")
+    g.add_argument("--max-seq-len", type=int, default=1024, help="context per request, prompt included (default: 1024)")
+
+
+def add_speculation_options(ap: argparse.ArgumentParser, policy: bool = True) -> None:
+    g = ap.add_argument_group("speculation (defaults: EchoConfig's; with --engine-dir the engine's EchoConfig)")
+    if policy:
+        g.add_argument("--policy", default=_DEFAULT.policy, choices=POLICY_NAMES)
+    g.add_argument("--k-max", type=int, default=_DEFAULT.k_max,
+                   help="global verification budget per step, tokens (echo family; upper bound of the budget rule)")
+    g.add_argument("--max-depth", type=int, default=_DEFAULT.max_depth, help="deepest draft level")
+    g.add_argument("--max-nodes-per-request", type=int, default=_DEFAULT.max_nodes_per_request,
+                   help="cap on each request's verified tree, root included (echo family)")
+    g.add_argument("--tree-top-k", type=int, default=_DEFAULT.top_k, help="children drafted per expanded node")
+    g.add_argument("--beam-width", type=int, default=_DEFAULT.beam_width,
+                   help="nodes expanded per request and level (echo family)")
+    g.add_argument("--total-tokens", type=int, default=_DEFAULT.total_tokens,
+                   help="eagle2/ddd nodes verified per request, root included")
+    g.add_argument("--num-draft-tokens", type=int, default=_DEFAULT.num_draft_tokens, help="chain length")
+
+
+def add_sampling_options(ap: argparse.ArgumentParser, temperature: bool = True) -> None:
+    g = ap.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help=f"tokens generated per request at most (default: {DEFAULT_MAX_TOKENS})")
+    if temperature:
+        g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+        g.add_argument("--top-k", type=int, default=0, help="sampling top-k, 0 = off")
+        g.add_argument("--top-p", type=float, default=1.0, help="sampling top-p")
+        g.add_argument("--seed", type=int, help="sampling seed (reproducible output)")
+
+
+def add_calibration_options(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("calibration")
+    g.add_argument("--calibration", help="calibration JSON from echo-trtllm calibrate (default: the engine's, else "
+                                         "a cost curve measured at load)")
+    g.add_argument("--no-cost-model", action="store_true",
+                   help="no budget rule and no AR fallback: the fixed --k-max every step (ablations)")
+
+
+def echo_config(args: argparse.Namespace, **override) -> EchoConfig:
+    """The EchoConfig the speculation flags describe (ValueError naming the field when one is bad)."""
+    fields = dict(policy=getattr(args, "policy", _DEFAULT.policy), k_max=args.k_max, max_depth=args.max_depth,
+                  max_nodes_per_request=args.max_nodes_per_request, top_k=args.tree_top_k,
+                  beam_width=args.beam_width, total_tokens=args.total_tokens, num_draft_tokens=args.num_draft_tokens)
+    fields.update(override)
+    return EchoConfig(**fields)
+
+
+def sampling_params(args: argparse.Namespace, **override):
+    from echo_trtllm.runtime.request import SamplingParams
+
+    fields = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                  seed=args.seed)
+    fields.update(override)
+    return SamplingParams(**fields)
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    if getattr(args, "threads", None) is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def make_llm(args: argparse.Namespace, config: EchoConfig, max_batch_size: int, **kwargs):
+    """The LLM the model, runtime and calibration flags describe (the one place commands build engines). With
+    --engine-dir the engine's own EchoConfig is used and `config` only validated the flags."""
+    from echo_trtllm.api import LLM
+
+    engine = getattr(args, "engine_dir", None)
+    if engine and (args.model or args.draft_model):
+        raise ValueError("--engine-dir names its own models; do not also give --model/--draft-model")
+    common = dict(speculative_config=None if engine else config, max_batch_size=max_batch_size, max_seq_len=args.max_seq_len,
+                  dtype=args.dtype, device=args.device, calibration=getattr(args, "calibration", None),
+                  cost_model=None if getattr(args, "no_cost_model", False) else "auto", **kwargs)
+    if engine:
+        return LLM(engine_dir=engine, **common)
+    return LLM(args.model, args.draft_model, **common)
