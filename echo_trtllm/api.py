@@ -105,9 +105,11 @@ class LLM:
             raise TypeError(f"tokenizer must be an echo_trtllm.models.loader.Tokenizer, got {type(tokenizer).__name__}")
         if device is not None:
             try:
-                torch.device(device)
+                dev = torch.device(device)
             except (RuntimeError, TypeError):
                 raise ValueError(f"device must be a torch device string such as 'cpu' or 'cuda:0', got {device!r}") from None
+            if dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
+                raise ValueError(f"device {device!r}: no such CUDA device here ({torch.cuda.device_count()} visible)")
         if engine_dir is not None:
             if model is not None or draft_model is not None:
                 raise ValueError("give either engine_dir or model/draft_model, not both")

@@ -286,6 +286,8 @@ def check_model_path(path: str | Path, name: str = "model") -> None:
                                 ".gguf file)")
     if not (path.is_dir() or (path.is_file() and path.suffix == ".gguf")):
         raise ValueError(f"{name} path {str(path)!r} is neither an HF model directory nor a .gguf file")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{name} path {str(path)!r} is not an HF model directory: config.json is missing")
 
 
 def check_same_vocabulary(target: Tokenizer, draft: Tokenizer) -> None:
