@@ -15,6 +15,8 @@ Failures are contained by phase, and a request that got a slot always ends runni
 
     prefill, target      the requests of that prefill chunk finish with an error
     prefill, draft       ignored: the draft catches up on the prompt at the request's first speculative step
+                         (as it does when the cost curve says speculation cannot pay at the batch size and the
+                         draft prefill is skipped)
     drafting / packing   the step falls back to plain AR (nobody fails)
     target forward,      every request of the step finishes with an error
       verification
@@ -258,7 +260,7 @@ class Executor:
                 failed.extend(reqs)
                 todo = deque(r for r in todo if r not in reqs)
                 continue
-            if self.drafter is not None:  # the draft model's prefill belongs to the prefill phase too
+            if self._draft_prefill(len(self.running) + len(admitted)):
                 try:
                     self._prefill_draft(group)
                 except Exception:  # noqa: BLE001 - the draft catches up at the first speculative step
@@ -268,6 +270,14 @@ class Executor:
         ok = [r for r in admitted if not r.finished]
         self.running.extend(ok)
         return ok, failed
+
+    def _draft_prefill(self, batch_size: int) -> bool:
+        """Prefill the draft with the prompts now (the prefill phase; decode steps then feed it 1-2 tokens per
+        request) unless the cost curve says speculation cannot pay at this batch size: then the draft is left
+        alone and catches up on its pending chain only if the load drops and a step speculates."""
+        if self.drafter is None:
+            return False
+        return self.tracker is None or self.tracker.can_pay(batch_size)
 
     def _prefill_target(self, group: list[tuple[Request, int]]) -> None:
         batch = self._chunk_batch(group)

@@ -141,3 +141,16 @@ def test_gate_thresholds_rise_with_load(default_pair, prompts):
     assert small.min_accept_prob < large.min_accept_prob
     assert all(a <= b for a, b in zip(small.dense_thresholds, large.dense_thresholds))
     assert gates.calibration_for(1) is small  # cached per break-even probability
+
+
+def test_the_draft_is_prefilled_only_where_speculation_can_pay(default_pair, prompts):
+    """Under a curve where no level can pay at the batch size, admission skips the draft's prompt prefill (the
+    draft would catch up if a later step speculated); where it can pay, the draft is prefilled with the target."""
+    target, draft, tok = default_pair
+    for cost, prefilled in ((STEEP, False), (FLAT, True)):
+        ex = Executor(target, draft, tok, EchoConfig(k_max=64), max_batch_size=4, max_seq_len=256, cost_model=cost,
+                      clock=ModelledClock(cost))
+        for p in prompts[:4]:
+            ex.submit(ex.make_request(p, SamplingParams(max_tokens=4, temperature=0)))
+        ex.admit()
+        assert all((r.draft_ctx == r.target_ctx > 0) == prefilled for r in ex.running)
