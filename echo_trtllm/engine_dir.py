@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from echo_trtllm.core.config import EchoConfig
+from echo_trtllm.jsonfile import read_json_object
 from echo_trtllm.models.loader import DTYPE_CHOICES
 
 __all__ = ["FORMAT_VERSION", "EngineSpec", "build_engine", "read_engine", "attach_calibration"]
@@ -77,13 +78,7 @@ def _read_meta(path: Path) -> dict:
     meta_file = path / "engine.json"
     if not meta_file.is_file():
         raise FileNotFoundError(f"{path} is not an engine directory: engine.json is missing")
-    try:
-        meta = json.loads(meta_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{meta_file}: not valid JSON ({e})") from None
-    if not isinstance(meta, dict):
-        raise ValueError(f"{meta_file}: expected a JSON object, got {type(meta).__name__}")
-    return meta
+    return read_json_object(meta_file)
 
 
 def attach_calibration(path: str | Path, calibration) -> Path:

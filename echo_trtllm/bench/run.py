@@ -7,8 +7,9 @@ line is echo_trtllm/cli/bench.py).
 Every method runs through the public API: one `LLM` per method, batch size and temperature, built on the same
 loaded models, reused across rounds (as a server's engine is: the echo family's tracker keeps what it learnt).
 For each batch size and round, every method runs the same requests (batch_size requests, one per slot, submitted
-at once with `LLM.generate`), AR first, so ratios are measured side by side; medians over rounds are reported
-with their spread (min and max). Per-step figures come from `LLM.get_stats()`.
+at once with `LLM.generate`), AR first in even rounds and last in odd ones, so ratios are measured side by side
+and a drift of the machine's speed favours no side; each method's ratio to AR is taken per round, and medians
+over rounds are reported with their spread (min and max, and every round's ratio in the JSON). Per-step figures come from `LLM.get_stats()`.
 
 Fairness: every method gets the same models, prompts, warm-up rounds and tree options. The echo family also gets
 its cost curve (one measured up front, or the calibration's) and with it the budget rule and the fallback to AR;
@@ -231,7 +232,7 @@ def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibr
     reach the echo family only). hf: (target, draft) transformers models for the assisted-generation baseline at
     batch size 1, temperature 0."""
     rows, traces = [], {}
-    order = ["ar"] + [m for m in cfg.methods if m != "ar"]  # AR runs first in every round: the ratios' base
+    order = ["ar"] + [m for m in cfg.methods if m != "ar"]  # AR, the ratios' base, runs in every round
     for b in cfg.batch_sizes:
         for temp in cfg.temperatures:
             samples: dict[str, list[dict]] = {m: [] for m in order}
@@ -242,7 +243,9 @@ def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibr
             samples.update({m: [] for m in extra})
             try:
                 for rnd in range(cfg.warmup_rounds + cfg.rounds):
-                    for m in order + extra:
+                    # AR first in even rounds, last in odd ones: a drift of the machine's speed within a round
+                    # then favours neither side of a ratio
+                    for m in (order if rnd % 2 == 0 else order[::-1]) + extra:
                         if m.startswith("hf-"):
                             n = m.rsplit("-", 1)[1]
                             cell = hf_assisted_cell(hf[0], hf[1] if m != "hf-ar" else None, tokenizer, prompts,
@@ -263,7 +266,8 @@ def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibr
                 cells = samples[m]
                 for cell, ar in zip(cells, ar_rounds):
                     cell["speedup_vs_ar"] = cell["tokens_per_s"] / ar
-                row = {"method": m, "batch_size": b, "temperature": temp, "rounds": len(cells)}
+                row = {"method": m, "batch_size": b, "temperature": temp, "rounds": len(cells),
+                       "speedup_vs_ar_by_round": [c["speedup_vs_ar"] for c in cells]}
                 for key in (*METRICS, "speedup_vs_ar"):
                     vals = [c[key] for c in cells if c[key] == c[key]]  # drop NaN
                     row[key] = statistics.median(vals) if vals else None

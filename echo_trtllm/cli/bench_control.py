@@ -18,13 +18,9 @@ PROG = "echo-trtllm bench-control"
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    ap.add_argument("--batch-sizes", default="1,16,64,256")
-    ap.add_argument("--k-max-values", default="64,512,2048", help="global budgets to time, comma-separated")
-    ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own; the docs use 1)")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5)
+    options.add_microbench_options(ap, "1,16,64,256", "64,512,2048")
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per cell")
     options.add_speculation_options(ap, policy=False)
-    ap.add_argument("--json", help="also write the results here")
     return ap
 
 
@@ -36,9 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        options.apply_threads(args)
-        batch_sizes = options.int_list(args.batch_sizes, "--batch-sizes")
-        k_values = options.int_list(args.k_max_values, "--k-max-values")
+        batch_sizes, k_values = options.microbench_grid(args)
         base = options.echo_config(args, policy="echo")
     except options.USAGE_ERRORS as e:
         return options.fail(PROG, e)

@@ -16,13 +16,9 @@ PROG = "echo-trtllm bench-kernels"
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    ap.add_argument("--batch-sizes", default="16,64,256")
-    ap.add_argument("--k-max-values", default="512,2048", help="global budgets to time, comma-separated")
+    options.add_microbench_options(ap, "16,64,256", "512,2048")
     ap.add_argument("--backends", default="torch,host,cuda", help="unavailable ones are skipped with a note")
-    ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own; the docs use 1)")
-    ap.add_argument("--json")
+    ap.add_argument("--iters", type=int, default=50, help="timed steps per cell")
     return ap
 
 
@@ -36,9 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        options.apply_threads(args)
-        batch_sizes = options.int_list(args.batch_sizes, "--batch-sizes")
-        k_values = options.int_list(args.k_max_values, "--k-max-values")
+        batch_sizes, k_values = options.microbench_grid(args)
     except options.USAGE_ERRORS as e:
         return options.fail(PROG, e)
     backends = []

@@ -23,7 +23,7 @@ from echo_trtllm.models.loader import DTYPE_CHOICES
 __all__ = [
     "add_model_options", "add_runtime_options", "add_speculation_options", "add_sampling_options",
     "add_calibration_options", "echo_config", "sampling_params", "apply_threads", "int_list", "float_list", "fail",
-    "make_llm",
+    "make_llm", "add_microbench_options", "microbench_grid",
     "USAGE_ERRORS",
 ]  # fmt: skip
 
@@ -156,3 +156,22 @@ def make_llm(args: argparse.Namespace, config: EchoConfig, max_batch_size: int, 
     if engine:
         return LLM(engine_dir=engine, **common)
     return LLM(args.model, args.draft_model, **common)
+
+
+def add_microbench_options(ap: argparse.ArgumentParser, batch_sizes: str, k_max_values: str) -> None:
+    """The grid and timing flags of the control-plane microbenchmarks (bench-control, bench-kernels)."""
+    g = ap.add_argument_group("grid")
+    g.add_argument("--batch-sizes", default=batch_sizes, help=f"comma-separated (default: {batch_sizes})")
+    g.add_argument("--k-max-values", default=k_max_values,
+                   help=f"global budgets to time, comma-separated (default: {k_max_values})")
+    g.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own; the docs use 1)")
+    g.add_argument("--json", help="also write the results here")
+
+
+def microbench_grid(args: argparse.Namespace) -> tuple[list[int], list[int]]:
+    """(batch sizes, K_max values) of the microbenchmark flags; sets the threads."""
+    apply_threads(args)
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    return int_list(args.batch_sizes, "--batch-sizes"), int_list(args.k_max_values, "--k-max-values")

@@ -154,6 +154,9 @@ class ModeRates:
     ar_seconds: float | None = None
     probe_every: int = 8
     steps_since_probe: int = 0
+    # draft levels a speculative step may use: starts at 1, doubles after a step that beat AR, halves after one
+    # that did not
+    depth: int = 1
 
     @property
     def spec_rate(self) -> float | None:
@@ -182,7 +185,10 @@ class SpeculationTracker:
 
     Start safe: with a cost model, a batch size at which even a surely accepted draft level cannot pay
     (`level_cost_ratio` >= 1) never speculates. Otherwise a bucket's first step is plain AR (it cannot lose to
-    AR), its second speculates once to measure speculation; from then on the better mode runs and the other is re-measured by a probe every
+    AR), its second speculates once to measure speculation, with one draft level; the depth a speculative step
+    may draft (`depth_limit`) doubles after each speculative step that beat the AR rate and halves after one that
+    did not, up to `max_depth` (slow start: a probe costs about one draft forward until deeper trees have shown
+    they pay, instead of a whole tree built on overconfident drafts). From then on the better mode runs and the other is re-measured by a probe every
     `probe_every` steps. A speculative step right after AR steps also makes the draft model catch up on the
     tokens it skipped; that one-off cost is charged to exploration, not to the speculative rate
     (`update(..., one_off_seconds=...)`).
@@ -201,6 +207,8 @@ class SpeculationTracker:
     # the engine's cost curve and draft width (nodes expanded per request and level); None: no prior
     cost: CostModel | None = None
     draft_width: int = 0
+    # the policy's deepest draft level (the depth limit's ceiling)
+    max_depth: int = 1 << 30
     buckets: dict[int, ModeRates] = field(default_factory=dict)
 
     def rates(self, batch_size: int) -> ModeRates:
@@ -208,6 +216,10 @@ class SpeculationTracker:
         if key not in self.buckets:
             self.buckets[key] = ModeRates(probe_every=self.min_probe_every)
         return self.buckets[key]
+
+    def depth_limit(self, batch_size: int) -> int:
+        """Draft levels the next speculative step at this batch size may use."""
+        return min(self.rates(batch_size).depth, self.max_depth)
 
     def can_pay(self, batch_size: int) -> bool:
         """False when the cost curve says one more level cannot pay even if surely accepted."""
@@ -241,6 +253,9 @@ class SpeculationTracker:
         def ema(old: float | None, x: float) -> float:
             return x if old is None else (1 - self.smoothing) * old + self.smoothing * x
 
+        if speculated and r.ar_rate is not None:
+            paid = per_request / steady > r.ar_rate
+            r.depth = min(2 * r.depth, self.max_depth) if paid else max(1, r.depth // 2)
         setattr(r, f"{mode}_tokens", ema(getattr(r, f"{mode}_tokens"), per_request))
         setattr(r, f"{mode}_seconds", ema(getattr(r, f"{mode}_seconds"), steady))
         if was_probe:

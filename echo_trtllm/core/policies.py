@@ -432,17 +432,20 @@ class EchoFixedThresholdPolicy(EchoPolicy):
 
 
 def draft_tree(
-    policy: TreePolicy, root_token_ids: Tensor, draft_fn: DraftFn, budget: int | None = None
+    policy: TreePolicy, root_token_ids: Tensor, draft_fn: DraftFn, budget: int | None = None,
+    max_levels: int | None = None,
 ) -> DraftResult:
     """Run one step's drafting loop and selection.
 
     root_token_ids (B,): each request's last committed token. draft_fn(level, frontier) returns the draft
     distribution (F, V) after each frontier node; the runtime runs the draft model there, tests use synthetic
-    distributions.
+    distributions. max_levels: draft at most this many levels this step (the tracker's depth limit; None: the
+    policy's max_depth).
     """
     levels = [root_level(root_token_ids)]
     state = policy.start(root_token_ids.numel(), budget)
-    for depth in range(1, policy.max_depth + 1):
+    depth_cap = policy.max_depth if max_levels is None else min(policy.max_depth, max_levels)
+    for depth in range(1, depth_cap + 1):
         frontier = policy.frontier(levels[-1], state)
         if frontier.numel() == 0:
             break

@@ -6,12 +6,13 @@ files (dequantised with the `gguf` package; tokenizer converted from the GGUF me
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from echo_trtllm.jsonfile import read_json_object
 
 from .llama import CausalLM, ModelConfig
 
@@ -117,12 +118,7 @@ def load_tokenizer(path: str | Path, config: ModelConfig | None = None) -> Token
 
 def read_hf_config(cfg_file: Path) -> ModelConfig:
     """An HF config.json as a ModelConfig; errors name the file."""
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{cfg_file}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{cfg_file}: expected a JSON object, got {type(raw).__name__}")
+    raw = read_json_object(cfg_file)
     try:
         return ModelConfig.from_hf(raw)
     except (ValueError, TypeError, KeyError) as e:

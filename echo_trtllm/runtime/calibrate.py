@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from echo_trtllm.core.config import EchoConfig
+from echo_trtllm.jsonfile import read_json_object
 from echo_trtllm.core.cost import CostModel, break_even_accept_prob
 from echo_trtllm.core.gating import GateCalibration, GateSamples, calibrate_gate
 from echo_trtllm.models.llama import CausalLM
@@ -155,7 +156,14 @@ class Calibration:
 
     @classmethod
     def load(cls, path: str | Path) -> "Calibration":
-        return cls.from_json(Path(path).read_text())
+        """Errors name the file."""
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"calibration file {str(path)!r} does not exist")
+        data = read_json_object(path)
+        try:
+            return cls.from_json(json.dumps(data))
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"{path}: {e}") from None
 
 
 def gate_samples(draft, result) -> tuple[Tensor, Tensor, Tensor]:

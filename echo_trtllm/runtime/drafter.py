@@ -7,6 +7,13 @@ own expanded ancestors. After verification the accepted path's expanded nodes mo
 (`KVCache.compact`); accepted tokens the draft never expanded (leaves) and the bonus token become the next
 step's pending chain.
 
+Bounded catch-up: after a stretch of plain AR steps the pending chain holds every token since the draft last ran.
+`begin(..., max_pending=W)` re-primes a request whose chain is longer than W: the draft restarts from the last W
+tokens alone (`Request.draft_offset` tokens are dropped from its view, its positions start again at 0; RoPE
+attention depends only on relative positions, so this is the draft prompted with that window). A probe after
+1,000 AR steps then costs one draft forward over W tokens per request instead of 1,000. Draft positions are the
+request's positions minus `draft_offset`.
+
 Draft probabilities are the draft's softmax at temperature 1: they rank candidates (path probabilities), while
 acceptance uses the target's processed distribution, so outputs stay lossless whatever the draft does.
 """
@@ -40,13 +47,18 @@ class Drafter:
 
     # ---------------------------------------------------------------- per step
 
-    def begin(self, requests: list[Request]) -> None:
+    def begin(self, requests: list[Request], max_pending: int | None = None) -> None:
+        """Start a step. max_pending: re-prime requests whose pending chain is longer (module docstring)."""
+        if max_pending is not None:
+            for r in requests:
+                if len(r.all_token_ids) - r.draft_offset - r.draft_ctx > max_pending:
+                    r.draft_offset, r.draft_ctx = len(r.all_token_ids) - max_pending, 0
         self._requests = requests
         self.model_seconds = 0.0
         self.catch_up_seconds = 0.0
         b = len(requests)
         self._slots = torch.tensor([r.slot for r in requests], dtype=torch.long)
-        self._root_pos = torch.tensor([len(r.all_token_ids) - 1 for r in requests], dtype=torch.long)
+        self._root_pos = torch.tensor([len(r.all_token_ids) - 1 - r.draft_offset for r in requests], dtype=torch.long)
         self._next_free = self._root_pos + 1  # scratch starts right after the root
         self._expanded_root = torch.zeros(b, dtype=torch.bool)
         # Per drafted level: cache position of each node (-1: never expanded) and, for expanded nodes, the
@@ -71,7 +83,8 @@ class Drafter:
 
     def _expand_roots(self, frontier: Tensor) -> Tensor:
         reqs = frontier.tolist()  # level 0: node index == request index
-        chains = [torch.tensor(self._requests[i].all_token_ids[self._requests[i].draft_ctx :]) for i in reqs]
+        chains = [torch.tensor(self._requests[i].all_token_ids[self._requests[i].draft_offset + self._requests[i].draft_ctx :])
+                  for i in reqs]
         starts = torch.tensor([self._requests[i].draft_ctx for i in reqs], dtype=torch.long)
         t0 = self.clock.now()
         logits = self._forward(chain_batch(chains, starts, self._slots[frontier], logits="last"))

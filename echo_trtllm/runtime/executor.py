@@ -57,6 +57,8 @@ from .request import Request, SamplingParams, check_prompt
 __all__ = ["Executor", "StepReport", "StepTimings", "check_limits"]
 
 log = logging.getLogger("echo_trtllm.executor")
+# the shortest pending chain a re-primed draft starts from (tokens of context it keeps)
+MIN_PENDING = 8
 
 def check_limits(config: EchoConfig, max_batch_size: int, has_draft: bool) -> None:
     """Reject configurations that cannot run, before anything heavy is loaded."""
@@ -139,7 +141,8 @@ class Executor:
         self.clock = clock or WallClock(target.device)
         self.tracker = None
         if cost_model is not None and self.policy.shares_budget:
-            self.tracker = SpeculationTracker(cost=cost_model, draft_width=config.beam_width)
+            self.tracker = SpeculationTracker(cost=cost_model, draft_width=config.beam_width,
+                                              max_depth=self.policy.max_depth)
         self._ar_policy = make_policy(EchoConfig(policy="ar"))  # plain AR steps (tracker's choice, draft failure)
         if draft is not None and draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(
@@ -417,9 +420,10 @@ class Executor:
         plain AR when the draft side fails (the requests go on)."""
         if speculate and self.drafter is not None:
             try:
-                self.drafter.begin(reqs)
+                self.drafter.begin(reqs, self._max_pending(len(reqs)))
                 budget = min(self.config.k_max, self.max_num_tokens) if self.policy.shares_budget else None
-                drafted = draft_tree(self.policy, roots, self.drafter.draft_fn, budget)
+                levels = self.tracker.depth_limit(len(reqs)) if self.tracker is not None else None
+                drafted = draft_tree(self.policy, roots, self.drafter.draft_fn, budget, levels)
                 return drafted, self._pack(drafted.selected, ctx), True
             except Exception:  # noqa: BLE001 - drafting is an optimisation: this step runs as plain AR
                 self._contain("drafting")
@@ -428,6 +432,19 @@ class Executor:
             return drafted, self._pack(drafted.selected, ctx), False
         drafted = draft_tree(self._ar_policy, roots, None, None)
         return drafted, self._pack(drafted.selected, ctx), False
+
+    def _max_pending(self, batch_size: int) -> int | None:
+        """Catch-up bound for the draft (drafter module docstring): the longest pending chain per request whose
+        draft forward the cost model prices at no more than one AR step (at least MIN_PENDING; None without a
+        cost model)."""
+        cost = self.cost_model
+        if cost is None or not cost.draft_tokens:
+            return None
+        step = float(cost.verify_time(batch_size))
+        w = MIN_PENDING
+        while w < self.max_seq_len and float(cost.draft_time(2 * w * batch_size)) <= step:
+            w *= 2
+        return w
 
     def _pack(self, selected, ctx: torch.Tensor):
         """Flatten & pack. With CUDA models and the plugin built, the packing runs in the plugin's CUDA kernel

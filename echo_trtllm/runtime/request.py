@@ -162,6 +162,7 @@ class Request:
     slot: int = -1
     target_ctx: int = 0  # tokens in the target's KV cache (all tokens but the last)
     draft_ctx: int = 0  # tokens in the draft's KV cache
+    draft_offset: int = 0  # leading tokens the draft no longer sees (re-primed after a long AR stretch)
     _uniforms: list[float] = field(default_factory=list, repr=False)
 
     def position_uniforms(self, start: int, count: int) -> list[float]:

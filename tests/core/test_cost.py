@@ -124,3 +124,17 @@ def test_tracker_rate_is_a_ratio_of_averages():
     assert tr.rates(1).spec_rate == pytest.approx(4.0)
     tr.update(1, True, 2, 3.0)  # tokens 3, seconds 2
     assert tr.rates(1).spec_rate == pytest.approx(1.5)
+
+
+def test_tracker_depth_limit_starts_at_one_doubles_when_speculation_pays_and_halves_when_not():
+    tr = SpeculationTracker(max_depth=6)
+    tr.update(4, False, 4, 1.0)  # AR: 1 token per request per second
+    assert tr.depth_limit(4) == 1
+    tr.update(4, True, 12, 1.0)  # 3 per request per second: paid
+    assert tr.depth_limit(4) == 2
+    tr.update(4, True, 12, 1.0)
+    tr.update(4, True, 12, 1.0)
+    assert tr.depth_limit(4) == 6  # 2 -> 4 -> 8, capped at max_depth
+    tr.update(4, True, 4, 2.0)  # 0.5 per request per second: did not pay
+    assert tr.depth_limit(4) == 3
+    assert tr.depth_limit(1) == 1  # other buckets start at one level

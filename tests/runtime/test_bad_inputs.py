@@ -32,6 +32,11 @@ def corrupt_model(tmp_path, name, content):
     return model
 
 
+def written(path, text):
+    path.write_text(text)
+    return path
+
+
 def broken_gguf(tmp_path):
     path = tmp_path / "x.gguf"
     path.write_bytes(b"GGUF" + b"\x00" * 20)
@@ -127,6 +132,12 @@ CASES = [
     ("tokenizer corrupted", lambda llm, p: LLM(corrupt_model(p, "tokenizer.json", b"{]"),
                                                speculative_config=EchoConfig(policy="ar"), dtype="float32"),
      ValueError, "cannot load the tokenizer"),
+    ("calibration missing", lambda llm, p: LLM(calibration=p / "none.json"), FileNotFoundError,
+     "calibration file"),
+    ("calibration not JSON", lambda llm, p: LLM(calibration=written(p / "c.json", "[1, 2")), ValueError,
+     "c.json: not valid JSON"),
+    ("calibration without fields", lambda llm, p: LLM(calibration=written(p / "c.json", '{"format_version": 1}')),
+     ValueError, "c.json: calibration JSON lacks fields"),
     ("gguf corrupted", lambda llm, p: LLM(broken_gguf(p), speculative_config=EchoConfig(policy="ar")), ValueError,
      "x.gguf: cannot read the GGUF file"),
     ("cuda without a GPU", lambda llm, p: LLM(device="cuda") if not torch.cuda.is_available() else LLM(device="cuda:99"),

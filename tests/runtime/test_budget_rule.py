@@ -95,7 +95,9 @@ def test_perfect_drafts_get_more_budget(default_pair, prompts, ar_outputs):
 
     assert verified_per_request(rep_self) > max(1.5, verified_per_request(rep_real))
     spec = [r for r in rep_self if r.speculated]
-    assert spec and spec[0].emitted_tokens > 2 * spec[0].batch_size
+    # slow start: the first speculative step drafts one level (2 tokens per request); then deeper trees pay
+    assert spec[0].emitted_tokens == 2 * spec[0].batch_size and len(spec[0].draft.state.frontier_sizes) == 1
+    assert max(r.emitted_tokens / r.batch_size for r in spec) > 3
 
 
 @pytest.mark.parametrize("batch_size", [1, 4])
@@ -154,3 +156,33 @@ def test_the_draft_is_prefilled_only_where_speculation_can_pay(default_pair, pro
             ex.submit(ex.make_request(p, SamplingParams(max_tokens=4, temperature=0)))
         ex.admit()
         assert all((r.draft_ctx == r.target_ctx > 0) == prefilled for r in ex.running)
+
+
+def test_a_probe_after_a_long_ar_stretch_re_primes_the_draft_with_a_short_window(default_pair, prompts, ar_outputs):
+    """After many AR steps the draft does not replay everything it missed: a request whose pending chain is longer
+    than the bound the cost model allows (one AR step's worth of draft work) restarts the draft from its last
+    few tokens. Outputs stay AR's."""
+    target, draft, tok = default_pair
+    dear_draft = curve(lambda t: 0.010, lambda t: 0.001 + 0.001 * t)  # t_draft(8 per request at B=4) ~ one step
+    ex = Executor(target, draft, tok, EchoConfig(k_max=64, max_nodes_per_request=16), max_batch_size=4,
+                  max_seq_len=256, cost_model=dear_draft, clock=ModelledClock(dear_draft))
+    steps = iter(range(10**6))
+    ex.tracker.should_speculate = lambda b: next(steps) % 10 == 9  # nine AR steps, then a probe
+    root_chains = []
+    real = ex.drafter.model.forward
+
+    def spy(batch, cache):
+        if batch.logits_index is not None and batch.logits_index.numel():  # the root level: pending chains
+            root_chains.append(int(batch.input_ids.numel()) / int(batch.slots.numel()))
+        return real(batch, cache)
+
+    ex.drafter.model.forward = spy
+    reqs = [ex.make_request(p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)) for p in prompts[:8]]
+    for r in reqs:
+        ex.submit(r)
+    while ex.has_work:
+        ex.step()
+    assert [r.output_token_ids for r in reqs] == ar_outputs
+    assert ex._max_pending(4) == 8
+    assert root_chains and max(root_chains) <= 8, f"catch-up chains {root_chains} exceed the 8-token bound"
+    assert any(r.draft_offset > 0 for r in reqs), "the case must re-prime some request"
