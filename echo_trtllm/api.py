@@ -138,10 +138,7 @@ class LLM:
         policy = make_policy(config)
         check_limits(config, max_batch_size, has_draft=draft_model is not None or not policy.needs_draft_model)
         gate_samples = calibration.gate_samples() if calibration is not None and policy.shares_budget else None
-        if gate_samples is not None and gate_samples.max_depth != config.max_depth:
-            raise ValueError(
-                f"the calibration was made for max_depth={gate_samples.max_depth} but speculative_config has "
-                f"max_depth={config.max_depth}: recalibrate (echo-trtllm calibrate --max-depth {config.max_depth})")
+        make_policy(config, None, gate_samples)  # a calibration for another max_depth is refused here, before loading
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         target, target_tok = self._load(model, dtype, device)

@@ -338,8 +338,9 @@ class EchoPolicy(TreePolicy):
     (K_max - B)-th best per-level confidence of the batch stops drafting, since none of its deeper nodes could
     win budget from the nodes already ahead of it. Cost-aware stop (with a cost model): drafting stops for the
     whole batch when the next level cannot pay for itself, i.e. when the tokens it may add, at most
-    sum_active c_{i,d}, are worth less than its cost, t_draft(active * beam) + t_verify(B + active) - t_verify(B)
-    seconds at the AR rate of B / t_verify(B) tokens per second. Selection: `allocate_budget` (P1 depth, P2
+    sum_active c_{i,d}, are worth less than its cost, t_draft(active * beam) + t_verify(K + active) - t_verify(K)
+    seconds at the AR rate of B / t_verify(B) tokens per second, where K = B + the spines so far is the
+    verification already claimed (on a steep curve the next token costs more the more are claimed). Selection: `allocate_budget` (P1 depth, P2
     width), then `choose_budget` picks K along that order.
     """
 
@@ -398,7 +399,10 @@ class EchoPolicy(TreePolicy):
         cost, b = self.cost_model, state.batch_size
         n = int(state.active.sum())
         step = float(cost.verify_time(b))
-        seconds = float(cost.draft_time(n * self.expand_width)) + float(cost.verify_time(b + n)) - step
+        # the verification already claimed: every request's root and its spine so far (priority 1)
+        claimed = b + int(state.spine_depth.sum())
+        seconds = (float(cost.draft_time(n * self.expand_width))
+                   + float(cost.verify_time(claimed + n)) - float(cost.verify_time(claimed)))
         gain = float(state.confidence[-1][state.active].sum())  # tokens the next level may add, at most
         if gain * step <= seconds * b:
             state.active = torch.zeros_like(state.active)

@@ -1,7 +1,7 @@
 """Calibration on the current device: the cost curve, warm-up gate samples, and the file that holds both.
 
     measure_cost_model   t_verify(T) and t_draft(T): one target / draft forward over T new tokens at a fixed
-                         context, fastest of `repeats` timed runs (noise only ever adds time), non-decreasing
+                         context, fastest of `repeats` timed runs (noise only ever adds time), made non-decreasing
     gate_samples         (depth, confidence, accepted) samples from one executed step (see below)
     collect_gate_samples warm-up traffic through an executor with the gate wide open
     calibrate            all of it -> `Calibration` (cost model + gate calibration + break-even probability)
@@ -80,13 +80,15 @@ def measure_forward_seconds(model: CausalLM, tokens: tuple[int, ...], context: i
 
 
 def nondecreasing(seconds: tuple[float, ...]) -> tuple[float, ...]:
-    """Running maximum: a forward over more tokens never takes less time; a dip in a measured curve is noise that
-    the budget rule would otherwise exploit."""
-    out, top = [], 0.0
-    for s in seconds:
-        top = max(top, s)
-        out.append(top)
-    return tuple(out)
+    """The curve made non-decreasing from the right: t(T) <- min over T' >= T of t(T'). A forward over more tokens
+    never takes less time, and noise only ever adds time, so a point above a later one was inflated (a burst of
+    other work during its runs) and is lowered; raising the later points instead would spread the burst over them.
+    Example: (400, 265, 270, 453) ms -> (265, 265, 270, 453)."""
+    out, low = [], float("inf")
+    for s in reversed(seconds):
+        low = min(low, s)
+        out.append(low)
+    return tuple(reversed(out))
 
 
 def measure_cost_model(target: CausalLM, draft: CausalLM | None, tokens: tuple[int, ...] = DEFAULT_TOKENS,

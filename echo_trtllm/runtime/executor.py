@@ -427,10 +427,7 @@ class Executor:
                 return drafted, self._pack(drafted.selected, ctx), True
             except Exception:  # noqa: BLE001 - drafting is an optimisation: this step runs as plain AR
                 self._contain("drafting")
-        elif speculate and not self.policy.needs_draft_model:
-            drafted = draft_tree(self.policy, roots, None, None)
-            return drafted, self._pack(drafted.selected, ctx), False
-        drafted = draft_tree(self._ar_policy, roots, None, None)
+        drafted = draft_tree(self._ar_policy, roots, None, None)  # the ar policy, or the tracker's or a failure's AR
         return drafted, self._pack(drafted.selected, ctx), False
 
     def _max_pending(self, batch_size: int) -> int | None:

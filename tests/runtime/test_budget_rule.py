@@ -186,3 +186,10 @@ def test_a_probe_after_a_long_ar_stretch_re_primes_the_draft_with_a_short_window
     assert ex._max_pending(4) == 8
     assert root_chains and max(root_chains) <= 8, f"catch-up chains {root_chains} exceed the 8-token bound"
     assert any(r.draft_offset > 0 for r in reqs), "the case must re-prime some request"
+
+
+def test_a_measured_curve_is_made_non_decreasing_by_lowering_inflated_points():
+    from echo_trtllm.runtime.calibrate import nondecreasing
+
+    assert nondecreasing((0.400, 0.265, 0.270, 0.453)) == (0.265, 0.265, 0.270, 0.453)
+    assert nondecreasing((0.1, 0.2, 0.3)) == (0.1, 0.2, 0.3)

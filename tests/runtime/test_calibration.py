@@ -110,7 +110,7 @@ def test_the_policy_gets_the_calibrated_gate_at_construction(calibration):
         assert p.gate_for(b) == getattr(calibration.gate, variant)()
     with pytest.raises(ValueError, match="max_depth=5 but the config has max_depth=6"):
         make_policy(EchoConfig(max_depth=6), calibration.cost_model, samples)
-    with pytest.raises(ValueError, match="max_depth=5 but speculative_config has max_depth=6"):
+    with pytest.raises(ValueError, match="max_depth=5 but the config has max_depth=6"):
         LLM(speculative_config=EchoConfig(max_depth=6), calibration=calibration, max_batch_size=2)
 
 
