@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -152,6 +153,9 @@ class ModeRates:
     spec_seconds: float | None = None  # seconds per step
     ar_tokens: float | None = None
     ar_seconds: float | None = None
+    spec_steps: int = 0  # steps measured per mode (early averages are plain means, see SpeculationTracker)
+    ar_steps: int = 0
+    ar_start_seconds: list[float] = field(default_factory=list)  # the first AR steps, whose median seeds AR
     probe_every: int = 8
     steps_since_probe: int = 0
     # draft levels a speculative step may use: starts at 1, doubles after a step that beat AR, halves after one
@@ -181,15 +185,18 @@ class SpeculationTracker:
     tokens per second per request of speculative steps and of plain AR steps: the ratio of exponential moving
     averages of tokens and of seconds (wall time of the whole step, measured by the runtime). A ratio of
     averages, not an average of per-step rates: speculative steps take about the same time but emit very
-    different numbers of tokens, and averaging their rates would favour lucky steps.
+    different numbers of tokens, and averaging their rates would favour lucky steps. AR's time starts as the
+    median of its first `min_ar_steps` steps, and a mode's first 1/`smoothing` steps are averaged with equal
+    weights: an EMA seeded by one step would let a single slow first AR step (a burst of other work on a shared
+    machine) make a losing speculation look better for dozens of steps.
 
     Start safe: with a cost model, a batch size at which even a surely accepted draft level cannot pay
-    (`level_cost_ratio` >= 1) never speculates. Otherwise a bucket's first step is plain AR (it cannot lose to
-    AR), its second speculates once to measure speculation, with one draft level; the depth a speculative step
+    (`level_cost_ratio` >= 1) never speculates. Otherwise a bucket's first `min_ar_steps` steps are plain AR
+    (they cannot lose to AR), the next speculates once to measure speculation, with one draft level; the depth a speculative step
     may draft (`depth_limit`) doubles after each speculative step that beat the AR rate and halves after one that
     did not, up to `max_depth` (slow start: a probe costs about one draft forward until deeper trees have shown
-    they pay, instead of a whole tree built on overconfident drafts). From then on the better mode runs and the other is re-measured by a probe every
-    `probe_every` steps. A speculative step right after AR steps also makes the draft model catch up on the
+    they pay, instead of a whole tree built on overconfident drafts). From then on the better mode runs and the
+    other is re-measured by a probe every `probe_every` steps. A speculative step right after AR steps also makes the draft model catch up on the
     tokens it skipped; that one-off cost is charged to exploration, not to the speculative rate
     (`update(..., one_off_seconds=...)`).
 
@@ -200,6 +207,7 @@ class SpeculationTracker:
     the cost model picks K (`choose_budget`).
     """
 
+    min_ar_steps: int = 3
     min_probe_every: int = 8
     max_probe_every: int = 1024
     explore_share: float = 0.02
@@ -229,8 +237,8 @@ class SpeculationTracker:
         if not self.can_pay(batch_size):
             return False
         r = self.rates(batch_size)
-        if r.ar_rate is None:
-            return False  # measure AR first: a step that cannot lose
+        if r.ar_steps < self.min_ar_steps:
+            return False  # measure AR first: steps that cannot lose
         if r.spec_rate is None:
             return True  # then speculation, once
         better = r.spec_better()
@@ -250,14 +258,21 @@ class SpeculationTracker:
         was_probe = before is not None and speculated != before
         mode = "spec" if speculated else "ar"
 
+        n = getattr(r, f"{mode}_steps") + 1
+        setattr(r, f"{mode}_steps", n)
+        weight = max(self.smoothing, 1.0 / n)  # the mean of the first 1/smoothing steps, then an EMA
+
         def ema(old: float | None, x: float) -> float:
-            return x if old is None else (1 - self.smoothing) * old + self.smoothing * x
+            return x if old is None else (1 - weight) * old + weight * x
 
         if speculated and r.ar_rate is not None:
             paid = per_request / steady > r.ar_rate
             r.depth = min(2 * r.depth, self.max_depth) if paid else max(1, r.depth // 2)
         setattr(r, f"{mode}_tokens", ema(getattr(r, f"{mode}_tokens"), per_request))
         setattr(r, f"{mode}_seconds", ema(getattr(r, f"{mode}_seconds"), steady))
+        if not speculated and n <= self.min_ar_steps:
+            r.ar_start_seconds.append(steady)
+            r.ar_seconds = statistics.median(r.ar_start_seconds)
         if was_probe:
             r.steps_since_probe = 0
             if r.spec_better() == before:

@@ -75,7 +75,7 @@ def test_batch_buckets():
 
 
 def test_tracker_starts_with_ar_then_probes_and_spaces_probes_by_hand():
-    tr = SpeculationTracker(smoothing=0.3)
+    tr = SpeculationTracker(smoothing=0.3, min_ar_steps=1)
     assert not tr.should_speculate(1)  # nothing measured: plain AR first (it cannot lose)
     tr.update(1, speculated=False, emitted=1, seconds=0.5)  # AR: 2 tokens/s
     assert tr.rates(1).ar_rate == 2.0 and tr.should_speculate(1)  # then speculation, once
@@ -83,6 +83,7 @@ def test_tracker_starts_with_ar_then_probes_and_spaces_probes_by_hand():
     tr.update(1, True, emitted=4, seconds=3.0, one_off_seconds=2.0)
     r = tr.rates(1)
     assert r.spec_rate == 4.0 and r.steps_since_probe == 2
+    r.spec_steps = r.ar_steps = 100  # past the equal-weight start: an EMA keeping 0.7, as the comments compute
     for _ in range(5):
         assert tr.should_speculate(1)
         tr.update(1, True, 4, 1.0)
@@ -102,9 +103,27 @@ def test_tracker_starts_with_ar_then_probes_and_spaces_probes_by_hand():
     assert not tr.should_speculate(1)  # AR is now the choice
 
 
+def test_tracker_seeds_ar_with_the_median_of_its_first_steps():
+    """A first AR step slowed by other work on the machine (3 s instead of 0.5 s) must not make a losing
+    speculation (1.5 tokens/s against AR's 2) look better: AR's time starts as the median of min_ar_steps
+    steps. (Seeded by the first step, an EMA with weight 0.1 chose speculation in 38 of these 40 steps.)"""
+    tr = SpeculationTracker(smoothing=0.1)
+    for seconds in (3.0, 0.5, 0.5):
+        assert not tr.should_speculate(1)
+        tr.update(1, False, 1, seconds)
+    r = tr.rates(1)
+    assert r.ar_seconds == 0.5  # the median, not 0.9 * 3 + 0.1 * 0.5
+    chosen = []
+    for _ in range(40):
+        spec = tr.should_speculate(1)
+        chosen.append(spec)
+        tr.update(1, spec, 3 if spec else 1, 2.0 if spec else 0.5)
+    assert sum(chosen) <= 2 and not any(chosen[-30:])  # a probe, then AR
+
+
 def test_tracker_keeps_batch_sizes_apart():
     """Speculation that pays at B = 1 says nothing about B = 16: each bucket starts safe on its own."""
-    tr = SpeculationTracker()
+    tr = SpeculationTracker(min_ar_steps=1)
     tr.update(1, False, 1, 1.0)
     tr.update(1, True, 5, 1.0)
     assert tr.should_speculate(1)
@@ -127,7 +146,7 @@ def test_tracker_rate_is_a_ratio_of_averages():
 
 
 def test_tracker_depth_limit_starts_at_one_doubles_when_speculation_pays_and_halves_when_not():
-    tr = SpeculationTracker(max_depth=6)
+    tr = SpeculationTracker(max_depth=6, min_ar_steps=1)
     tr.update(4, False, 4, 1.0)  # AR: 1 token per request per second
     assert tr.depth_limit(4) == 1
     tr.update(4, True, 12, 1.0)  # 3 per request per second: paid

@@ -109,3 +109,44 @@ def test_gate_config_validation_and_defaults():
     g = default_gate(6)
     assert g.depths == (1, 3, 6) and g.thresholds[0] > g.thresholds[-1]
     assert g.threshold_at(2) is None
+
+
+def test_gate_schedule_sources_and_variants():
+    """One GateSchedule per policy: the config's gate wins, then calibration samples, then a cost curve alone
+    (tau = the level's cost ratio at B, closed at 1), then the default; each yields sparse, dense and fixed."""
+    from echo_trtllm.core import EchoConfig
+    from echo_trtllm.core.cost import CostModel, level_cost_ratio
+    from echo_trtllm.core.gating import GateSamples, GateSchedule, default_gate
+
+    cfg = EchoConfig(max_depth=6, fixed_threshold=0.25)
+    tokens = (1, 2, 4, 8, 16, 32, 64, 128)
+    cost = CostModel(tokens, tuple(0.1 + 0.002 * t for t in tokens), tokens, tuple(0.01 + 0.001 * t for t in tokens))
+
+    default = GateSchedule(cfg)
+    assert default.source == "default" and default.gate_for(4) == default_gate(6)
+    assert set(default.gate_for(4, "fixed").thresholds) == {0.25}
+    assert default.gate_for(4, "dense").depths == (1, 2, 3, 4, 5, 6)
+
+    curve = GateSchedule(cfg, cost)
+    for b in (1, 16, 128):
+        lam = min(1.0, level_cost_ratio(cost, b, cfg.beam_width))
+        g = curve.gate_for(b)
+        assert curve.source == "cost-curve" and g.depths == default_gate(6).depths and set(g.thresholds) == {lam}
+        assert curve.gate_for(b, "dense").thresholds == pytest.approx((lam,) * 6)
+    assert curve.gate_for(1).thresholds[0] < curve.gate_for(128).thresholds[0]  # stricter under load
+
+    gen = torch.Generator().manual_seed(0)
+    depths = torch.randint(1, 7, (400,), generator=gen)
+    conf = torch.rand(400, generator=gen) * 0.7 ** (depths - 1)
+    samples = GateSamples(depths, conf, torch.rand(400, generator=gen) < conf, 6)
+    calibrated = GateSchedule(cfg, cost, samples)
+    assert calibrated.source == "calibration"
+    assert calibrated.gate_for(8) == calibrated.calibration_for(8).gate_config()
+    assert calibrated.gate_for(8, "fixed") == calibrated.calibration_for(8).fixed_gate_config()
+
+    explicit = GateSchedule(EchoConfig(gate_depths=(2, 6), gate_thresholds=(0.5, 0.1)), cost, samples)
+    assert explicit.source == "config" and explicit.gate_for(8).depths == (2, 6)
+    with pytest.raises(ValueError, match="variant"):
+        explicit.gate_for(8, "sideways")
+    with pytest.raises(ValueError, match="max_depth=6 but the config has max_depth=4"):
+        GateSchedule(EchoConfig(max_depth=4), cost, samples)
