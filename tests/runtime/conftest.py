@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from echo_trtllm import LLM
 from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
 from echo_trtllm.models.loader import load_model
 
@@ -11,6 +12,13 @@ def default_pair():
     target, tok = load_model(DEFAULT_TARGET)
     draft, draft_tok = load_model(DEFAULT_DRAFT)
     return target, draft, tok
+
+
+@pytest.fixture(scope="session")
+def pair_llm(default_pair):
+    """pair_llm(**options): an `LLM` on the embedded pair, the loaded models shared (use it as a context manager)."""
+    target, draft, tok = default_pair
+    return lambda **options: LLM(target, draft, tokenizer=tok, **options)
 
 
 @pytest.fixture(scope="session")

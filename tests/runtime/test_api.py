@@ -13,10 +13,8 @@ from tests.helpers import chi2_critical, chi2_statistic
 
 
 @pytest.fixture(scope="module")
-def llm(default_pair):
-    target, draft, tok = default_pair
-    with LLM(target, draft, tokenizer=tok, speculative_config=EchoConfig(k_max=128), max_batch_size=8,
-             max_seq_len=256) as engine:
+def llm(pair_llm):
+    with pair_llm(speculative_config=EchoConfig(k_max=128), max_batch_size=8, max_seq_len=256) as engine:
         yield engine
 
 

@@ -146,10 +146,8 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def llm(default_pair):
-    target, draft, tok = default_pair
-    with LLM(target, draft, tokenizer=tok, speculative_config=EchoConfig(k_max=64), max_batch_size=4,
-             max_seq_len=256) as engine:
+def llm(pair_llm):
+    with pair_llm(speculative_config=EchoConfig(k_max=64), max_batch_size=4, max_seq_len=256) as engine:
         yield engine
 
 

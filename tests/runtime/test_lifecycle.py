@@ -27,11 +27,10 @@ def reference(default_pair):
 
 
 @pytest.fixture
-def engine(default_pair):
+def engine(pair_llm):
     """ECHO without a cost model: every step drafts, so the draft side runs in every phase."""
-    target, draft, tok = default_pair
-    with LLM(target, draft, tokenizer=tok, speculative_config=EchoConfig(k_max=64, max_depth=4),
-             max_batch_size=SLOTS, max_seq_len=256, cost_model=None) as llm:
+    with pair_llm(speculative_config=EchoConfig(k_max=64, max_depth=4), max_batch_size=SLOTS, max_seq_len=256,
+                  cost_model=None) as llm:
         yield llm
 
 
