@@ -273,3 +273,10 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
+    def __del__(self) -> None:
+        # An LLM dropped without shutdown(): the engine thread holds the loop, not the LLM, so stop it here
+        # (without waiting: it ends after its current step, ending what is left with an error).
+        loop = getattr(self, "_loop", None)
+        if loop is not None:
+            loop.shutdown(timeout=0)
+

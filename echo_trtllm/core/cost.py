@@ -250,7 +250,10 @@ class SpeculationTracker:
                one_off_seconds: float = 0.0) -> None:
         """One step's outcome: `emitted` tokens over the batch in `seconds`. one_off_seconds: part of `seconds`
         that steady speculation would not pay (the draft's catch-up after AR steps); excluded from the rate,
-        counted in the probe's cost."""
+        counted in the probe's cost. A step at a batch size where speculation cannot pay was not a choice and is
+        not counted (B = 5..8 share a bucket; a forced AR step at B = 8 must not pass for a probe at B = 5)."""
+        if not self.can_pay(batch_size):
+            return
         r = self.rates(batch_size)
         per_request = emitted / batch_size
         steady = max(seconds - one_off_seconds, 1e-12)

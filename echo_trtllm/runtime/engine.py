@@ -289,6 +289,8 @@ class EngineLoop:
 
     def abort(self, request_id: int) -> None:
         """Cancel a request by id (finish_reason "abort"); unknown or finished ids are ignored."""
+        if isinstance(request_id, bool) or not isinstance(request_id, int):
+            raise TypeError(f"request_id must be an int (GenerationHandle.request_id), got {type(request_id).__name__}")
         with self._cond:
             self._inbox.append(("abort", request_id))
             self._cond.notify()
@@ -311,6 +313,25 @@ class EngineLoop:
     # ------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
+        """The engine thread. Failures are contained inside `_serve`; should anything still escape it, the engine
+        stops taking work and every request it holds ends with the error instead of waiting forever."""
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - the thread must not die with requests waiting on it
+            self.last_error = traceback.format_exc()
+            with self._cond:
+                self._stop = True
+                items = list(self._inbox)
+                self._inbox.clear()
+            for kind, item in items:
+                if kind == "submit":
+                    for h in item:
+                        self._handles[h.request_id] = h
+            for handle in list(self._handles.values()):
+                handle._publish_error(f"the engine stopped: {type(exc).__name__}: {exc}")
+            self._handles.clear()
+
+    def _serve(self) -> None:
         ex = self.executor
         while True:
             with self._cond:
@@ -354,8 +375,9 @@ class EngineLoop:
             handle._publish()
         except Exception as exc:  # noqa: BLE001 - never let one output kill the loop
             self.last_error = traceback.format_exc()
-            self.executor.abort(req, "error", f"output failed: {type(exc).__name__}: {exc}")
-            handle._publish_error(req.error)
+            error = f"output failed: {type(exc).__name__}: {exc}"
+            self.executor.abort(req, "error", error)  # a request that had already finished keeps its slot freed
+            handle._publish_error(error)
         if req.finished:
             del self._handles[req.request_id]
 

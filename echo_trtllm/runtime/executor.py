@@ -179,13 +179,18 @@ class Executor:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         check_prompt(prompt)
+        vocab = self.target.config.vocab_size
         if isinstance(prompt, str):
             ids, text = self.tokenizer.encode(prompt), prompt
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:  # a tokenizer that does not belong to the model
+                raise ValueError(f"the tokenizer encoded the prompt to ids {bad[:5]} outside the model's vocabulary "
+                                 f"[0, {vocab}): pass the model's own tokenizer")
         else:
             ids, text = list(prompt), None
-            bad = [t for t in ids if not 0 <= t < self.target.config.vocab_size]
+            bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.target.config.vocab_size})")
+                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if not ids:
             raise ValueError("prompt is empty: give a non-empty string or a non-empty list of token ids")
         if len(ids) >= self.max_seq_len:
@@ -427,7 +432,10 @@ class Executor:
                 return drafted, self._pack(drafted.selected, ctx), True
             except Exception:  # noqa: BLE001 - drafting is an optimisation: this step runs as plain AR
                 self._contain("drafting")
-        drafted = draft_tree(self._ar_policy, roots, None, None)  # the ar policy, or the tracker's or a failure's AR
+                # packed on the host: the failure may have been the device's packing kernel
+                drafted = draft_tree(self._ar_policy, roots, None, None)
+                return drafted, pack(drafted.selected, ctx), False
+        drafted = draft_tree(self._ar_policy, roots, None, None)  # the ar policy or the tracker's choice
         return drafted, self._pack(drafted.selected, ctx), False
 
     def _max_pending(self, batch_size: int) -> int | None:

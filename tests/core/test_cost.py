@@ -121,6 +121,17 @@ def test_tracker_seeds_ar_with_the_median_of_its_first_steps():
     assert sum(chosen) <= 2 and not any(chosen[-30:])  # a probe, then AR
 
 
+def test_tracker_does_not_count_steps_where_speculation_cannot_pay():
+    """B = 5..8 share a bucket; at B = 8 this curve forbids speculation (t(16) = 3 t(8)), at B = 5 it does not
+    (flat to 10 tokens). Forced AR steps at B = 8 are no choice: they must not count as AR probes at B = 5."""
+    tr = SpeculationTracker(cost=CostModel((1, 10, 16), (1.0, 1.0, 3.0)), min_ar_steps=1)
+    assert not tr.can_pay(8) and tr.can_pay(5)
+    tr.update(8, False, 8, 1.0)
+    assert tr.rates(8).ar_steps == 0 and tr.rates(8).ar_rate is None
+    tr.update(5, False, 5, 1.0)
+    assert tr.rates(5).ar_steps == 1 and tr.rates(5) is tr.rates(8)
+
+
 def test_tracker_keeps_batch_sizes_apart():
     """Speculation that pays at B = 1 says nothing about B = 16: each bucket starts safe on its own."""
     tr = SpeculationTracker(min_ar_steps=1)

@@ -3,12 +3,14 @@ and the engine still returns the reference output afterwards."""
 
 import json
 import shutil
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from echo_trtllm import LLM, EchoConfig, SamplingParams
 from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
+from echo_trtllm.models.loader import Tokenizer
 
 REFERENCE_PROMPT = "To be, or not to be"
 REFERENCE_PARAMS = SamplingParams(max_tokens=8, temperature=0)
@@ -169,3 +171,21 @@ def test_bad_input_is_refused_clearly_and_the_engine_keeps_serving(llm, referenc
     assert len(llm.executor.waiting) == waiting_before, "nothing may be submitted for a refused call"
     assert llm.generate(REFERENCE_PROMPT, REFERENCE_PARAMS).token_ids == reference
     assert sorted(llm.executor.free_slots) == list(range(4))
+
+
+@dataclass
+class ForeignTokenizer(Tokenizer):
+    """A tokenizer of a bigger vocabulary: its ids run past the model's."""
+
+    offset: int = 0
+
+    def encode(self, text):
+        return [t + self.offset for t in super().encode(text)]
+
+
+def test_a_tokenizer_from_another_model_is_refused_before_submission(default_pair):
+    target, draft, tok = default_pair
+    with LLM(target, draft, tokenizer=ForeignTokenizer(tok.hf, tok.eos_token_ids, target.config.vocab_size), max_batch_size=1) as llm:
+        with pytest.raises(ValueError, match="outside the model's vocabulary .* pass the model's own tokenizer"):
+            llm.generate("hello", SP)
+        assert not llm.executor.waiting and llm.executor.free_slots == [0]

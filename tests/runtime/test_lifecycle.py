@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 import textwrap
+import time
 
 import pytest
 
@@ -234,6 +235,53 @@ def test_shutdown_ends_waiting_requests_with_an_error(default_pair):
             h.result(timeout=60)
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate("x")
+
+
+def test_an_error_escaping_the_engine_thread_ends_every_request_instead_of_leaving_it_waiting(pair_llm):
+    """The executor contains failures by phase; should something still escape the engine thread (here: the
+    executor's own submit), every request it holds ends with the error and new work is refused."""
+    llm = pair_llm(max_batch_size=2, max_seq_len=2048, cost_model=None)
+    with llm:
+        first = llm.generate_async(PROMPTS[0], SamplingParams(max_tokens=1500, temperature=0, ignore_eos=True))
+        deadline = time.monotonic() + 60
+        while not llm.executor.running and time.monotonic() < deadline:  # the engine has taken `first`
+            time.sleep(0.01)
+        real = llm.executor.submit
+
+        def broken(request):
+            real(request)
+            raise RuntimeError("injected: submit")
+
+        llm.executor.submit = broken
+        second = llm.generate_async(PROMPTS[1], GREEDY)
+        for h in (first, second):
+            with pytest.raises(RuntimeError, match="the engine stopped: RuntimeError: injected: submit"):
+                h.result(timeout=60)
+        with pytest.raises(RuntimeError, match="shut down"):
+            llm.generate("x")
+
+
+def test_abort_takes_request_ids_only(engine):
+    h = engine.generate_async(PROMPTS[0], GREEDY)
+    for bad in ([h.request_id], h, str(h.request_id), True):
+        with pytest.raises(TypeError, match="request_id must be an int"):
+            engine.abort(bad)
+    assert h.result(timeout=60).finish_reason == "length"  # the engine went on
+    assert sorted(engine.executor.free_slots) == list(range(SLOTS))
+
+
+def test_an_llm_dropped_without_shutdown_stops_its_engine_thread(pair_llm):
+    import gc
+
+    llm = pair_llm(max_batch_size=1)
+    loop = llm._loop
+    handle = llm.generate_async(PROMPTS[0], SamplingParams(max_tokens=1500, temperature=0, ignore_eos=True))
+    del llm
+    gc.collect()
+    loop._thread.join(60)
+    assert not loop._thread.is_alive()
+    with pytest.raises(RuntimeError, match="shut down"):
+        handle.result(timeout=1)
 
 
 def test_interpreter_exit_with_requests_in_flight_is_clean():
