@@ -102,3 +102,24 @@ def test_rope_scaling_llama3_matches_transformers():
     ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
     ours = rope_inv_freq(ModelConfig.from_hf({**hf_cfg.to_dict(), "model_type": "llama"}))
     torch.testing.assert_close(ours, ref.float(), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("cpu, per_row, expected", [
+    # seconds of the 1536x8960 linear per dtype at (1 row, 64 rows)
+    ("AVX2 only (issue 9's EPYC: bf16 64 rows 82 ms, fp32 21 ms)", {"float32": (0.8e-3, 21e-3),
+                                                                     "bfloat16": (1.2e-3, 82e-3)}, torch.float32),
+    ("AMX-BF16 (docs/bench/dtype-qwen.json)", {"float32": (0.5e-3, 11e-3), "bfloat16": (0.3e-3, 4.6e-3)},
+     torch.bfloat16),
+    ("a close call stays float32", {"float32": (1e-3, 10e-3), "bfloat16": (1e-3, 9e-3)}, torch.float32),
+])
+def test_dtype_auto_picks_what_the_measured_linear_says(monkeypatch, cpu, per_row, expected):
+    """`--dtype auto` on a CPU is a measurement, not a table: injected linear timings decide it."""
+    from echo_trtllm.models import loader
+
+    names = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+    monkeypatch.setattr(loader, "time_linear",
+                        lambda i, o, dtype, rows, **kw: per_row[names[dtype]][loader.AUTO_ROWS.index(rows)])
+    config = ModelConfig.from_hf(json.loads((DEFAULT_TARGET / "config.json").read_text()))
+    dtype, evidence = loader.choose_dtype(config, "cpu")
+    assert dtype == expected and evidence["chosen"] == names[expected]
+    assert loader.choose_dtype(config, "cuda")[0] == torch.bfloat16  # no timing on CUDA
