@@ -194,14 +194,16 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, in_features: int | None = None) -> None:
+        """in_features: width of the attention input (default hidden_size; an EAGLE-3 head's layer takes 2x)."""
         super().__init__()
         self.layer = layer
         self.h, self.h_kv, self.hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.h * self.hd, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.h_kv * self.hd, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.h_kv * self.hd, bias=bias)
+        d_in = in_features or config.hidden_size
+        self.q_proj = nn.Linear(d_in, self.h * self.hd, bias=bias)
+        self.k_proj = nn.Linear(d_in, self.h_kv * self.hd, bias=bias)
+        self.v_proj = nn.Linear(d_in, self.h_kv * self.hd, bias=bias)
         self.o_proj = nn.Linear(self.h * self.hd, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, cache: KVCache) -> Tensor:
@@ -280,21 +282,46 @@ class CausalLM(nn.Module):
     def allocate_cache(self, slots: int, capacity: int) -> KVCache:
         return KVCache.allocate(self.config, slots, capacity, self.dtype, self.device)
 
+    def rope(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin (T, head_dim) of the positions."""
+        freqs = position_ids.float()[:, None] * self.inv_freq[None, :]  # (T, hd/2)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def eagle3_layers(self) -> tuple[int, int, int]:
+        """EAGLE-3's default feature layers: the inputs of decoder layers 2, N // 2 and N - 3 (the outputs of
+        layers 1, N // 2 - 1 and N - 4), as the EAGLE and SpecForge checkpoints were trained on."""
+        n = self.config.num_hidden_layers
+        return (2, n // 2, n - 3)
+
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, cache: KVCache) -> Tensor:
+    def forward(self, batch: ForwardBatch, cache: KVCache, capture: tuple[int, ...] = ()) -> Tensor | tuple[Tensor, Tensor]:
         """Logits (S, V) float32 of the rows in batch.logits_index (all T rows when None), on the model's device
-        (a batch built elsewhere, e.g. by the host control plane, is moved there first)."""
+        (a batch built elsewhere, e.g. by the host control plane, is moved there first).
+
+        capture: decoder-layer indices whose *input* hidden states to return too, for every one of the T tokens
+        (an EAGLE-3 head's features, taken from the forward that runs anyway); then (logits, features) with
+        features (T, len(capture) * hidden) in the order given. Index N (the layer count) is the last layer's
+        output, before the final norm."""
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)
+        n = self.config.num_hidden_layers
+        if any(not 0 <= i <= n for i in capture):
+            raise ValueError(f"capture layers must be in [0, {n}], got {capture}")
         x = self.model.embed_tokens(batch.input_ids)  # (T, hidden)
-        freqs = batch.position_ids.float()[:, None] * self.inv_freq[None, :]  # (T, hd/2)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        for layer in self.model.layers:
+        cos, sin = self.rope(batch.position_ids, x.dtype)
+        captured: dict[int, Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            if i in capture:
+                captured[i] = x
             x = layer(x, cos, sin, batch, cache)
+        if n in capture:
+            captured[n] = x
+        features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         if batch.logits_index is not None:
             x = x[batch.logits_index]
-        return self.lm_head(self.model.norm(x)).float()
+        logits = self.lm_head(self.model.norm(x)).float()
+        return (logits, features) if capture else logits
 
     def truncated(self, num_layers: int) -> "CausalLM":
         """A copy keeping the first `num_layers` decoder layers (a cheap draft sharing the tokenizer)."""

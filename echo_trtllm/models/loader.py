@@ -125,22 +125,28 @@ def read_hf_config(cfg_file: Path) -> ModelConfig:
         raise ValueError(f"{cfg_file}: {e}") from None
 
 
-def load_hf(path: Path, dtype: torch.dtype, device) -> CausalLM:
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's *.safetensors files; errors name the directory or the unreadable file."""
     from safetensors.torch import load_file
 
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"{path} is not a model directory: config.json is missing")
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors weights (only safetensors checkpoints are supported)")
-    config = read_hf_config(cfg_file)
     state: dict[str, torch.Tensor] = {}
     for f in files:
         try:
             state.update(load_file(str(f)))
         except Exception as e:  # SafetensorError, OSError: a truncated or corrupted file
             raise ValueError(f"{f}: cannot read the safetensors weights ({type(e).__name__}: {e})") from None
+    return state
+
+
+def load_hf(path: Path, dtype: torch.dtype, device) -> CausalLM:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{path} is not a model directory: config.json is missing")
+    state = read_safetensors(path)
+    config = read_hf_config(cfg_file)
     model = CausalLM(config)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
