@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"break-even acceptance probability (B={cal.operating_batch_size}): {cal.break_even_accept_prob:.3f}")
     print(f"warm-up: {cal.warmup['steps']} steps, {cal.warmup['samples']} gate samples")
     print("acceptance by depth: " + ", ".join(f"{d}:{r:.2f}" for d, r in g.acceptance_rate.items()))
+    print("AUC by depth (90 % bootstrap interval; rejected samples): " + ", ".join(
+        f"{d}:{g.auc[d]:.2f} [{g.auc_interval[d][0]:.2f}, {g.auc_interval[d][1]:.2f}]; {g.num_rejected[d]}"
+        if d in g.auc_interval else f"{d}: not ranked ({g.unranked.get(d, 'no samples')})" for d in g.auc))
     print(f"gate depths {g.gate_depths}, tau {[float(f'{t:.3g}') for t in g.thresholds]}")
     print(out)
     return 0

@@ -12,8 +12,10 @@ Calibration rule (the paper does not publish one; this is the project's, measure
 Input: warm-up samples (d, c, a): at depth d a request had confidence c and the target accepted that best
 path through depth d (a = 1) or not (a = 0).
 
-1. Separation per depth: ROC-AUC of c for accepted vs rejected samples (Mann-Whitney U, ties counted 1/2).
-   Depths with fewer than `min_samples` samples or with only one class get AUC = nan and are not ranked.
+1. Separation per depth: ROC-AUC of c for accepted vs rejected samples (Mann-Whitney U, ties counted 1/2),
+   with a bootstrap 90 % interval (`AUC_BOOTSTRAP` resamples within the depth, seeded). A depth is ranked only
+   with at least `min_class_samples` accepted and as many rejected samples (an AUC from three rejections ranks
+   nothing); the others get AUC = nan and the reason in `GateCalibration.unranked` (also logged).
 2. Gate depths: always depth 1 (the first decision, right after the root's draft) and the target depth D,
    plus the `num_sweet_spots` middle depths (1 < d < D) with the highest AUC ("sweet spots").
 3. Threshold per gate depth: tau_d maximises the net gain  sum over samples with c > tau of (a - lambda),
@@ -42,6 +44,7 @@ Each source yields the three variants: "sparse" (echo), "dense" (echo-dense: eve
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -53,12 +56,15 @@ from .config import EchoConfig
 from .cost import CostModel, break_even_accept_prob, level_cost_ratio
 from .tree import DraftLevel, per_request_max
 
+log = logging.getLogger("echo_trtllm.calibration")
+
 __all__ = [
     "GateConfig",
     "GateCalibration",
     "best_path_confidence",
     "gate",
     "roc_auc",
+    "auc_bootstrap_interval",
     "choose_threshold",
     "calibrate_gate",
     "default_gate",
@@ -190,6 +196,11 @@ class GateCalibration:
     min_accept_prob: float
     num_sweet_spots: int
     rule: str = field(default="auc-sweet-spots/net-gain-threshold/v1")
+    # evidence added later (absent from older files): rejected samples per depth, the AUC's bootstrap 90 %
+    # interval, and why a depth was not ranked
+    num_rejected: dict[int, int] = field(default_factory=dict)
+    auc_interval: dict[int, tuple[float, float]] = field(default_factory=dict)
+    unranked: dict[int, str] = field(default_factory=dict)
 
     def gate_config(self) -> GateConfig:
         return GateConfig(tuple(self.gate_depths), tuple(self.thresholds))
@@ -209,12 +220,16 @@ class GateCalibration:
         d["auc"] = {str(k): (None if math.isnan(v) else v) for k, v in self.auc.items()}
         d["num_samples"] = {str(k): v for k, v in self.num_samples.items()}
         d["acceptance_rate"] = {str(k): (None if math.isnan(v) else v) for k, v in self.acceptance_rate.items()}
+        d["num_rejected"] = {str(k): v for k, v in self.num_rejected.items()}
+        d["auc_interval"] = {str(k): list(v) for k, v in self.auc_interval.items()}
+        d["unranked"] = {str(k): v for k, v in self.unranked.items()}
         return json.dumps(d, indent=2, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "GateCalibration":
         d = json.loads(text)
-        missing = {f for f in cls.__dataclass_fields__ if f != "rule"} - d.keys()
+        optional = {"rule", "num_rejected", "auc_interval", "unranked"}
+        missing = {f for f in cls.__dataclass_fields__ if f not in optional} - d.keys()
         if missing:
             raise ValueError(f"gate calibration JSON lacks fields {sorted(missing)}")
 
@@ -224,6 +239,9 @@ class GateCalibration:
         d["auc"] = num_map(d["auc"])
         d["acceptance_rate"] = num_map(d["acceptance_rate"])
         d["num_samples"] = {int(k): int(v) for k, v in d["num_samples"].items()}
+        d["num_rejected"] = {int(k): int(v) for k, v in d.get("num_rejected", {}).items()}
+        d["auc_interval"] = {int(k): (float(v[0]), float(v[1])) for k, v in d.get("auc_interval", {}).items()}
+        d["unranked"] = {int(k): str(v) for k, v in d.get("unranked", {}).items()}
         cal = cls(**d)
         cal.gate_config()  # validates depths and thresholds
         return cal
@@ -243,12 +261,14 @@ def calibrate_gate(
     max_depth: int,
     num_sweet_spots: int = 2,
     min_accept_prob: float = 0.3,
-    min_samples: int = 20,
+    min_class_samples: int = 10,
+    evidence: bool = True,
 ) -> GateCalibration:
     """Calibrate the sparse gate from warm-up samples (see the module docstring for the rule).
 
-    depths (S,) int in [1, D]; confidences (S,) float; accepted (S,) bool.
-    """
+    depths (S,) int in [1, D]; confidences (S,) float; accepted (S,) bool. evidence: also compute the AUC
+    intervals and log unranked depths (a calibration run does; re-deriving the gate per batch size does not:
+    ranking does not depend on the batch size)."""
     if not (depths.shape == confidences.shape == accepted.shape) or depths.ndim != 1:
         raise ValueError(
             "depths, confidences and accepted must be 1-D of equal length, got "
@@ -264,14 +284,29 @@ def calibrate_gate(
         raise ValueError(f"sample depths must lie in [1, {max_depth}]")
     auc: dict[int, float] = {}
     count: dict[int, int] = {}
+    rejected: dict[int, int] = {}
     rate: dict[int, float] = {}
+    interval: dict[int, tuple[float, float]] = {}
+    unranked: dict[int, str] = {}
     dense: list[float] = []
     for d in range(1, max_depth + 1):
         sel = depths == d
         n = int(sel.sum())
         count[d] = n
+        rejected[d] = n - int(accepted[sel].sum())
         rate[d] = float(accepted[sel].double().mean()) if n else float("nan")
-        auc[d] = roc_auc(confidences[sel], accepted[sel]) if n >= min_samples else float("nan")
+        fewest = min(n - rejected[d], rejected[d])
+        if fewest >= min_class_samples:
+            auc[d] = roc_auc(confidences[sel], accepted[sel])
+            if evidence:
+                interval[d] = auc_bootstrap_interval(confidences[sel], accepted[sel], seed=d)
+        else:
+            auc[d] = float("nan")
+            unranked[d] = (f"{n - rejected[d]} accepted and {rejected[d]} rejected samples; ranking a depth needs "
+                           f"{min_class_samples} of each")
+            if evidence and 1 < d < max_depth and num_sweet_spots:
+                log.warning("gate calibration: depth %d not ranked as a sweet spot: %s (more warm-up prompts "
+                            "give more)", d, unranked[d])
         dense.append(choose_threshold(confidences[sel], accepted[sel], min_accept_prob) if n else 1.0)
     middle = [d for d in range(2, max_depth) if not math.isnan(auc[d])]
     sweet = sorted(middle, key=lambda d: (-auc[d], d))[:num_sweet_spots]
@@ -288,7 +323,32 @@ def calibrate_gate(
         max_depth=max_depth,
         min_accept_prob=min_accept_prob,
         num_sweet_spots=num_sweet_spots,
+        num_rejected=rejected,
+        auc_interval=interval,
+        unranked=unranked,
     )
+
+
+AUC_BOOTSTRAP = 200
+
+
+def auc_bootstrap_interval(scores: Tensor, labels: Tensor, seed: int = 0, resamples: int = AUC_BOOTSTRAP,
+                           level: float = 0.9) -> tuple[float, float]:
+    """The central `level` interval of the AUC over bootstrap resamples (with replacement, seeded); resamples
+    that draw one class only are skipped."""
+    gen = torch.Generator().manual_seed(seed)
+    n = scores.numel()
+    values = []
+    for _ in range(resamples):
+        idx = torch.randint(0, n, (n,), generator=gen)
+        a = roc_auc(scores[idx], labels[idx])
+        if not math.isnan(a):
+            values.append(a)
+    if not values:
+        return (float("nan"), float("nan"))
+    v = torch.tensor(values, dtype=torch.float64)
+    lo, hi = torch.quantile(v, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)).tolist()
+    return (lo, hi)
 
 
 @dataclass(frozen=True)
@@ -314,7 +374,7 @@ class GateSamples:
 
     def calibrate(self, min_accept_prob: float) -> GateCalibration:
         return calibrate_gate(self.depths, self.confidences, self.accepted, self.max_depth, self.num_sweet_spots,
-                              min_accept_prob)
+                              min_accept_prob, evidence=False)
 
 
 class GateSchedule:

@@ -150,3 +150,32 @@ def test_gate_schedule_sources_and_variants():
         explicit.gate_for(8, "sideways")
     with pytest.raises(ValueError, match="max_depth=6 but the config has max_depth=4"):
         GateSchedule(EchoConfig(max_depth=4), cost, samples)
+
+
+def test_a_depth_with_too_few_rejections_is_not_ranked_and_says_why(caplog):
+    """Depth 3 separates perfectly but shows 4 rejections: its AUC of 1.0 must not make it a sweet spot over
+    depth 4, which separates less but on 150 rejections. Every ranked depth gets a bootstrap interval that
+    contains its AUC."""
+    gen = torch.Generator().manual_seed(5)
+    depths, conf, acc = [], [], []
+    for d, (n, n_rej, noise) in {1: (300, 100, 0.1), 2: (300, 150, 0.5), 3: (300, 4, 0.0), 4: (300, 150, 0.2),
+                                 5: (300, 150, 0.5)}.items():
+        a = torch.ones(n, dtype=torch.bool)
+        a[:n_rej] = False
+        c = (a.double() * 0.5 + 0.25 + noise * torch.randn(n, generator=gen, dtype=torch.float64)).clamp(0, 1)
+        depths.append(torch.full((n,), d))
+        conf.append(c)
+        acc.append(a)
+    with caplog.at_level("WARNING", logger="echo_trtllm.calibration"):
+        cal = calibrate_gate(torch.cat(depths), torch.cat(conf), torch.cat(acc), max_depth=5, num_sweet_spots=1)
+    assert cal.gate_depths == [1, 4, 5]
+    assert math.isnan(cal.auc[3]) and cal.num_rejected[3] == 4
+    assert cal.unranked[3] == "296 accepted and 4 rejected samples; ranking a depth needs 10 of each"
+    assert "depth 3 not ranked" in caplog.text
+    for d in (1, 2, 4, 5):
+        lo, hi = cal.auc_interval[d]
+        assert lo <= cal.auc[d] <= hi and hi - lo < 0.2
+    assert cal.auc_interval[4][0] > cal.auc_interval[2][1]  # depth 4 separates better, beyond the noise
+    again = GateCalibration.from_json(cal.to_json())
+    assert again.auc_interval == cal.auc_interval and again.unranked == cal.unranked
+    assert again.num_rejected == cal.num_rejected
