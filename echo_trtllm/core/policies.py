@@ -21,6 +21,7 @@ everything a calibration holds at construction, once: `make_policy(config, cost_
 | echo        | beam_width beam, top_k children, sparse gate      | global K_max: P1 depth, then P2 width          |
 | echo-dense  | echo with a gate at every depth                   | as echo                                        |
 | echo-fixed  | echo with one tau at every gate depth             | as echo                                        |
+| echo-no-budget-stop | echo without the budget-aware early stop  | as echo                                        |
 """
 
 from __future__ import annotations
@@ -334,9 +335,13 @@ class EchoPolicy(TreePolicy):
 
     Drafting: `beam_width` most likely nodes per request expanded with `top_k` children each. At a gate depth
     d, a request still drafting continues iff c_{i,d} > tau_d; a failing request stops and its spine ends one
-    level above (the gate said "truncate"). Budget-aware early stop: a request whose c_{i,d} ranks below the
-    (K_max - B)-th best per-level confidence of the batch stops drafting, since none of its deeper nodes could
-    win budget from the nodes already ahead of it. Cost-aware stop (with a cost model): drafting stops for the
+    level above (the gate said "truncate"). Budget-aware early stop (a heuristic; `echo-no-budget-stop` is the
+    ablation without it): a request whose c_{i,d} ranks below the (K_max - B)-th best per-level confidence of
+    the batch stops drafting, on the reasoning that its deeper nodes would lose budget to the nodes ahead of it.
+    That is not exact: the confidences it counts are each request's best node per level, which become
+    priority-1 spine nodes only if that request's spine later runs through them (a request that fails a later
+    gate, or whose deepest best node descends from another branch, funds fewer), so the stop can cut a spine the
+    allocation would have funded. Cost-aware stop (with a cost model): drafting stops for the
     whole batch when the next level cannot pay for itself, i.e. when the tokens it may add, at most
     sum_active c_{i,d}, are worth less than its cost, t_draft(active * beam) + t_verify(K + active) - t_verify(K)
     seconds at the AR rate of B / t_verify(B) tokens per second, where K = B + the spines so far is the
@@ -349,6 +354,8 @@ class EchoPolicy(TreePolicy):
     shares_budget = True
     # which gate of the schedule this policy uses (gating.GATE_VARIANTS)
     gate_variant: ClassVar[str] = "sparse"
+    # whether drafting applies the budget-aware early stop (the class docstring)
+    budget_stop: ClassVar[bool] = True
 
     def __init__(self, config: EchoConfig, cost_model: CostModel | None = None,
                  gate_samples: GateSamples | None = None) -> None:
@@ -381,7 +388,8 @@ class EchoPolicy(TreePolicy):
             state.failed_at[state.active & ~passed] = level.depth
             state.active = passed
         state.spine_depth[state.active] = level.depth
-        self._budget_stop(state)
+        if self.budget_stop:
+            self._budget_stop(state)
         self._cost_stop(state)
 
     @staticmethod
@@ -433,6 +441,14 @@ class EchoFixedThresholdPolicy(EchoPolicy):
 
     name = "echo-fixed"
     gate_variant = "fixed"
+
+
+@register
+class EchoNoBudgetStopPolicy(EchoPolicy):
+    """Ablation: ECHO without the budget-aware early stop (drafting ends by gates, depth or cost only)."""
+
+    name = "echo-no-budget-stop"
+    budget_stop = False
 
 
 def draft_tree(
