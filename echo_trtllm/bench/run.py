@@ -52,7 +52,10 @@ from .trace import TraceRecorder
 __all__ = ["BenchConfig", "run_cell", "bench", "markdown_table", "plot", "machine_info", "cpu_flags", "METRICS"]
 
 METRICS = ("tokens_per_s", "e2e_tokens_per_s", "mat", "verified_per_step", "acceptance_rate", "latency_p50_s",
-           "latency_p99_s", "control_share", "draft_share", "speculated_share", "mat_vs_oracle")
+           "latency_p99_s", "control_share", "draft_share", "speculated_share", "mat_vs_oracle", "ar_agreement",
+           "ar_prefix_agreement")
+# AR's own tokens/s spread over rounds, (max - min) / median, above which the table warns that ratios carry noise
+AR_SPREAD_WARNING = 0.10
 SPREAD = ("tokens_per_s", "speedup_vs_ar")
 # CPU feature flags that decide how fast a model's matrices run (recorded with every benchmark)
 SIMD_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4")
@@ -168,6 +171,8 @@ def run_cell(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int, tem
         "latency_p50_s": _percentile(latencies, 0.5), "latency_p99_s": _percentile(latencies, 0.99),
         "control_share": control / decode, "draft_share": draft_model / decode, "speculated_share": speculated / steps,
         "mat_vs_oracle": float("nan"), "trace": None,
+        "ar_agreement": float("nan"), "ar_prefix_agreement": float("nan"),
+        "token_ids": [o.token_ids for o in outputs],
     }
     if recorder is not None:
         ev = recorder.evaluate({o.request_id: o.token_ids for o in outputs})
@@ -264,12 +269,15 @@ def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibr
                 if m not in cfg.methods and not m.startswith("hf-"):
                     continue
                 cells = samples[m]
-                for cell, ar in zip(cells, ar_rounds):
-                    cell["speedup_vs_ar"] = cell["tokens_per_s"] / ar
+                for cell, ar_cell in zip(cells, samples["ar"]):
+                    cell["speedup_vs_ar"] = cell["tokens_per_s"] / ar_cell["tokens_per_s"]
+                    if "token_ids" in cell:  # the same prompts and seeds as AR's cell of that round
+                        cell["ar_agreement"], cell["ar_prefix_agreement"] = agreement(cell["token_ids"],
+                                                                                      ar_cell["token_ids"])
                 row = {"method": m, "batch_size": b, "temperature": temp, "rounds": len(cells),
                        "speedup_vs_ar_by_round": [c["speedup_vs_ar"] for c in cells]}
                 for key in (*METRICS, "speedup_vs_ar"):
-                    vals = [c[key] for c in cells if c[key] == c[key]]  # drop NaN
+                    vals = [c[key] for c in cells if c.get(key) == c.get(key) and key in c]  # drop NaN and absent
                     row[key] = statistics.median(vals) if vals else None
                     if key in SPREAD:
                         row[f"{key}_min"] = min(vals) if vals else None
@@ -280,9 +288,34 @@ def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibr
     return rows, traces
 
 
+def agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[float, float]:
+    """(share of requests whose tokens equal the reference's, mean share of each output that matches the
+    reference before the first difference). Lossless methods give (1, 1) in exact arithmetic; bf16 kernels over
+    different token counts round differently, so a near-tie can flip a token and the two continuations part."""
+    exact, prefix = 0, 0.0
+    for out, ref in zip(outputs, reference):
+        exact += out == ref
+        n = max(len(out), len(ref), 1)
+        common = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+        prefix += common / n
+    return exact / max(len(outputs), 1), prefix / max(len(outputs), 1)
+
+
+def ar_spread_warnings(rows: list[dict]) -> list[str]:
+    """A line per (B, T) cell whose AR tokens/s spread over rounds exceeds AR_SPREAD_WARNING."""
+    out = []
+    for r in rows:
+        if r["method"] == "ar" and r.get("rounds", 1) >= 2 and r.get("tokens_per_s"):
+            spread = (r["tokens_per_s_max"] - r["tokens_per_s_min"]) / r["tokens_per_s"]
+            if spread > AR_SPREAD_WARNING:
+                out.append(f"warning: AR's own tokens/s spread {spread:.0%} over rounds at B={r['batch_size']}, "
+                           f"T={r['temperature']:g} (> {AR_SPREAD_WARNING:.0%}): ratios there carry the machine's noise")
+    return out
+
+
 def markdown_table(rows: list[dict]) -> str:
     head = ("| method | B | T | tokens/s | ×AR | MAT | verified/step | accept | p50 s | p99 s | control | draft "
-            "| spec steps | MAT/oracle |")
+            "| spec steps | MAT/oracle | = AR |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
     def f(v, fmt):
@@ -298,8 +331,9 @@ def markdown_table(rows: list[dict]) -> str:
             f"{f(r['speedup_vs_ar'], '.2f')}{spread(r)} | {f(r['mat'], '.2f')} | {f(r['verified_per_step'], '.1f')} | "
             f"{f(r['acceptance_rate'], '.2f')} | {f(r['latency_p50_s'], '.2f')} | {f(r['latency_p99_s'], '.2f')} | "
             f"{f(r['control_share'], '.1%')} | {f(r['draft_share'], '.1%')} | {f(r['speculated_share'], '.0%')} | "
-            f"{f(r['mat_vs_oracle'], '.2f')} |")
-    return "\n".join(lines) + "\n"
+            f"{f(r['mat_vs_oracle'], '.2f')} | {f(r.get('ar_agreement'), '.0%')} |")
+    warnings = ar_spread_warnings(rows)
+    return "\n".join(lines) + "\n" + "".join(f"\n{w}\n" for w in warnings)
 
 
 def plot(rows: list[dict], prefix: str, title: str = "") -> list[str]:

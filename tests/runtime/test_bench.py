@@ -57,12 +57,14 @@ def test_bench_smoke_writes_every_metric_and_simulate_reads_its_trace(tmp_path, 
         assert 0.0 <= r["control_share"] < 1.0 and 0.0 <= r["speculated_share"] <= 1.0
         # the oracle needs greedy outputs: reported at T=0 only
         assert (r["mat_vs_oracle"] is None) == (r["temperature"] > 0)
+        # float32 and coupled sampling: every method's tokens equal AR's, greedy and sampled
+        assert r["ar_agreement"] == 1.0 and r["ar_prefix_agreement"] == 1.0
     assert next(r for r in rows if r["method"] == "ar")["speedup_vs_ar"] == 1.0
     assert data["command"].startswith("echo-trtllm bench ") and data["machine"]["threads"] >= 1
     assert isinstance(data["machine"]["cpu_flags"], list) and data["calibration_source"] == "in-process"
     assert data["calibration"]["gate"]["max_depth"] == 3
     assert (tmp_path / "p-t0.png").stat().st_size > 1000 and (tmp_path / "p-t0.8.png").is_file()
-    assert md.read_text().startswith("| method |")
+    assert md.read_text().startswith("| method |") and "| = AR |" in md.read_text()
     assert set(json.loads(trace.read_text())["traces"]) == {f"{m}/{b}" for m in ("ar", "chain", "echo", "echo-fixed")
                                                             for b in (1, 3)}
     capsys.readouterr()
@@ -97,3 +99,16 @@ def test_calibrate_cli_errors(tmp_path, capsys):
     assert "engine.json is missing" in capsys.readouterr().err
     assert main(["calibrate", "--output", str(tmp_path / "c.json"), "--cost-tokens", "1,x"]) == 2
     assert "--cost-tokens must be comma-separated integers" in capsys.readouterr().err
+
+
+def test_agreement_and_the_ar_spread_warning():
+    from echo_trtllm.bench.run import agreement, ar_spread_warnings
+
+    assert agreement([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]]) == (0.5, (1.0 + 0.5) / 2)
+    assert agreement([[1, 2]], [[1, 2, 3, 4]]) == (0.0, 0.5)
+    row = {"method": "ar", "batch_size": 16, "temperature": 0.0, "rounds": 3, "tokens_per_s": 40.0,
+           "tokens_per_s_min": 36.0, "tokens_per_s_max": 44.0}
+    assert ar_spread_warnings([row]) == ["warning: AR's own tokens/s spread 20% over rounds at B=16, T=0 (> 10%): "
+                                         "ratios there carry the machine's noise"]
+    assert ar_spread_warnings([{**row, "tokens_per_s_min": 39.0, "tokens_per_s_max": 41.0}]) == []
+    assert ar_spread_warnings([{**row, "method": "echo"}]) == []
