@@ -29,7 +29,10 @@ from echo_trtllm.runtime.engine import CompletionOutput, EngineLoop, GenerationH
 from echo_trtllm.runtime.executor import Executor, StepReport, check_limits
 from echo_trtllm.runtime.request import RequestStats, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "EchoConfig", "RequestOutput", "CompletionOutput", "RequestStats"]
+__all__ = ["LLM", "SamplingParams", "EchoConfig", "RequestOutput", "CompletionOutput", "RequestStats", "FALLBACK_MODES"]
+
+# the command-line spelling of LLM(fallback=...): the AR fallback as the default has it, for every method, never
+FALLBACK_MODES = {"auto": "auto", "on": True, "off": False}
 
 Prompt = Union[str, Sequence[int]]
 ModelSource = Union[str, Path, CausalLM]
@@ -73,6 +76,9 @@ class LLM:
     given): its cost curve and its gate samples. cost_model: "auto" (the calibration's curve, else one measured at
     load, a few seconds), a `CostModel`, or None (no budget rule, no fallback: the fixed K_max of the config every
     step, for ablations). clock: where step times come from (default wall time; `ModelledClock` for tests).
+    fallback: the AR fallback: "auto" (the echo family with a cost model), True (every drafting policy, the
+    fixed-shape baselines too, with a cost curve measured at load for its prior), False (never: "pure", every
+    step speculates with the policy's own budget rule; how the fair benchmark judges allocation).
 
     iter_stats_max_iterations: keep this many per-step reports for `get_stats()` (0 = none).
     """
@@ -94,6 +100,7 @@ class LLM:
         cost_model: "CostModel | str | None" = "auto",
         clock: Clock | None = None,
         iter_stats_max_iterations: int = 0,
+        fallback: "bool | str" = "auto",
     ) -> None:
         _positive_int("max_batch_size", max_batch_size)
         _positive_int("max_seq_len", max_seq_len, minimum=2, allow_none=True)
@@ -101,6 +108,9 @@ class LLM:
         _positive_int("iter_stats_max_iterations", iter_stats_max_iterations, minimum=0)
         if not (isinstance(cost_model, CostModel) or cost_model is None or cost_model == "auto"):
             raise ValueError(f"cost_model must be 'auto', a CostModel or None, got {cost_model!r}")
+        if not (fallback is True or fallback is False or fallback == "auto"):
+            raise ValueError(f"fallback must be 'auto', True or False, got {fallback!r}")
+        fallback = None if fallback == "auto" else fallback
         if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
             raise TypeError(f"tokenizer must be an echo_trtllm.models.loader.Tokenizer, got {type(tokenizer).__name__}")
         if device is not None:
@@ -154,9 +164,9 @@ class LLM:
         self.target, self.draft = target, draft
         self.dtype = {"target": str(target.dtype).removeprefix("torch."),
                       "draft": str(draft.dtype).removeprefix("torch.") if draft is not None else None}
-        self.cost_model = self._cost_model(cost_model, calibration, policy, target, draft)
+        self.cost_model = self._cost_model(cost_model, calibration, policy, target, draft, fallback)
         self.executor = Executor(target, draft, self.tokenizer, config, max_batch_size, max_seq_len, max_num_tokens,
-                                 cost_model=self.cost_model, gate_samples=gate_samples, clock=clock)
+                                 cost_model=self.cost_model, gate_samples=gate_samples, clock=clock, fallback=fallback)
         self._loop = EngineLoop(self.executor, iter_stats_max_iterations)
 
     @staticmethod
@@ -166,9 +176,10 @@ class LLM:
         return load_model(source, dtype=dtype, device=device)
 
     @staticmethod
-    def _cost_model(choice, calibration, policy, target, draft) -> CostModel | None:
-        """The echo family's cost curve (see the class docstring); None for policies that do not use one."""
-        if not policy.shares_budget or draft is None or choice is None:
+    def _cost_model(choice, calibration, policy, target, draft, fallback) -> CostModel | None:
+        """The echo family's cost curve, or any drafting policy's with fallback=True (see the class docstring);
+        None for policies that do not use one."""
+        if not (policy.shares_budget or (fallback and policy.needs_draft_model)) or draft is None or choice is None:
             return None
         if isinstance(choice, CostModel):
             return choice

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from echo_trtllm.api import LLM
+from echo_trtllm.api import FALLBACK_MODES, LLM
 from echo_trtllm.core.config import POLICY_NAMES, EchoConfig
 from echo_trtllm.core.policies import POLICIES, make_policy
 from echo_trtllm.runtime.request import SamplingParams
@@ -54,6 +54,7 @@ __all__ = ["BenchConfig", "run_cell", "bench", "markdown_table", "plot", "machin
 METRICS = ("tokens_per_s", "e2e_tokens_per_s", "mat", "verified_per_step", "acceptance_rate", "latency_p50_s",
            "latency_p99_s", "control_share", "draft_share", "speculated_share", "mat_vs_oracle", "ar_agreement",
            "ar_prefix_agreement")
+FALLBACK_LABELS = {"on": "+fallback", "off": "pure"}
 # AR's own tokens/s spread over rounds, (max - min) / median, above which the table warns that ratios carry noise
 AR_SPREAD_WARNING = 0.10
 SPREAD = ("tokens_per_s", "speedup_vs_ar")
@@ -76,6 +77,10 @@ class BenchConfig:
     max_seq_len: int = 1024
     # at B = 1, T = 0 also run HF transformers generate(): plain and assisted with these num_assistant_tokens
     hf_assisted: tuple[str, ...] = ()
+    # the AR fallback of every drafting method: "auto" (LLM's default: the echo family with a cost model), "on"
+    # (every method, "+fallback" rows), "off" ("pure" rows: every step speculates); several modes run each
+    # method once per mode
+    fallback: tuple[str, ...] = ("auto",)
 
     def __post_init__(self) -> None:
         bad = [m for m in self.methods if m not in POLICY_NAMES]
@@ -90,6 +95,8 @@ class BenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup_rounds < 0:
             raise ValueError(f"warmup_rounds must be >= 0, got {self.warmup_rounds}")
+        if not self.fallback or any(f not in FALLBACK_MODES for f in self.fallback) or len(set(self.fallback)) < len(self.fallback):
+            raise ValueError(f"fallback takes distinct modes from {', '.join(FALLBACK_MODES)}, got {self.fallback}")
         bad_n = [n for n in self.hf_assisted if n != "heuristic" and not (n.isdigit() and int(n) >= 1)]
         if bad_n:
             raise ValueError(f"hf_assisted takes 'heuristic' or integers >= 1, got {bad_n}")
@@ -98,6 +105,17 @@ class BenchConfig:
 
     def config_for(self, method: str, batch_size: int) -> EchoConfig:
         return dataclasses.replace(self.speculation, policy=method, k_max=max(self.speculation.k_max, batch_size))
+
+    def runs(self) -> list[tuple[str, str, str]]:
+        """(label, method, fallback mode) of every engine a cell runs: AR once (it never drafts), then each
+        method once per mode, labelled "echo pure" / "echo +fallback" unless the mode is "auto"."""
+        out = [("ar", "ar", "auto")]
+        for m in self.methods:
+            if m == "ar":
+                continue
+            for mode in self.fallback:
+                out.append((m if mode == "auto" else f"{m} {FALLBACK_LABELS[mode]}", m, mode))
+        return out
 
 
 def cpu_flags() -> list[str]:
@@ -222,13 +240,13 @@ def hf_assisted_cell(hf_target, hf_draft, tokenizer, prompts: list[str], max_tok
 
 
 def make_engine(target, draft, tokenizer, config: EchoConfig, batch_size: int, max_seq_len: int,
-                calibration=None, cost_model="auto") -> LLM:
-    """One method's engine through the public API, on already loaded models."""
+                calibration=None, cost_model="auto", fallback: str = "auto") -> LLM:
+    """One method's engine through the public API, on already loaded models (fallback: a FALLBACK_MODES mode)."""
     room = batch_size * make_policy(config).max_tree_nodes  # a step of full trees for every request
     return LLM(target, draft if POLICIES[config.policy].needs_draft_model else None, tokenizer=tokenizer,
                speculative_config=config, max_batch_size=batch_size, max_seq_len=max_seq_len,
                max_num_tokens=max(2048, room), calibration=calibration, cost_model=cost_model,
-               iter_stats_max_iterations=1 << 20)
+               iter_stats_max_iterations=1 << 20, fallback=FALLBACK_MODES[fallback])
 
 
 def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibration=None, cost_model="auto",
@@ -237,12 +255,14 @@ def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibr
     reach the echo family only). hf: (target, draft) transformers models for the assisted-generation baseline at
     batch size 1, temperature 0."""
     rows, traces = [], {}
-    order = ["ar"] + [m for m in cfg.methods if m != "ar"]  # AR, the ratios' base, runs in every round
+    runs = cfg.runs()  # AR, the ratios' base, runs in every round
+    order = [label for label, _, _ in runs]
+    method_of = {label: (m, mode) for label, m, mode in runs}
     for b in cfg.batch_sizes:
         for temp in cfg.temperatures:
             samples: dict[str, list[dict]] = {m: [] for m in order}
-            engines = {m: make_engine(target, draft, tokenizer, cfg.config_for(m, b), b, cfg.max_seq_len, calibration,
-                                      cost_model) for m in order}
+            engines = {label: make_engine(target, draft, tokenizer, cfg.config_for(m, b), b, cfg.max_seq_len,
+                                          calibration, cost_model, mode) for label, m, mode in runs}
             hf_methods = [f"hf-assisted-{n}" for n in cfg.hf_assisted] if hf is not None and b == 1 and temp == 0 else []
             extra = ["hf-ar", *hf_methods] if hf_methods else []
             samples.update({m: [] for m in extra})
@@ -266,7 +286,7 @@ def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibr
                     engine.shutdown()
             ar_rounds = [s["tokens_per_s"] for s in samples["ar"]]
             for m in order + extra:
-                if m not in cfg.methods and not m.startswith("hf-"):
+                if m == "ar" and "ar" not in cfg.methods:
                     continue
                 cells = samples[m]
                 for cell, ar_cell in zip(cells, samples["ar"]):
@@ -274,8 +294,9 @@ def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibr
                     if "token_ids" in cell:  # the same prompts and seeds as AR's cell of that round
                         cell["ar_agreement"], cell["ar_prefix_agreement"] = agreement(cell["token_ids"],
                                                                                       ar_cell["token_ids"])
-                row = {"method": m, "batch_size": b, "temperature": temp, "rounds": len(cells),
-                       "speedup_vs_ar_by_round": [c["speedup_vs_ar"] for c in cells]}
+                method, mode = method_of.get(m, (m, "auto"))
+                row = {"method": m, "policy": method, "fallback": mode, "batch_size": b, "temperature": temp,
+                       "rounds": len(cells), "speedup_vs_ar_by_round": [c["speedup_vs_ar"] for c in cells]}
                 for key in (*METRICS, "speedup_vs_ar"):
                     vals = [c[key] for c in cells if c.get(key) == c.get(key) and key in c]  # drop NaN and absent
                     row[key] = statistics.median(vals) if vals else None
@@ -283,8 +304,10 @@ def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibr
                         row[f"{key}_min"] = min(vals) if vals else None
                         row[f"{key}_max"] = max(vals) if vals else None
                 rows.append(row)
-                if temp == 0 and cells[-1]["trace"] is not None:
-                    traces[f"{m}/{b}"] = cells[-1]["trace"]
+                # traces are keyed by policy (what `simulate` replays): the pure run's when there is one
+                pure_or_only = method == "ar" or mode == "off" or (mode == "auto" and "off" not in cfg.fallback)
+                if temp == 0 and cells[-1]["trace"] is not None and pure_or_only:
+                    traces[f"{method}/{b}"] = cells[-1]["trace"]
     return rows, traces
 
 

@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_speculation_options(ap, policy=False)
     options.add_sampling_options(ap, temperature=False)
     options.add_calibration_options(ap)
+    options.add_fallback_option(ap, several=True)
     ap.add_argument("--json", help="write results (and the machine, the command) here")
     ap.add_argument("--trace", help="write per-step acceptance traces here (input of echo-trtllm simulate)")
     ap.add_argument("--markdown", help="write the markdown table here (it is printed either way)")
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             temperatures=tuple(options.float_list(args.temperatures, "--temperatures")),
             max_tokens=args.max_tokens, rounds=args.rounds, warmup_rounds=args.warmup_rounds,
             speculation=options.echo_config(args, policy="echo"), max_seq_len=args.max_seq_len,
-            hf_assisted=tuple(args.hf_assisted))
+            hf_assisted=tuple(args.hf_assisted), fallback=options.fallback_modes(args.fallback, several=True))
         prompts = load_prompts(args.prompt_set)
         in_process = args.calibration == "in-process"
         calibration = Calibration.load(args.calibration) if args.calibration and not in_process else None
@@ -85,13 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     target, tok = load_model(args.model or DEFAULT_TARGET, dtype=args.dtype, device=device)
     draft, _ = load_model(args.draft_model or DEFAULT_DRAFT, dtype=args.dtype, device=device, with_tokenizer=False)
     print(f"loaded target + draft in {time.perf_counter() - t0:.0f} s ({target.dtype} / {draft.dtype})", flush=True)
-    echo_family = any(POLICIES[m].shares_budget for m in cfg.methods)
+    # methods that use a cost curve: the echo family, and every drafting method when its fallback is on
+    uses_cost_curve = any(POLICIES[m].shares_budget or (POLICIES[m].needs_draft_model and "on" in cfg.fallback)
+                      for m in cfg.methods)
     cost_model = None if args.no_cost_model else "auto"
-    if in_process and echo_family:
+    if in_process and uses_cost_curve:
         calibration = calibrate(target, draft, tok, cfg.speculation, prompts[:8], batch_size=8,
                                 max_tokens=min(args.max_tokens, 32))
         print(f"calibrated in-process: {calibration.warmup['samples']} gate samples", flush=True)
-    elif calibration is None and echo_family and not args.no_cost_model:
+    elif calibration is None and uses_cost_curve and not args.no_cost_model:
         cost_model = measure_cost_model(target, draft, repeats=LOAD_REPEATS)
         print("cost curve measured at load (out of the box, no calibration): t_verify " +
               ", ".join(f"{t}:{s * 1e3:.1f}ms" for t, s in zip(cost_model.verify_tokens, cost_model.verify_seconds)),
@@ -100,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.hf_assisted and 1 in cfg.batch_sizes and 0.0 in cfg.temperatures:
         hf = load_hf_pair(args.model or str(DEFAULT_TARGET), args.draft_model or str(DEFAULT_DRAFT),
                           str(target.dtype).removeprefix("torch."))
-    cells = len(cfg.batch_sizes) * len(cfg.temperatures) * (cfg.warmup_rounds + cfg.rounds) * len(
-        set(cfg.methods) | {"ar"})
+    cells = len(cfg.batch_sizes) * len(cfg.temperatures) * (cfg.warmup_rounds + cfg.rounds) * len(cfg.runs())
     cells += (cfg.warmup_rounds + cfg.rounds) * (len(cfg.hf_assisted) + 1) * (hf is not None)
     with tqdm(total=cells, desc="bench", unit="cell", file=sys.stderr) as bar:
         def progress(m, b, temp, cell):

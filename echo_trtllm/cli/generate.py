@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_speculation_options(ap)
     options.add_sampling_options(ap)
     options.add_calibration_options(ap)
+    options.add_fallback_option(ap)
     return ap
 
 

@@ -22,7 +22,7 @@ from echo_trtllm.models.loader import DTYPE_CHOICES
 
 __all__ = [
     "add_model_options", "add_runtime_options", "add_speculation_options", "add_sampling_options",
-    "add_calibration_options", "echo_config", "sampling_params", "apply_threads", "int_list", "float_list", "fail",
+    "add_calibration_options", "add_fallback_option", "fallback_modes", "echo_config", "sampling_params", "apply_threads", "int_list", "float_list", "fail",
     "make_llm", "add_microbench_options", "microbench_grid",
     "USAGE_ERRORS",
 ]  # fmt: skip
@@ -115,6 +115,27 @@ def add_calibration_options(ap: argparse.ArgumentParser) -> None:
                    help="no budget rule and no AR fallback: the fixed --k-max every step (ablations)")
 
 
+def add_fallback_option(ap: argparse.ArgumentParser, several: bool = False) -> None:
+    """--fallback: the AR fallback (LLM(fallback=...)); a command that compares may take several modes."""
+    modes = "auto, on, off"
+    ap.add_argument("--fallback", default="auto",
+                    help=f"the AR fallback: auto (the echo family with a cost model), on (every drafting method), "
+                         f"off (pure: every step speculates){'; comma-separated to run each method per mode' if several else ''}"
+                         f" ({modes}; default: auto)")
+
+
+def fallback_modes(value: str, several: bool = False) -> tuple[str, ...]:
+    """The --fallback value as modes (ValueError naming the flag and what is accepted)."""
+    from echo_trtllm.api import FALLBACK_MODES
+
+    modes = tuple(v for v in value.split(",") if v) if several else (value,)
+    bad = [m for m in modes if m not in FALLBACK_MODES]
+    if bad or not modes or len(set(modes)) < len(modes):
+        raise ValueError(f"--fallback takes {'distinct ' if several else 'one of '}{', '.join(FALLBACK_MODES)}, "
+                         f"got {value!r}")
+    return modes
+
+
 def echo_config(args: argparse.Namespace, **override) -> EchoConfig:
     """The EchoConfig the speculation flags describe (ValueError naming the field when one is bad)."""
     fields = dict(policy=getattr(args, "policy", _DEFAULT.policy), k_max=args.k_max, max_depth=args.max_depth,
@@ -145,14 +166,15 @@ def apply_threads(args: argparse.Namespace) -> None:
 def make_llm(args: argparse.Namespace, config: EchoConfig, max_batch_size: int, **kwargs):
     """The LLM the model, runtime and calibration flags describe (the one place commands build engines). With
     --engine-dir the engine's own EchoConfig is used and `config` only validated the flags."""
-    from echo_trtllm.api import LLM
+    from echo_trtllm.api import FALLBACK_MODES, LLM
 
     engine = getattr(args, "engine_dir", None)
     if engine and (args.model or args.draft_model):
         raise ValueError("--engine-dir names its own models; do not also give --model/--draft-model")
     common = dict(speculative_config=None if engine else config, max_batch_size=max_batch_size, max_seq_len=args.max_seq_len,
                   dtype=args.dtype, device=args.device, calibration=getattr(args, "calibration", None),
-                  cost_model=None if getattr(args, "no_cost_model", False) else "auto", **kwargs)
+                  cost_model=None if getattr(args, "no_cost_model", False) else "auto",
+                  fallback=FALLBACK_MODES[fallback_modes(getattr(args, "fallback", "auto"))[0]], **kwargs)
     if engine:
         return LLM(engine_dir=engine, **common)
     return LLM(args.model, args.draft_model, **common)

@@ -130,18 +130,25 @@ class Executor:
         cost_model: CostModel | None = None,
         gate_samples: GateSamples | None = None,
         clock: Clock | None = None,
+        fallback: bool | None = None,
     ) -> None:
         """cost_model: measured forward times; with one the echo family picks each step's K from it, derives its
         gate's lambda per batch size and falls back to plain AR by measured throughput (`SpeculationTracker`).
         gate_samples: a calibration's warm-up evidence (the gate is then calibrated per batch size).
-        clock: where step times come from (default: wall time)."""
+        clock: where step times come from (default: wall time).
+        fallback: the AR fallback (`SpeculationTracker`) for this policy: True for any drafting policy (with the
+        cost model's prior when there is one), False never ("pure": every step speculates), None the default
+        (the echo family with a cost model)."""
         check_limits(config, max_batch_size, has_draft=draft is not None)
+        if fallback not in (None, True, False):
+            raise ValueError(f"fallback must be True, False or None, got {fallback!r}")
         self.policy = make_policy(config, cost_model, gate_samples)
         self.cost_model = cost_model
         self.clock = clock or WallClock(target.device)
         self.tracker = None
-        if cost_model is not None and self.policy.shares_budget:
-            self.tracker = SpeculationTracker(cost=cost_model, draft_width=config.beam_width,
+        default = cost_model is not None and self.policy.shares_budget
+        if self.policy.needs_draft_model and (fallback or (fallback is None and default)):
+            self.tracker = SpeculationTracker(cost=cost_model, draft_width=self.policy.expand_width,
                                               max_depth=self.policy.max_depth)
         self._ar_policy = make_policy(EchoConfig(policy="ar"))  # plain AR steps (tracker's choice, draft failure)
         if draft is not None and draft.config.vocab_size != target.config.vocab_size:

@@ -105,6 +105,7 @@ CASES = [
     ("cost_model", lambda llm, p: LLM(cost_model="fast"), ValueError, "cost_model"),
     ("calibration int", lambda llm, p: LLM(calibration=5), TypeError, "calibration"),
     ("iter stats", lambda llm, p: LLM(iter_stats_max_iterations=-1), ValueError, "iter_stats_max_iterations"),
+    ("fallback", lambda llm, p: LLM(fallback="yes"), ValueError, "fallback must be 'auto', True or False"),
     ("missing gguf", lambda llm, p: LLM(p / "missing.gguf"), FileNotFoundError, "model path"),
     ("model int", lambda llm, p: LLM(123), TypeError, "model must be a path"),
     ("draft not a model", lambda llm, p: LLM(DEFAULT_TARGET, p), FileNotFoundError, "config.json is missing"),

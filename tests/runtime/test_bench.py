@@ -78,6 +78,8 @@ def test_bench_smoke_writes_every_metric_and_simulate_reads_its_trace(tmp_path, 
 
 @pytest.mark.parametrize("argv, message", [
     (["--methods", "ar,medusa"], "unknown ['medusa']"),
+    (["--fallback", "off,sometimes"], "--fallback takes distinct auto, on, off"),
+    (["--fallback", "on,on"], "--fallback takes distinct"),
     (["--rounds", "0"], "rounds must be >= 1"),
     (["--calibration", "missing.json"], "missing.json"),
     (["--batch-sizes", "0"], "integers >= 1"),
@@ -112,3 +114,19 @@ def test_agreement_and_the_ar_spread_warning():
                                          "ratios there carry the machine's noise"]
     assert ar_spread_warnings([{**row, "tokens_per_s_min": 39.0, "tokens_per_s_max": 41.0}]) == []
     assert ar_spread_warnings([{**row, "method": "echo"}]) == []
+
+
+def test_bench_runs_each_method_pure_and_with_the_fallback(tmp_path):
+    """--fallback off,on: every drafting method twice ("chain pure", "chain +fallback"), AR once; the pure rows
+    speculate in every step; every row still equals AR token for token; traces come from the pure rows."""
+    out, trace = tmp_path / "b.json", tmp_path / "t.json"
+    rc = main(["bench", "--methods", "ar,chain,echo", "--batch-sizes", "2", "--max-tokens", "6", "--max-depth", "3",
+               "--max-nodes-per-request", "8", "--warmup-rounds", "0", "--rounds", "1", "--fallback", "off,on",
+               "--json", str(out), "--trace", str(trace)])
+    assert rc == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"ar", "chain pure", "chain +fallback", "echo pure", "echo +fallback"}
+    assert rows["chain pure"]["policy"] == "chain" and rows["chain pure"]["fallback"] == "off"
+    assert rows["echo pure"]["speculated_share"] == 1.0 and rows["chain pure"]["speculated_share"] == 1.0
+    assert all(r["ar_agreement"] == 1.0 for r in rows.values())
+    assert set(json.loads(trace.read_text())["traces"]) == {"ar/2", "chain/2", "echo/2"}

@@ -31,10 +31,11 @@ STEEP = curve(lambda t: 0.1 * (1 + 0.8 * (t - 1)), lambda t: 0.04 * (1 + 0.8 * (
 MARGINAL = curve(lambda t: 0.1 * (1 + 0.1 * (t - 1)), lambda t: 0.03 * (1 + 0.1 * (t - 1)))
 
 
-def run(target, draft, tok, prompts, cost, batch_size=4, max_tokens=24, policy="echo", clock_cost=None):
+def run(target, draft, tok, prompts, cost, batch_size=4, max_tokens=24, policy="echo", clock_cost=None,
+        fallback=None):
     ex = Executor(target, draft, tok, EchoConfig(policy=policy, k_max=64, max_nodes_per_request=16),
                   max_batch_size=batch_size, max_seq_len=256, cost_model=cost,
-                  clock=ModelledClock(clock_cost or cost or FLAT))
+                  clock=ModelledClock(clock_cost or cost or FLAT), fallback=fallback)
     reqs = [ex.make_request(p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)) for p in prompts]
     for r in reqs:
         ex.submit(r)
@@ -193,3 +194,18 @@ def test_a_measured_curve_is_made_non_decreasing_by_lowering_inflated_points():
 
     assert nondecreasing((0.400, 0.265, 0.270, 0.453)) == (0.265, 0.265, 0.270, 0.453)
     assert nondecreasing((0.1, 0.2, 0.3)) == (0.1, 0.2, 0.3)
+
+
+@pytest.mark.parametrize("policy", ["chain", "eagle2", "echo"])
+def test_the_ar_fallback_is_an_option_for_every_method(default_pair, prompts, ar_outputs, policy):
+    """On a linear curve (no speculation can pay): with fallback=True every method, the fixed-shape baselines
+    too, falls back to AR; with fallback=False ("pure") every step speculates, the echo family's budget rule
+    included. Outputs equal AR's either way."""
+    target, draft, tok = default_pair
+    outs, on = run(target, draft, tok, prompts[:8], LINEAR, policy=policy, fallback=True)
+    assert outs == ar_outputs
+    assert sum(r.speculated for r in on) / len(on) <= 0.25
+    outs, pure = run(target, draft, tok, prompts[:8], LINEAR, policy=policy, fallback=False)
+    assert outs == ar_outputs
+    assert all(r.speculated for r in pure if r.batch_size)
+    assert decode_seconds(on) < decode_seconds(pure)
