@@ -179,7 +179,7 @@ class LLM:
     def _cost_model(choice, calibration, policy, target, draft, fallback) -> CostModel | None:
         """The echo family's cost curve, or any drafting policy's with fallback=True (see the class docstring);
         None for policies that do not use one."""
-        if not (policy.shares_budget or (fallback and policy.needs_draft_model)) or draft is None or choice is None:
+        if not policy.uses_cost_curve(fallback) or draft is None or choice is None:
             return None
         if isinstance(choice, CostModel):
             return choice

@@ -298,7 +298,7 @@ def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibr
                 row = {"method": m, "policy": method, "fallback": mode, "batch_size": b, "temperature": temp,
                        "rounds": len(cells), "speedup_vs_ar_by_round": [c["speedup_vs_ar"] for c in cells]}
                 for key in (*METRICS, "speedup_vs_ar"):
-                    vals = [c[key] for c in cells if c.get(key) == c.get(key) and key in c]  # drop NaN and absent
+                    vals = [c[key] for c in cells if key in c and c[key] == c[key]]  # drop absent and NaN
                     row[key] = statistics.median(vals) if vals else None
                     if key in SPREAD:
                         row[f"{key}_min"] = min(vals) if vals else None

@@ -87,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     draft, _ = load_model(args.draft_model or DEFAULT_DRAFT, dtype=args.dtype, device=device, with_tokenizer=False)
     print(f"loaded target + draft in {time.perf_counter() - t0:.0f} s ({target.dtype} / {draft.dtype})", flush=True)
     # methods that use a cost curve: the echo family, and every drafting method when its fallback is on
-    uses_cost_curve = any(POLICIES[m].shares_budget or (POLICIES[m].needs_draft_model and "on" in cfg.fallback)
-                      for m in cfg.methods)
+    uses_cost_curve = any(POLICIES[m].uses_cost_curve("on" in cfg.fallback) for m in cfg.methods)
     cost_model = None if args.no_cost_model else "auto"
     if in_process and uses_cost_curve:
         calibration = calibrate(target, draft, tok, cfg.speculation, prompts[:8], batch_size=8,

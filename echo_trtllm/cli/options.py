@@ -22,7 +22,8 @@ from echo_trtllm.models.loader import DTYPE_CHOICES
 
 __all__ = [
     "add_model_options", "add_runtime_options", "add_speculation_options", "add_sampling_options",
-    "add_calibration_options", "add_fallback_option", "fallback_modes", "echo_config", "sampling_params", "apply_threads", "int_list", "float_list", "fail",
+    "add_calibration_options", "add_fallback_option", "fallback_modes", "echo_config", "sampling_params",
+    "apply_threads", "int_list", "float_list", "fail",
     "make_llm", "add_microbench_options", "microbench_grid",
     "USAGE_ERRORS",
 ]  # fmt: skip

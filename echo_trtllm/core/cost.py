@@ -272,10 +272,11 @@ class SpeculationTracker:
             paid = per_request / steady > r.ar_rate
             r.depth = min(2 * r.depth, self.max_depth) if paid else max(1, r.depth // 2)
         setattr(r, f"{mode}_tokens", ema(getattr(r, f"{mode}_tokens"), per_request))
-        setattr(r, f"{mode}_seconds", ema(getattr(r, f"{mode}_seconds"), steady))
         if not speculated and n <= self.min_ar_steps:
             r.ar_start_seconds.append(steady)
             r.ar_seconds = statistics.median(r.ar_start_seconds)
+        else:
+            setattr(r, f"{mode}_seconds", ema(getattr(r, f"{mode}_seconds"), steady))
         if was_probe:
             r.steps_since_probe = 0
             if r.spec_better() == before:

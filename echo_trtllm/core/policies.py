@@ -122,6 +122,12 @@ class TreePolicy:
         # With a cost model, the echo family picks each step's K with `choose_budget` (<= K_max).
         self.cost_model = cost_model
 
+    @classmethod
+    def uses_cost_curve(cls, fallback: bool | None) -> bool:
+        """Whether an engine of this policy measures (or takes) a cost curve: the echo family always (budget
+        rule, gate), any drafting policy whose AR fallback is on (the tracker's prior)."""
+        return cls.shares_budget or (bool(fallback) and cls.needs_draft_model)
+
     @property
     def max_depth(self) -> int:
         return self.config.max_depth

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from echo_trtllm.jsonfile import read_json_object
 
-from .llama import MLP, Attention, CausalLM, ForwardBatch, KVCache, ModelConfig, RMSNorm, rope_inv_freq
+from .llama import MLP, Attention, CausalLM, ForwardBatch, KVCache, ModelConfig, RMSNorm, rope_cos_sin, rope_inv_freq
 from .loader import read_safetensors
 
 __all__ = ["Eagle3Config", "Eagle3Head", "load_eagle3", "EAGLE3_ARCHITECTURE"]
@@ -132,9 +132,8 @@ class Eagle3Head(nn.Module):
         if feature.shape[-1] != self.config.layer.hidden_size:
             feature = self.fc(feature)
         embeds = self.embed_tokens(batch.input_ids).to(self.dtype)
-        freqs = batch.position_ids.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        y = self.midlayer(embeds, feature, emb.cos().to(self.dtype), emb.sin().to(self.dtype), batch, cache)
+        cos, sin = rope_cos_sin(self.inv_freq, batch.position_ids, self.dtype)
+        y = self.midlayer(embeds, feature, cos, sin, batch, cache)
         rows = y if batch.logits_index is None else y[batch.logits_index]
         return self.lm_head(self.norm(rows)).float(), y
 
@@ -189,7 +188,8 @@ def load_eagle3(path: str | Path, target: CausalLM, dtype: torch.dtype | None = 
         raise ValueError(f"{path}: checkpoint does not match the EAGLE-3 head layout; missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}, misshapen {shapes[:5]}")
     d2t = state["d2t"].long()
-    if bool(((torch.arange(d2t.numel()) + d2t) >= t.vocab_size).any()) or bool(((torch.arange(d2t.numel()) + d2t) < 0).any()):
+    targets = torch.arange(d2t.numel()) + d2t
+    if bool(((targets < 0) | (targets >= t.vocab_size)).any()):
         raise ValueError(f"{path}: d2t maps draft ids outside the target's vocabulary [0, {t.vocab_size})")
     state["d2t"] = d2t
     head.load_state_dict(state)

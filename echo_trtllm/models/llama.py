@@ -122,6 +122,13 @@ def rope_inv_freq(config: ModelConfig) -> Tensor:
     return inv.float()
 
 
+def rope_cos_sin(inv_freq: Tensor, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin (T, head_dim) of the positions, for `apply_rope`."""
+    freqs = position_ids.float()[:, None] * inv_freq[None, :]  # (T, hd/2)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x (T, H, hd) rotated by per-token cos/sin (T, hd) in the rotate-half convention."""
     half = x.shape[-1] // 2
@@ -282,12 +289,6 @@ class CausalLM(nn.Module):
     def allocate_cache(self, slots: int, capacity: int) -> KVCache:
         return KVCache.allocate(self.config, slots, capacity, self.dtype, self.device)
 
-    def rope(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos, sin (T, head_dim) of the positions."""
-        freqs = position_ids.float()[:, None] * self.inv_freq[None, :]  # (T, hd/2)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
     def eagle3_layers(self) -> tuple[int, int, int]:
         """EAGLE-3's default feature layers: the inputs of decoder layers 2, N // 2 and N - 3 (the outputs of
         layers 1, N // 2 - 1 and N - 4), as the EAGLE and SpecForge checkpoints were trained on."""
@@ -309,7 +310,7 @@ class CausalLM(nn.Module):
         if any(not 0 <= i <= n for i in capture):
             raise ValueError(f"capture layers must be in [0, {n}], got {capture}")
         x = self.model.embed_tokens(batch.input_ids)  # (T, hidden)
-        cos, sin = self.rope(batch.position_ids, x.dtype)
+        cos, sin = rope_cos_sin(self.inv_freq, batch.position_ids, x.dtype)
         captured: dict[int, Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             if i in capture:

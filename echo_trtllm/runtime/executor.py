@@ -189,15 +189,14 @@ class Executor:
         vocab = self.target.config.vocab_size
         if isinstance(prompt, str):
             ids, text = self.tokenizer.encode(prompt), prompt
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:  # a tokenizer that does not belong to the model
-                raise ValueError(f"the tokenizer encoded the prompt to ids {bad[:5]} outside the model's vocabulary "
-                                 f"[0, {vocab}): pass the model's own tokenizer")
         else:
             ids, text = list(prompt), None
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad and text is not None:  # a tokenizer that does not belong to the model
+            raise ValueError(f"the tokenizer encoded the prompt to ids {bad[:5]} outside the model's vocabulary "
+                             f"[0, {vocab}): pass the model's own tokenizer")
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if not ids:
             raise ValueError("prompt is empty: give a non-empty string or a non-empty list of token ids")
         if len(ids) >= self.max_seq_len:
@@ -430,6 +429,7 @@ class Executor:
     def _draft(self, reqs: list[Request], roots: torch.Tensor, ctx: torch.Tensor, speculate: bool):
         """The step's Super-Tree and its packed batch: (DraftResult, PackedVerifyBatch, speculated). Falls back to
         plain AR when the draft side fails (the requests go on)."""
+        failed = False
         if speculate and self.drafter is not None:
             try:
                 self.drafter.begin(reqs, self._max_pending(len(reqs)))
@@ -439,11 +439,10 @@ class Executor:
                 return drafted, self._pack(drafted.selected, ctx), True
             except Exception:  # noqa: BLE001 - drafting is an optimisation: this step runs as plain AR
                 self._contain("drafting")
-                # packed on the host: the failure may have been the device's packing kernel
-                drafted = draft_tree(self._ar_policy, roots, None, None)
-                return drafted, pack(drafted.selected, ctx), False
-        drafted = draft_tree(self._ar_policy, roots, None, None)  # the ar policy or the tracker's choice
-        return drafted, self._pack(drafted.selected, ctx), False
+                failed = True
+        drafted = draft_tree(self._ar_policy, roots, None, None)  # the ar policy, the tracker's choice or a failure
+        # after a failure packed on the host: the failure may have been the device's packing kernel
+        return drafted, pack(drafted.selected, ctx) if failed else self._pack(drafted.selected, ctx), False
 
     def _max_pending(self, batch_size: int) -> int | None:
         """Catch-up bound for the draft (drafter module docstring): the longest pending chain per request whose
