@@ -21,8 +21,10 @@ from echo_trtllm.core.cost import CostModel
 from echo_trtllm.core.policies import make_policy
 from echo_trtllm.engine_dir import read_engine
 from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
+from echo_trtllm.models.draft import load_draft
+from echo_trtllm.models.eagle3 import Eagle3Head
 from echo_trtllm.models.llama import CausalLM
-from echo_trtllm.models.loader import DTYPE_CHOICES, Tokenizer, check_model_path, check_same_vocabulary, load_model
+from echo_trtllm.models.loader import DTYPE_CHOICES, Tokenizer, check_model_path, load_model
 from echo_trtllm.runtime.calibrate import LOAD_REPEATS, Calibration, measure_cost_model
 from echo_trtllm.runtime.clock import Clock
 from echo_trtllm.runtime.engine import CompletionOutput, EngineLoop, GenerationHandle, RequestOutput
@@ -36,6 +38,7 @@ FALLBACK_MODES = {"auto": "auto", "on": True, "off": False}
 
 Prompt = Union[str, Sequence[int]]
 ModelSource = Union[str, Path, CausalLM]
+DraftSource = Union[str, Path, CausalLM, Eagle3Head]
 
 
 def _is_token_ids(value) -> bool:
@@ -52,7 +55,7 @@ def _positive_int(name: str, value, minimum: int = 1, allow_none: bool = False) 
 
 
 def _check_source(name: str, source) -> None:
-    if isinstance(source, CausalLM):
+    if isinstance(source, CausalLM) or (name == "draft_model" and isinstance(source, Eagle3Head)):
         return
     if not isinstance(source, (str, Path)):
         raise TypeError(f"{name} must be a path (HF model directory or .gguf file) or a CausalLM, got "
@@ -64,7 +67,9 @@ class LLM:
     """Target + draft model pair behind an in-flight-batching executor running on a background thread.
 
     model / draft_model: HF model directories, .gguf files, or loaded `CausalLM`s (a draft must share the
-    target's tokenizer). engine_dir: a directory built by `echo-trtllm build` (engine.json names both models and
+    target's tokenizer). draft_model may also be an EAGLE-3 head for the target: a directory as the EAGLE /
+    SpecForge repositories write them (config.json with `LlamaForCausalLMEagle3` + safetensors) or a loaded
+    `Eagle3Head`; it drafts from the target's own hidden states (docs/eagle3.md). engine_dir: a directory built by `echo-trtllm build` (engine.json names both models and
     the EchoConfig). With neither, the embedded default pair is used.
 
     dtype: "auto" (bfloat16 on CUDA; on a CPU whichever of float32 / bfloat16 runs the model's linears faster,
@@ -86,7 +91,7 @@ class LLM:
     def __init__(
         self,
         model: ModelSource | None = None,
-        draft_model: ModelSource | None = None,
+        draft_model: DraftSource | None = None,
         *,
         engine_dir: str | Path | None = None,
         speculative_config: EchoConfig | None = None,
@@ -157,9 +162,7 @@ class LLM:
             raise ValueError("a loaded CausalLM needs tokenizer=... (a Tokenizer from echo_trtllm.models.loader)")
         draft = None
         if draft_model is not None and policy.needs_draft_model:
-            draft, draft_tok = self._load(draft_model, dtype, device)
-            if draft_tok is not None:
-                check_same_vocabulary(self.tokenizer, draft_tok)
+            draft = load_draft(draft_model, target, dtype, device, self.tokenizer)
         self.config = config
         self.target, self.draft = target, draft
         self.dtype = {"target": str(target.dtype).removeprefix("torch."),

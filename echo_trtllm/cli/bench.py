@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     from echo_trtllm.bench.run import BenchConfig, bench, load_hf_pair, machine_info, markdown_table, plot
     from echo_trtllm.core.policies import POLICIES
     from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
+    from echo_trtllm.models.draft import draft_kind, load_draft
     from echo_trtllm.models.loader import load_model
     from echo_trtllm.runtime.calibrate import LOAD_REPEATS, Calibration, calibrate, measure_cost_model
 
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or "cpu"
     t0 = time.perf_counter()
     target, tok = load_model(args.model or DEFAULT_TARGET, dtype=args.dtype, device=device)
-    draft, _ = load_model(args.draft_model or DEFAULT_DRAFT, dtype=args.dtype, device=device, with_tokenizer=False)
+    draft = load_draft(args.draft_model or DEFAULT_DRAFT, target, dtype=args.dtype, device=device)
     print(f"loaded target + draft in {time.perf_counter() - t0:.0f} s ({target.dtype} / {draft.dtype})", flush=True)
     # methods that use a cost curve: the echo family, and every drafting method when its fallback is on
     uses_cost_curve = any(POLICIES[m].uses_cost_curve("on" in cfg.fallback) for m in cfg.methods)
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
               ", ".join(f"{t}:{s * 1e3:.1f}ms" for t, s in zip(cost_model.verify_tokens, cost_model.verify_seconds)),
               flush=True)
     hf = None
-    if cfg.hf_assisted and 1 in cfg.batch_sizes and 0.0 in cfg.temperatures:
+    if cfg.hf_assisted and 1 in cfg.batch_sizes and 0.0 in cfg.temperatures and draft_kind(draft) == "model":
         hf = load_hf_pair(args.model or str(DEFAULT_TARGET), args.draft_model or str(DEFAULT_DRAFT),
                           str(target.dtype).removeprefix("torch."))
     cells = len(cfg.batch_sizes) * len(cfg.temperatures) * (cfg.warmup_rounds + cfg.rounds) * len(cfg.runs())
@@ -115,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     source = ("file" if args.calibration and not in_process else "in-process" if in_process else
               "none (no cost model)" if args.no_cost_model else "none (cost curve measured at load)")
     meta = {"machine": machine_info(), "date": time.strftime("%Y-%m-%d"), "command": command_line(argv),
-            "dtype": {"target": str(target.dtype), "draft": str(draft.dtype)}, "calibration_source": source,
+            "dtype": {"target": str(target.dtype), "draft": str(draft.dtype)}, "draft_kind": draft_kind(draft),
+            "calibration_source": source,
             "calibration": json.loads(calibration.to_json()) if calibration else None,
             "cost_model": json.loads(cost_model.to_json()) if hasattr(cost_model, "to_json") else None}
     if args.json:

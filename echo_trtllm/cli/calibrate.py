@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     from echo_trtllm.bench.prompts import load_prompts
     from echo_trtllm.engine_dir import attach_calibration, read_engine
     from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
+    from echo_trtllm.models.draft import load_draft
     from echo_trtllm.models.loader import load_model
     from echo_trtllm.runtime.calibrate import calibrate
 
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = load_prompts(args.prompt_set)[: args.num_prompts]
         t0 = time.perf_counter()
         target, tok = load_model(target_src, dtype=dtype, device=args.device or "cpu")
-        draft, _ = load_model(draft_src, dtype=dtype, device=args.device or "cpu", with_tokenizer=False)
+        draft = load_draft(draft_src, target, dtype=dtype, device=args.device or "cpu")
         print(f"loaded target + draft in {time.perf_counter() - t0:.0f} s", flush=True)
         cal = calibrate(target, draft, tok, config, prompts, batch_size=args.batch_size, max_tokens=args.max_tokens,
                         max_seq_len=args.max_seq_len, cost_tokens=cost_tokens, repeats=args.repeats,

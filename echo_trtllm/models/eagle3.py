@@ -16,8 +16,7 @@ feature of the next draft level. Features come from `CausalLM.forward(..., captu
 layers (2, N // 2, N - 3) by default, or the `eagle_config.eagle_aux_hidden_state_layer_ids` a checkpoint names
 (those ids count layer outputs, so input index = id + 1).
 
-Status: the head, its loader and the target's feature capture are built and tested against naive references;
-drafting trees with it in the executor is not wired yet (docs/eagle3.md).
+The runtime drafts with it through `runtime.drafter.Eagle3Drafter` (docs/eagle3.md).
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from echo_trtllm.jsonfile import read_json_object
 from .llama import MLP, Attention, CausalLM, ForwardBatch, KVCache, ModelConfig, RMSNorm, rope_cos_sin, rope_inv_freq
 from .loader import read_safetensors
 
-__all__ = ["Eagle3Config", "Eagle3Head", "load_eagle3", "EAGLE3_ARCHITECTURE"]
+__all__ = ["Eagle3Config", "Eagle3Head", "load_eagle3", "is_eagle3_dir", "EAGLE3_ARCHITECTURE"]
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 _IGNORED_KEYS = ("t2d",)  # target -> draft membership: derivable from d2t, not used here
@@ -150,6 +149,19 @@ def _checkpoint_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
             continue
         out[key] = value
     return out
+
+
+def is_eagle3_dir(path) -> bool:
+    """Whether `path` is a directory whose config.json describes an EAGLE-3 head (the architecture
+    `LlamaForCausalLMEagle3`, or the EAGLE repository's Llama config with a `draft_vocab_size`)."""
+    cfg_file = Path(path) / "config.json"
+    if not (isinstance(path, (str, Path)) and cfg_file.is_file()):
+        return False
+    try:
+        cfg = read_json_object(cfg_file)
+    except (ValueError, OSError):
+        return False
+    return EAGLE3_ARCHITECTURE in (cfg.get("architectures") or []) or "draft_vocab_size" in cfg
 
 
 def load_eagle3(path: str | Path, target: CausalLM, dtype: torch.dtype | None = None) -> Eagle3Head:

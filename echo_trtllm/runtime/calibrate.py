@@ -31,6 +31,7 @@ from echo_trtllm.core.config import EchoConfig
 from echo_trtllm.jsonfile import read_json_object
 from echo_trtllm.core.cost import CostModel, break_even_accept_prob
 from echo_trtllm.core.gating import GateCalibration, GateSamples, calibrate_gate
+from echo_trtllm.models.eagle3 import Eagle3Head
 from echo_trtllm.models.llama import CausalLM
 
 from .inputs import chain_batch
@@ -55,23 +56,29 @@ FORMAT_VERSION = 1
 
 
 @torch.inference_mode()
-def measure_forward_seconds(model: CausalLM, tokens: tuple[int, ...], context: int = 64,
+def measure_forward_seconds(model: CausalLM | Eagle3Head, tokens: tuple[int, ...], context: int = 64,
                             repeats: int = 5) -> tuple[float, ...]:
     """For each T in `tokens`: the fastest of `repeats` timed forwards writing T new tokens after `context` cached
     ones (logits for all). The context is prefilled once; every forward overwrites the same positions. The
     fastest, not the median: on a shared machine noise only ever adds time (the first run of a shape, which may
-    set up kernels, is one of the repeats)."""
+    set up kernels, is one of the repeats). An EAGLE-3 head reads features of zeros (its cost does not depend on
+    their values)."""
     cache = model.allocate_cache(1, context + max(tokens))
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (context + max(tokens),), generator=gen)
-    model(chain_batch([ids[:context]], torch.tensor([0]), torch.tensor([0]), logits="none"), cache)
+    if isinstance(model, Eagle3Head):
+        vocab, width = model.config.layer.vocab_size, 3 * model.config.target_hidden_size
+        run = lambda batch, cache: model(batch, cache, torch.zeros(batch.input_ids.numel(), width))  # noqa: E731
+    else:
+        vocab, run = model.config.vocab_size, model
+    ids = torch.randint(0, vocab, (context + max(tokens),), generator=gen)
+    run(chain_batch([ids[:context]], torch.tensor([0]), torch.tensor([0]), logits="none"), cache)
     out = []
     for t in tokens:
         batch = chain_batch([ids[context : context + t]], torch.tensor([context]), torch.tensor([0]), logits="all")
         best = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
-            model(batch, cache)
+            run(batch, cache)
             if model.device.type == "cuda":
                 torch.cuda.synchronize()
             best = min(best, time.perf_counter() - t0)
@@ -91,7 +98,7 @@ def nondecreasing(seconds: tuple[float, ...]) -> tuple[float, ...]:
     return tuple(reversed(out))
 
 
-def measure_cost_model(target: CausalLM, draft: CausalLM | None, tokens: tuple[int, ...] = DEFAULT_TOKENS,
+def measure_cost_model(target: CausalLM, draft: CausalLM | Eagle3Head | None, tokens: tuple[int, ...] = DEFAULT_TOKENS,
                        context: int = 64, repeats: int = 5) -> CostModel:
     """t_verify(T) (and t_draft(T) with a draft) at each T in `tokens`, made non-decreasing. With
     `repeats=LOAD_REPEATS` this is what an uncalibrated engine measures at load."""

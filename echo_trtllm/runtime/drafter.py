@@ -1,21 +1,37 @@
-"""The draft model side of a step: the `draft_fn` the core's drafting loop calls, and the draft KV commit.
+"""The draft side of a step: the `draft_fn` the core's drafting loop calls, and what is kept after verification.
 
-Draft KV layout of a request's slot: [0, draft_ctx) committed tokens; then, during a step, its pending chain
+Two kinds of drafter, one tree bookkeeping:
+
+    Drafter         a separate small draft model (same tokenizer), with its own KV cache
+    Eagle3Drafter   an EAGLE-3 head: one decoder layer on the target's own hidden states (models/eagle3.py)
+
+Draft KV layout of a request's slot: [0, draft_ctx) committed entries; then, during a step, its pending chain
 (tokens the draft has not seen yet, ending with the root) and after it a scratch area where every expanded tree
 node's K/V is written in expansion order. A tree node attends the committed context, the pending chain and its
-own expanded ancestors. After verification the accepted path's expanded nodes move down behind the chain
-(`KVCache.compact`); accepted tokens the draft never expanded (leaves) and the bonus token become the next
-step's pending chain.
+own expanded ancestors.
+
+Draft model. Entry p is token p. After verification the accepted path's expanded nodes move down behind the chain
+(`KVCache.compact`); accepted tokens the draft never expanded (leaves) and the bonus token become the next step's
+pending chain.
+
+EAGLE-3 head. Entry p is token p + 1 read with the target's feature of token p (the head predicts the token after
+its input, from the state the target had one token earlier); token 0 has no entry. Tree nodes are drafted from
+the head's own output at their parent instead of a target feature, so after verification the head keeps only the
+entries up to the root and the accepted drafts plus the bonus token become the next pending chain, read again with
+the features the verification forward captured for them (SGLang's "draft extend"). The features of the tokens the
+target has processed and the head has not read yet travel with the request (`Request.features`).
 
 Bounded catch-up: after a stretch of plain AR steps the pending chain holds every token since the draft last ran.
 `begin(..., max_pending=W)` re-primes a request whose chain is longer than W: the draft restarts from the last W
 tokens alone (`Request.draft_offset` tokens are dropped from its view, its positions start again at 0; RoPE
 attention depends only on relative positions, so this is the draft prompted with that window). A probe after
 1,000 AR steps then costs one draft forward over W tokens per request instead of 1,000. Draft positions are the
-request's positions minus `draft_offset`.
+request's positions minus `draft_offset`. The head keeps at most `max_features` features per request and
+re-primes from the oldest it has when its pending chain reaches further back.
 
-Draft probabilities are the draft's softmax at temperature 1: they rank candidates (path probabilities), while
-acceptance uses the target's processed distribution, so outputs stay lossless whatever the draft does.
+Draft probabilities are the draft's softmax at temperature 1 (the head's over its reduced vocabulary, scattered to
+target ids through `d2t`): they rank candidates (path probabilities), while acceptance uses the target's processed
+distribution, so outputs stay lossless whatever the draft does.
 """
 
 from __future__ import annotations
@@ -25,40 +41,84 @@ from torch import Tensor
 
 from echo_trtllm.core.tree import DraftLevel, SuperTree
 from echo_trtllm.core.verify import VerifyResult
+from echo_trtllm.models.eagle3 import Eagle3Head
 from echo_trtllm.models.llama import CausalLM, KVCache
 
 from .clock import Clock, WallClock
 from .inputs import chain_batch, make_batch
 from .request import Request
 
-__all__ = ["Drafter"]
+__all__ = ["Drafter", "Eagle3Drafter", "make_drafter"]
 
 STEADY_CHAIN = 2  # pending tokens per request in steady speculation: the bonus token and at most one leaf
+MAX_FEATURES = 512  # target features an EAGLE-3 drafter keeps per request (bounded catch-up)
+
+
+def make_drafter(draft: CausalLM | Eagle3Head, target: CausalLM, slots: int, capacity: int,
+                 clock: Clock | None = None, max_depth: int = 8) -> "Drafter":
+    """The drafter for a draft model or an EAGLE-3 head of `target`, with a KV cache of `slots` x `capacity`."""
+    cache = draft.allocate_cache(slots, capacity)
+    if isinstance(draft, Eagle3Head):
+        layers = draft.config.capture_layers or target.eagle3_layers()
+        return Eagle3Drafter(draft, cache, layers, clock, steady_chain=max_depth + 1)
+    return Drafter(draft, cache, clock)
 
 
 class Drafter:
-    def __init__(self, model: CausalLM, cache: KVCache, clock: Clock | None = None) -> None:
+    """A separate draft model (module docstring)."""
+
+    # target layers whose inputs the executor captures for this drafter (none: a draft model reads tokens only)
+    capture_layers: tuple[int, ...] = ()
+
+    def __init__(self, model: CausalLM | Eagle3Head, cache: KVCache, clock: Clock | None = None,
+                 steady_chain: int = STEADY_CHAIN) -> None:
         self.model = model
         self.cache = cache
         self.clock = clock or WallClock(model.device)
+        self.steady_chain = steady_chain
         self._requests: list[Request] = []
         self.model_seconds = 0.0  # draft forward time of the current step (the rest of drafting is control)
         self.catch_up_seconds = 0.0  # part of it spent catching up after AR steps (see _expand_roots)
+
+    # ---------------------------------------------------------------- per request, outside steps
+
+    def prefill(self, group: list[tuple[Request, int]]) -> None:
+        """Read a prefill chunk (n prompt tokens from each request's target_ctx) along with the target, for the
+        requests whose draft is level with it (a failed draft prefill leaves a gap that the pending chain of
+        their first speculative step fills)."""
+        level = [(r, n) for r, n in group if r.draft_offset + r.draft_ctx == r.target_ctx]
+        if not level:
+            return
+        chains = [torch.tensor(r.prompt_token_ids[r.target_ctx : r.target_ctx + n]) for r, n in level]
+        starts = torch.tensor([r.target_ctx - r.draft_offset for r, _ in level])
+        self._forward(chain_batch(chains, starts, torch.tensor([r.slot for r, _ in level]), logits="none"))
+        for r, n in level:
+            r.draft_ctx += n
+
+    def observe(self, requests: list[Request], starts: list[int], features: list[Tensor]) -> None:
+        """The target processed tokens starts[i], ... of requests[i] with these features (EAGLE-3 only)."""
+
+    def pending(self, r: Request) -> int:
+        """Tokens of r the draft has not read yet (its root included)."""
+        return len(r.all_token_ids) - r.draft_offset - r.draft_ctx
+
+    def _root_position(self, r: Request) -> int:
+        return len(r.all_token_ids) - 1 - r.draft_offset
 
     # ---------------------------------------------------------------- per step
 
     def begin(self, requests: list[Request], max_pending: int | None = None) -> None:
         """Start a step. max_pending: re-prime requests whose pending chain is longer (module docstring)."""
-        if max_pending is not None:
-            for r in requests:
-                if len(r.all_token_ids) - r.draft_offset - r.draft_ctx > max_pending:
-                    r.draft_offset, r.draft_ctx = len(r.all_token_ids) - max_pending, 0
+        for r in requests:
+            offset = self._window_start(r, max_pending)
+            if offset is not None:
+                r.draft_offset, r.draft_ctx = offset, 0
         self._requests = requests
         self.model_seconds = 0.0
         self.catch_up_seconds = 0.0
         b = len(requests)
         self._slots = torch.tensor([r.slot for r in requests], dtype=torch.long)
-        self._root_pos = torch.tensor([len(r.all_token_ids) - 1 - r.draft_offset for r in requests], dtype=torch.long)
+        self._root_pos = torch.tensor([self._root_position(r) for r in requests], dtype=torch.long)
         self._next_free = self._root_pos + 1  # scratch starts right after the root
         self._expanded_root = torch.zeros(b, dtype=torch.bool)
         # Per drafted level: cache position of each node (-1: never expanded) and, for expanded nodes, the
@@ -66,33 +126,45 @@ class Drafter:
         self._level_pos: list[Tensor] = []
         self._level_visible: list[Tensor] = []
 
+    def _window_start(self, r: Request, max_pending: int | None) -> int | None:
+        """Where r's draft restarts from (its new draft_offset), or None to go on from its draft_ctx."""
+        if max_pending is not None and self.pending(r) > max_pending:
+            return len(r.all_token_ids) - max_pending
+        return None
+
     def draft_fn(self, level: DraftLevel, frontier: Tensor) -> Tensor:
         """(F, V) draft distribution after each frontier node of `level`."""
         t0 = self.clock.now()
         if level.depth == 0:
-            logits = self._expand_roots(frontier)
+            probs = self._expand_roots(frontier)
         else:
-            logits = self._expand_nodes(level, frontier)
-        probs = torch.softmax(logits, dim=-1).cpu()  # the drafting loop (host control plane) reads them
+            probs = self._expand_nodes(level, frontier)
+        probs = probs.cpu()  # the drafting loop (host control plane) reads them
         self.model_seconds += self.clock.now() - t0
         return probs
 
-    def _forward(self, batch) -> Tensor:
+    def _forward(self, batch, features: Tensor | None = None) -> Tensor:
         with self.clock.forward("draft", batch.input_ids.numel()):
             return self.model(batch, self.cache)
 
+    def _probs(self, logits: Tensor) -> Tensor:
+        return torch.softmax(logits, dim=-1)
+
+    def _chains(self, reqs: list[int]) -> list[Tensor]:
+        return [torch.tensor(self._requests[i].all_token_ids[self._requests[i].draft_offset + self._requests[i].draft_ctx :])
+                for i in reqs]
+
     def _expand_roots(self, frontier: Tensor) -> Tensor:
         reqs = frontier.tolist()  # level 0: node index == request index
-        chains = [torch.tensor(self._requests[i].all_token_ids[self._requests[i].draft_offset + self._requests[i].draft_ctx :])
-                  for i in reqs]
+        chains = self._chains(reqs)
         starts = torch.tensor([self._requests[i].draft_ctx for i in reqs], dtype=torch.long)
         t0 = self.clock.now()
-        logits = self._forward(chain_batch(chains, starts, self._slots[frontier], logits="last"))
-        # Steady speculation feeds the draft 1-2 pending tokens per request; a longer chain is catch-up after
-        # AR steps (or a fresh prompt). Its share of this forward beyond STEADY_CHAIN tokens per request is a
+        logits = self._forward_chains(reqs, chains, starts)
+        # Steady speculation feeds the draft a few pending tokens per request; a longer chain is catch-up after
+        # AR steps (or a fresh prompt). Its share of this forward beyond steady_chain tokens per request is a
         # one-off cost (estimated as proportional to tokens).
         tokens = sum(c.numel() for c in chains)
-        steady = STEADY_CHAIN * len(chains)
+        steady = self.steady_chain * len(chains)
         if tokens > steady:
             self.catch_up_seconds += (self.clock.now() - t0) * (1 - steady / tokens)
         b = len(self._requests)
@@ -101,7 +173,10 @@ class Drafter:
         pos[frontier] = self._root_pos[frontier]
         self._level_pos = [pos]
         self._level_visible = [pos[:, None].clone()]
-        return logits
+        return self._probs(logits)
+
+    def _forward_chains(self, reqs: list[int], chains: list[Tensor], starts: Tensor) -> Tensor:
+        return self._forward(chain_batch(chains, starts, self._slots[reqs], logits="last"))
 
     def _expand_nodes(self, level: DraftLevel, frontier: Tensor) -> Tensor:
         # The frontier's parents were expanded by the previous call, so levels 0 .. depth-1 are recorded.
@@ -122,14 +197,17 @@ class Drafter:
             prefix_len=self._root_pos[reqs],
             visible=visible,
         )
-        logits = self._forward(batch)
+        logits = self._forward_nodes(batch, level, frontier)
         full_pos = torch.full((level.num_nodes,), -1, dtype=torch.long)
         full_pos[frontier] = pos
         full_visible = torch.full((level.num_nodes, visible.shape[1]), -1, dtype=torch.long)
         full_visible[frontier] = visible
         self._level_pos.append(full_pos)
         self._level_visible.append(full_visible)
-        return logits
+        return self._probs(logits)
+
+    def _forward_nodes(self, batch, level: DraftLevel, frontier: Tensor) -> Tensor:
+        return self._forward(batch)
 
     # ---------------------------------------------------------------- after verification
 
@@ -162,3 +240,134 @@ class Drafter:
             self.cache.compact(torch.tensor(slots), torch.tensor(src), torch.tensor(dst))
         for req, ctx in new_ctx:
             req.draft_ctx = ctx
+
+
+class Eagle3Drafter(Drafter):
+    """An EAGLE-3 head (module docstring). Entry p of a request's head cache is token draft_offset + p + 1, read
+    with the target feature of token draft_offset + p; the root's entry sits at position (tokens - 2 - offset)."""
+
+    def __init__(self, model: Eagle3Head, cache: KVCache, capture_layers: tuple[int, ...],
+                 clock: Clock | None = None, steady_chain: int = 9, max_features: int = MAX_FEATURES) -> None:
+        super().__init__(model, cache, clock, steady_chain)
+        self.capture_layers = tuple(capture_layers)
+        self.max_features = max_features
+        dv = model.config.draft_vocab_size
+        self._target_ids = model.to_target_ids(torch.arange(dv, device=model.device))
+        self._vocab = model.config.layer.vocab_size
+
+    # ---------------------------------------------------------------- features
+
+    def observe(self, requests: list[Request], starts: list[int], features: list[Tensor]) -> None:
+        """Append the target's features of tokens starts[i] .. of requests[i]. A window that does not continue
+        (a gap left by a failure) restarts at the new tokens; at most max_features are kept, never dropping the
+        ones the head still has to read unless the window is full."""
+        for r, start, feats in zip(requests, starts, features):
+            feats = feats.detach()
+            if r.features is not None and r.feature_start + r.features.shape[0] == start:
+                feats = torch.cat([r.features, feats])
+                start = r.feature_start
+            needed = r.draft_offset + r.draft_ctx  # the oldest feature the head will read
+            drop = max(0, min(needed - start, feats.shape[0] - 1), feats.shape[0] - self.max_features)
+            r.features, r.feature_start = feats[drop:], start + drop
+
+    def _features(self, r: Request, first: int, last: int) -> Tensor:
+        """Features of tokens first .. last (inclusive) of r."""
+        return r.features[first - r.feature_start : last + 1 - r.feature_start]
+
+    def pending(self, r: Request) -> int:
+        return len(r.all_token_ids) - 1 - r.draft_offset - r.draft_ctx
+
+    def _root_position(self, r: Request) -> int:
+        return len(r.all_token_ids) - 2 - r.draft_offset
+
+    def _readable(self, r: Request) -> bool:
+        """Whether the head can read r's root: the target's feature of the token before it is here."""
+        last = len(r.all_token_ids) - 2
+        return r.features is not None and r.feature_start <= last < r.feature_start + r.features.shape[0]
+
+    def _window_start(self, r: Request, max_pending: int | None) -> int | None:
+        start = super()._window_start(r, max_pending)
+        if self._readable(r) and r.feature_start > (r.draft_offset + r.draft_ctx if start is None else start):
+            start = r.feature_start  # the features it would need are gone: start from the oldest kept
+        return start
+
+    def begin(self, requests: list[Request], max_pending: int | None = None) -> None:
+        super().begin(requests, max_pending)
+        self._level_y: list[Tensor] = []
+        self._read = torch.zeros(len(requests), dtype=torch.bool)  # requests whose root the head read
+
+    # ---------------------------------------------------------------- the head's forwards
+
+    def prefill(self, group: list[tuple[Request, int]]) -> None:
+        """Read the chunk's tokens up to the last one whose preceding feature the target has produced (the target
+        has already run this chunk and `observe` stored its features)."""
+        todo = []
+        for r, n in group:
+            last = r.target_ctx + n - 1  # the chunk's last token; its input feature is that of last - 1
+            first = r.draft_offset + r.draft_ctx + 1
+            if first <= last and r.features is not None and r.feature_start <= first - 1:
+                todo.append((r, first, last))
+        if not todo:
+            return
+        chains = [torch.tensor(r.all_token_ids[first : last + 1]) for r, first, last in todo]
+        feats = torch.cat([self._features(r, first - 1, last - 1) for r, first, last in todo])
+        starts = torch.tensor([r.draft_ctx for r, _, _ in todo])
+        slots = torch.tensor([r.slot for r, _, _ in todo])
+        self._forward(chain_batch(chains, starts, slots, logits="none"), feats)
+        for r, first, last in todo:
+            r.draft_ctx = last - r.draft_offset
+
+    def _forward(self, batch, features: Tensor | None = None):
+        with self.clock.forward("draft", batch.input_ids.numel()):
+            return self.model(batch, self.cache, features)
+
+    def _probs(self, logits: Tensor) -> Tensor:
+        """Draft-vocabulary softmax scattered to target ids (zero mass outside the draft vocabulary)."""
+        probs = torch.zeros(logits.shape[0], self._vocab, dtype=torch.float32, device=logits.device)
+        probs[:, self._target_ids] = torch.softmax(logits.float(), dim=-1)
+        return probs
+
+    def _forward_chains(self, reqs: list[int], chains: list[Tensor], starts: Tensor) -> Tensor:
+        """Level 0: each request's pending chain with the target features of the tokens before it. A request whose
+        root has no feature (a one-token prompt at its first step) gets uniform logits and a zero output: its
+        drafts are arbitrary and verification rejects them."""
+        b, h = len(self._requests), self.model.config.layer.hidden_size
+        logits = torch.zeros(len(reqs), self.model.config.draft_vocab_size, device=self.model.device)
+        y_root = torch.zeros(b, h, dtype=self.model.dtype, device=self.model.device)
+        ok = [k for k, i in enumerate(reqs) if self._readable(self._requests[i])]
+        if ok:
+            sub = [reqs[k] for k in ok]
+            rs = [self._requests[i] for i in sub]
+            feats = torch.cat([self._features(r, r.draft_offset + r.draft_ctx, len(r.all_token_ids) - 2) for r in rs])
+            out, y = self._forward(chain_batch([chains[k] for k in ok], starts[ok], self._slots[sub], logits="last"),
+                                   feats)
+            lengths = torch.tensor([chains[k].numel() for k in ok])
+            y_root[sub] = y[torch.cumsum(lengths, 0) - 1]
+            logits[ok] = out
+            self._read[sub] = True
+        self._level_y = [y_root]
+        return logits
+
+    def _chains(self, reqs: list[int]) -> list[Tensor]:
+        # the pending chain: tokens offset + draft_ctx + 1 .. root (the first token of a window has no entry)
+        return [torch.tensor(self._requests[i].all_token_ids[self._requests[i].draft_offset + self._requests[i].draft_ctx + 1 :])
+                for i in reqs]
+
+    def _forward_nodes(self, batch, level: DraftLevel, frontier: Tensor) -> Tensor:
+        """Level d: each frontier node reads its parent's head output in place of a target feature."""
+        parents = level.parent_ids[frontier]
+        logits, y = self._forward(batch, self._level_y[level.depth - 1][parents.to(self.model.device)])
+        full_y = torch.zeros(level.num_nodes, y.shape[-1], dtype=y.dtype, device=y.device)
+        full_y[frontier.to(y.device)] = y
+        self._level_y.append(full_y)
+        return logits
+
+    # ---------------------------------------------------------------- after verification
+
+    def commit(self, selected: SuperTree, num_candidates: int, result: VerifyResult, keep: list[bool]) -> None:
+        """Keep the head's entries up to the root; the accepted drafts and the bonus token are read next step with
+        the target's features (module docstring)."""
+        for b, req in enumerate(self._requests):
+            if keep[b] and bool(self._read[b]):
+                req.draft_ctx = int(self._root_pos[b]) + 1
+        self._level_y = []

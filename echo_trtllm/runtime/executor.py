@@ -46,11 +46,12 @@ from echo_trtllm.core.cost import CostModel, SpeculationTracker
 from echo_trtllm.core.gating import GateSamples
 from echo_trtllm.core.policies import DraftResult
 from echo_trtllm.core.verify import VerifyResult
+from echo_trtllm.models.eagle3 import Eagle3Head
 from echo_trtllm.models.llama import CausalLM
 from echo_trtllm.models.loader import Tokenizer
 
 from .clock import Clock, WallClock
-from .drafter import Drafter
+from .drafter import make_drafter
 from .inputs import chain_batch, tree_batch
 from .request import Request, SamplingParams, check_prompt
 
@@ -121,7 +122,7 @@ class Executor:
     def __init__(
         self,
         target: CausalLM,
-        draft: CausalLM | None,
+        draft: CausalLM | Eagle3Head | None,
         tokenizer: Tokenizer,
         config: EchoConfig,
         max_batch_size: int = 16,
@@ -132,7 +133,9 @@ class Executor:
         clock: Clock | None = None,
         fallback: bool | None = None,
     ) -> None:
-        """cost_model: measured forward times; with one the echo family picks each step's K from it, derives its
+        """draft: a separate draft model sharing the target's tokenizer, or an EAGLE-3 head loaded for this target
+        (`models.eagle3.load_eagle3`); the target's forwards then also capture the head's features.
+        cost_model: measured forward times; with one the echo family picks each step's K from it, derives its
         gate's lambda per batch size and falls back to plain AR by measured throughput (`SpeculationTracker`).
         gate_samples: a calibration's warm-up evidence (the gate is then calibrated per batch size).
         clock: where step times come from (default: wall time).
@@ -151,11 +154,16 @@ class Executor:
             self.tracker = SpeculationTracker(cost=cost_model, draft_width=self.policy.expand_width,
                                               max_depth=self.policy.max_depth)
         self._ar_policy = make_policy(EchoConfig(policy="ar"))  # plain AR steps (tracker's choice, draft failure)
-        if draft is not None and draft.config.vocab_size != target.config.vocab_size:
+        draft_vocab = None if draft is None else (
+            draft.config.layer.vocab_size if isinstance(draft, Eagle3Head) else draft.config.vocab_size)
+        if draft is not None and draft_vocab != target.config.vocab_size:
             raise ValueError(
-                f"the draft's vocabulary size ({draft.config.vocab_size}) differs from the target's "
+                f"the draft's vocabulary size ({draft_vocab}) differs from the target's "
                 f"({target.config.vocab_size}): speculative decoding needs one tokenizer"
             )
+        if isinstance(draft, Eagle3Head) and draft.config.target_hidden_size != target.config.hidden_size:
+            raise ValueError(f"the EAGLE-3 head reads features of width {draft.config.target_hidden_size} but the "
+                             f"target's hidden size is {target.config.hidden_size}: the head belongs to another target")
         self.target, self.tokenizer, self.config = target, tokenizer, config
         self.max_batch_size = max_batch_size
         self.max_seq_len = min(max_seq_len or target.config.max_position_embeddings, target.config.max_position_embeddings)
@@ -169,8 +177,10 @@ class Executor:
         self.target_cache = target.allocate_cache(max_batch_size, self.max_seq_len + tree_room)
         self.drafter = None
         if self.policy.needs_draft_model:
-            cache = draft.allocate_cache(max_batch_size, self.max_seq_len + self.policy.max_expanded_nodes + 1)
-            self.drafter = Drafter(draft, cache, self.clock)
+            self.drafter = make_drafter(draft, target, max_batch_size, self.max_seq_len + self.policy.max_expanded_nodes + 1,
+                                        self.clock, self.policy.max_depth)
+        # target layers whose inputs every target forward returns for the drafter (an EAGLE-3 head's features)
+        self._capture = self.drafter.capture_layers if self.drafter is not None else ()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_slots = list(range(max_batch_size))
@@ -221,6 +231,7 @@ class Executor:
         self._release(request)
 
     def _release(self, request: Request) -> None:
+        request.features = None
         if request.slot >= 0:
             self.free_slots.append(request.slot)
             request.slot = -1
@@ -267,16 +278,20 @@ class Executor:
                 else:
                     break
             try:
-                self._prefill_target(group)
+                features = self._prefill_target(group)
             except Exception:  # noqa: BLE001 - the chunk's requests fail, the rest go on
                 reqs = [r for r, _ in group]
                 self._contain("prefill (target)", reqs)
                 failed.extend(reqs)
                 todo = deque(r for r in todo if r not in reqs)
                 continue
-            if self._draft_prefill(len(self.running) + len(admitted)):
+            if self.drafter is not None:
                 try:
-                    self._prefill_draft(group)
+                    if features is not None:
+                        self.drafter.observe([r for r, _ in group], [r.target_ctx for r, _ in group],
+                                             list(features.split([n for _, n in group])))
+                    if self._draft_prefill(len(self.running) + len(admitted)):
+                        self._prefill_draft(group)
                 except Exception:  # noqa: BLE001 - the draft catches up at the first speculative step
                     self._contain("prefill (draft)")
             for r, n in group:
@@ -293,22 +308,20 @@ class Executor:
             return False
         return self.tracker is None or self.tracker.can_pay(batch_size)
 
-    def _prefill_target(self, group: list[tuple[Request, int]]) -> None:
+    def _prefill_target(self, group: list[tuple[Request, int]]) -> torch.Tensor | None:
+        """Run a prefill chunk through the target; returns the drafter's features of its tokens (or None)."""
         batch = self._chunk_batch(group)
         with self.clock.forward("target", int(batch.input_ids.numel())):
-            self.target(batch, self.target_cache)
+            return self._target_forward(batch)[1]
+
+    def _target_forward(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits, the drafter's features of every token or None)."""
+        if not self._capture:
+            return self.target(batch, self.target_cache), None
+        return self.target(batch, self.target_cache, capture=self._capture)
 
     def _prefill_draft(self, group: list[tuple[Request, int]]) -> None:
-        # Only requests whose draft cache is level with the target's (a failed draft prefill leaves a gap that the
-        # pending chain of their first speculative step fills).
-        level = [(r, n) for r, n in group if r.draft_ctx == r.target_ctx]
-        if not level:
-            return
-        batch = self._chunk_batch(level)
-        with self.clock.forward("draft", int(batch.input_ids.numel())):
-            self.drafter.model(batch, self.drafter.cache)
-        for r, n in level:
-            r.draft_ctx += n
+        self.drafter.prefill(group)
 
     @staticmethod
     def _chunk_batch(group: list[tuple[Request, int]]):
@@ -377,7 +390,8 @@ class Executor:
         t_verify = self.clock.now()
         try:
             with self.clock.forward("target", int(packed.total_nodes)):
-                logits = self.target(tree_batch(packed, ctx, slots), self.target_cache).cpu()  # (N_tot, V)
+                logits, features = self._target_forward(tree_batch(packed, ctx, slots))
+                logits = logits.cpu()  # (N_tot, V)
             t_verified = self.clock.now()
             result = self._verify(reqs, packed, logits)
         except Exception:  # noqa: BLE001 - a failing target fails the requests of this step, the engine goes on
@@ -408,9 +422,12 @@ class Executor:
             self._contain("target KV commit", [r for r, k in zip(reqs, keep) if k])
             finished.extend(r for r, k in zip(reqs, keep) if k)
             keep = [False] * b
-        if drafter is not None:
+        if self.drafter is not None:
             try:
-                drafter.commit(drafted.selected, drafted.candidates.total_nodes, result, keep)
+                if features is not None:  # the target's features of the tokens it has just committed
+                    self._observe(reqs, ctx, result, keep, features)
+                if drafter is not None:
+                    drafter.commit(drafted.selected, drafted.candidates.total_nodes, result, keep)
             except Exception:  # noqa: BLE001 - draft_ctx stays where it was; the next step catches up
                 self._contain("draft KV commit")
         for req in finished:
@@ -443,6 +460,14 @@ class Executor:
         drafted = draft_tree(self._ar_policy, roots, None, None)  # the ar policy, the tracker's choice or a failure
         # after a failure packed on the host: the failure may have been the device's packing kernel
         return drafted, pack(drafted.selected, ctx) if failed else self._pack(drafted.selected, ctx), False
+
+    def _observe(self, reqs: list[Request], ctx: torch.Tensor, result, keep: list[bool], features) -> None:
+        """Hand the drafter the verification forward's features of each kept request's accepted path (root and
+        accepted drafts: the tokens ctx, ctx + 1, ... the target has now committed)."""
+        rows = features[result.accepted_node_ids.to(features.device)]
+        parts = rows.split(torch.diff(result.cu_accepted).tolist())
+        kept = [i for i, k in enumerate(keep) if k]
+        self.drafter.observe([reqs[i] for i in kept], [int(ctx[i]) for i in kept], [parts[i] for i in kept])
 
     def _max_pending(self, batch_size: int) -> int | None:
         """Catch-up bound for the draft (drafter module docstring): the longest pending chain per request whose

@@ -62,10 +62,11 @@ def rotate(x, pos, theta=10000.0):
 
 
 def naive_head(head, ids, feats):
-    """One request, whole sequence at positions 0..L-1, dense causal attention: the published EAGLE-3 layer."""
+    """One request, whole sequence at positions 0..L-1, dense causal attention: the published EAGLE-3 layer.
+    feats: target features (3h, fused by fc) or already fused / the head's own outputs (h, used as they are)."""
     sd = {k: v.float() for k, v in head.state_dict().items()}
     L = ids.numel()
-    f = feats @ sd["fc.weight"].T
+    f = feats.float() @ sd["fc.weight"].T if feats.shape[-1] != sd["fc.weight"].shape[0] else feats.float()
     e = head.embed_tokens.weight[ids].float()
     x = torch.cat([rms(e, sd["midlayer.input_layernorm.weight"]), rms(f, sd["midlayer.hidden_norm.weight"])], -1)
     H, Hkv, d = 4, 2, 64

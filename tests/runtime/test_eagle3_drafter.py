@@ -1,0 +1,169 @@
+"""Drafting with an EAGLE-3 head in the executor.
+
+- Lossless: every policy with the head emits exactly plain AR greedy's tokens, requests joining and leaving
+  mid-flight, and the committed head's drafts are accepted.
+- The head's state is right, step after step: every distribution the drafter hands the drafting loop (the root
+  and every chain level) equals a dense recomputation from scratch, the target's features of the whole sequence
+  taken from a fresh target forward and the naive EAGLE-3 layer of tests/models (the reference that the head's
+  own forward is tested against). This covers the features carried with pending tokens, the re-read of accepted
+  drafts with the target's features, the KV kept up to the root, and re-priming from a bounded feature window.
+- `LLM(draft_model=<eagle3 dir>)` and an engine directory carry the head.
+"""
+
+import pytest
+import torch
+
+from echo_trtllm import LLM
+from echo_trtllm.core import POLICY_NAMES, EchoConfig
+from echo_trtllm.models import DEFAULT_EAGLE3, DEFAULT_TARGET
+from echo_trtllm.models.eagle3 import Eagle3Head, load_eagle3
+from echo_trtllm.models.loader import load_model
+from echo_trtllm.runtime.executor import Executor
+from echo_trtllm.runtime.inputs import chain_batch
+from echo_trtllm.runtime.request import SamplingParams
+from tests.models.test_eagle3 import naive_head
+
+
+@pytest.fixture(scope="module")
+def fp32_pair():
+    target, tok = load_model(DEFAULT_TARGET, dtype="float32")
+    return target, load_eagle3(DEFAULT_EAGLE3, target), tok
+
+
+def run(target, head, tok, policy, prompts, batch_size, max_tokens, **config):
+    ex = Executor(target, head, tok, EchoConfig(policy=policy, **config), max_batch_size=batch_size, max_seq_len=256)
+    reqs = [ex.make_request(p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
+            for p, m in zip(prompts, max_tokens)]
+    for r in reqs:
+        ex.submit(r)
+    sizes = []
+    while ex.has_work:
+        sizes.append(ex.step().batch_size)
+    assert not ex.failures, ex.last_error
+    return [r.output_token_ids for r in reqs], reqs, sizes
+
+
+@pytest.fixture(scope="module")
+def ar_reference(fp32_pair, prompts):
+    target, _, tok = fp32_pair
+    lengths = [8 + (7 * i) % 25 for i in range(len(prompts))]
+    outs, _, _ = run(target, None, tok, "ar", prompts, 1, lengths)
+    return lengths, outs
+
+
+@pytest.mark.parametrize("batch_size", [1, 16])
+@pytest.mark.parametrize("policy", [p for p in POLICY_NAMES if p != "ar"])
+def test_every_policy_with_the_head_equals_ar_greedy(fp32_pair, prompts, ar_reference, policy, batch_size):
+    target, head, tok = fp32_pair
+    lengths, expected = ar_reference
+    outs, reqs, sizes = run(target, head, tok, policy, prompts, batch_size, lengths,
+                            k_max={1: 24, 16: 96}[batch_size])
+    for i, (got, exp) in enumerate(zip(outs, expected)):
+        assert got == exp, f"prompt {i} ({prompts[i]!r}) diverged from AR under {policy} with the EAGLE-3 head"
+    if batch_size > 1:
+        assert max(sizes) == batch_size and min(sizes) < batch_size
+    steps = sum(r.stats.steps for r in reqs)
+    assert steps < 0.8 * sum(lengths), f"{policy}: the head's drafts were hardly accepted ({steps} steps)"
+
+
+@torch.no_grad()
+def dense_reference(target, head, tokens, offset, chain):
+    """The head's distribution after token list `tokens` (root last) read from `offset`, then after each drafted
+    chain token: recomputed from scratch (fresh target forward for the features, naive dense head)."""
+    n = len(tokens)
+    cache = target.allocate_cache(1, n)
+    ids = torch.tensor(tokens)
+    _, feats = target(chain_batch([ids[: n - 1]], torch.tensor([0]), torch.tensor([0]), "none"), cache,
+                      capture=tuple(head.config.capture_layers))
+    entry_ids = ids[offset + 1 :]
+    fused = feats[offset:].float() @ head.fc.weight.float().T
+    out = []
+    for d in range(len(chain) + 1):
+        logits, y = naive_head(head, entry_ids, fused)
+        probs = torch.zeros(target.config.vocab_size)
+        probs[head.to_target_ids(torch.arange(head.config.draft_vocab_size))] = logits[-1].softmax(-1)
+        out.append(probs)
+        if d < len(chain):
+            entry_ids = torch.cat([entry_ids, torch.tensor([chain[d]])])
+            fused = torch.cat([fused, y[-1:]])
+    return out
+
+
+@pytest.mark.parametrize("max_features", [512, 10])
+def test_the_heads_drafts_equal_a_dense_recomputation_every_step(fp32_pair, prompts, max_features):
+    """Chain policy (every level has one node per request, whose ancestors are the levels before): each level's
+    distribution == the dense reference. With max_features=10 and no head prefill (as when the cost curve says
+    speculation cannot pay at admission), the head meets whole prompts at their first step and re-primes from the
+    10-token window of features it kept."""
+    target, head, tok = fp32_pair
+    ex = Executor(target, head, tok, EchoConfig(policy="chain", num_draft_tokens=4), max_batch_size=4,
+                  max_seq_len=256)
+    ex.drafter.max_features = max_features
+    if max_features < 100:
+        ex._draft_prefill = lambda batch_size: False
+    records = []  # (tokens, offset, chain so far, probs) per request and level
+    real = ex.drafter.draft_fn
+
+    def spy(level, frontier):
+        probs = real(level, frontier)
+        d = ex.drafter
+        for row, node in enumerate(frontier.tolist()):
+            b = int(level.request_ids[node])
+            if not bool(d._read[b]):
+                continue  # a one-token prompt at its first step: nothing to read the root with
+            r = d._requests[b]
+            if level.depth == 0:
+                records.append([list(r.all_token_ids), r.draft_offset, [], [probs[row]]])
+                d._record = getattr(d, "_record", {})
+                d._record[b] = records[-1]
+            else:
+                rec = d._record[b]
+                rec[2].append(int(level.token_ids[node]))
+                rec[3].append(probs[row])
+        return probs
+
+    ex.drafter.draft_fn = spy
+    long = ["def _check(value):\n    if not isinstance(value, int):\n        raise TypeError(value)\n    return value\n\n",
+            "MACBETH:\nIs this a dagger which I see before me,\nThe handle toward my hand? Come, let me clutch thee.\n"]
+    reqs = [ex.make_request(p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+            for p in prompts[:8] + long]
+    for r in reqs:
+        ex.submit(r)
+    while ex.has_work:
+        ex.drafter._record = {}
+        ex.step()
+    assert not ex.failures, ex.last_error
+    assert len(records) > 30
+    if max_features == 10:
+        assert any(rec[1] > 0 for rec in records), "no request was re-primed"
+    for tokens, offset, chain, got in records:
+        want = dense_reference(target, head, tokens, offset, chain)
+        for d, (g, w) in enumerate(zip(got, want)):
+            torch.testing.assert_close(g, w, rtol=0, atol=2e-4, msg=lambda m: f"level {d} of {tokens}: {m}")
+
+
+def test_the_llm_api_and_an_engine_directory_carry_the_head(tmp_path, prompts):
+    from echo_trtllm.engine_dir import build_engine
+
+    with LLM(DEFAULT_TARGET, DEFAULT_EAGLE3, dtype="float32", max_batch_size=4) as llm:
+        assert isinstance(llm.draft, Eagle3Head)
+        outs = llm.generate(prompts[:4], SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
+    with LLM(DEFAULT_TARGET, dtype="float32", speculative_config=EchoConfig(policy="ar")) as ar:
+        ref = ar.generate(prompts[:4], SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    engine = build_engine(tmp_path / "engine", DEFAULT_TARGET, DEFAULT_EAGLE3, EchoConfig(), "float32")
+    with LLM(engine_dir=engine) as llm:
+        assert isinstance(llm.draft, Eagle3Head)
+        again = llm.generate(prompts[:4], SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_a_head_for_another_target_is_refused(fp32_pair):
+    """The default draft model (hidden size 128) is not the head's target (256)."""
+    from echo_trtllm.models import DEFAULT_DRAFT
+
+    draft, _ = load_model(DEFAULT_DRAFT, dtype="float32")
+    with pytest.raises(ValueError, match="target features of width 256"):
+        load_eagle3(DEFAULT_EAGLE3, draft)
+    with pytest.raises(ValueError, match="draft_model"):
+        LLM(DEFAULT_TARGET, DEFAULT_EAGLE3 / "config.json")
