@@ -12,7 +12,7 @@ import gzip
 import json
 from importlib import resources
 
-__all__ = ["PROMPT_SETS", "load_prompts"]
+__all__ = ["PROMPT_SETS", "SPLITS", "load_prompts"]
 
 CODE_PROMPTS = [
     "def read_config(path):\n    \"\"\"Read a JSON configuration file and return it as a dict.\"\"\"\n",
@@ -44,7 +44,19 @@ def _humaneval() -> list[str]:
 PROMPT_SETS = {"mixed": lambda: list(MIXED_PROMPTS), "code": lambda: list(CODE_PROMPTS), "humaneval": _humaneval}
 
 
-def load_prompts(name: str) -> list[str]:
+SPLITS = ("all", "calibration", "eval")
+CALIBRATION_EVERY = 4  # the calibration split: prompts 0, 4, 8, ... of a set; the eval split: all others
+
+
+def load_prompts(name: str, split: str = "all") -> list[str]:
+    """A prompt set, whole or one side of its fixed split: "calibration" takes every CALIBRATION_EVERY-th prompt
+    (0, 4, 8, ...), "eval" the rest, so calibration and evaluation never share a prompt (HumanEval: 41 / 123)."""
     if name not in PROMPT_SETS:
         raise ValueError(f"unknown prompt set {name!r}; choose one of {', '.join(PROMPT_SETS)}")
-    return PROMPT_SETS[name]()
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
+    prompts = PROMPT_SETS[name]()
+    if split == "all":
+        return prompts
+    calibration = split == "calibration"
+    return [p for i, p in enumerate(prompts) if (i % CALIBRATION_EVERY == 0) == calibration]

