@@ -34,6 +34,7 @@ from torch import Tensor
 
 from .budget import BudgetAllocation, allocate_budget, greedy_fill
 from .config import EchoConfig
+from .acceptance import AcceptanceModel
 from .cost import CostModel, choose_budget
 from .gating import GateConfig, GateSamples, GateSchedule, best_path_confidence, gate
 from .tree import DraftLevel, SuperTree, expand_level, priority_order, root_level, segment_rank
@@ -367,6 +368,13 @@ class EchoPolicy(TreePolicy):
                  gate_samples: GateSamples | None = None) -> None:
         super().__init__(config, cost_model)
         self.gates = GateSchedule(config, cost_model, gate_samples)
+        # acceptance estimates for the budget rule and the cost-aware stop: isotonic per depth from the
+        # calibration's samples (core.acceptance); without them the raw path probabilities
+        self.acceptance = None if gate_samples is None else AcceptanceModel.from_samples(
+            gate_samples.depths, gate_samples.confidences, gate_samples.accepted)
+
+    def acceptance_estimates(self, path_probs: Tensor, depths: Tensor | int) -> Tensor:
+        return path_probs if self.acceptance is None else self.acceptance.estimate(path_probs, depths)
 
     def gate_for(self, batch_size: int) -> GateConfig:
         """The gate a step of `batch_size` requests uses."""
@@ -417,7 +425,8 @@ class EchoPolicy(TreePolicy):
         claimed = b + int(state.spine_depth.sum())
         seconds = (float(cost.draft_time(n * self.expand_width))
                    + float(cost.verify_time(claimed + n)) - float(cost.verify_time(claimed)))
-        gain = float(state.confidence[-1][state.active].sum())  # tokens the next level may add, at most
+        # tokens the next level may add, at most (the best nodes' acceptance estimates)
+        gain = float(self.acceptance_estimates(state.confidence[-1][state.active], len(state.confidence)).sum())
         if gain * step <= seconds * b:
             state.active = torch.zeros_like(state.active)
 
@@ -427,7 +436,9 @@ class EchoPolicy(TreePolicy):
         )
         if self.cost_model is not None and alloc.order.numel():
             drafted = sum(float(self.cost_model.draft_time(f)) for f in state.frontier_sizes)  # sunk this step
-            k = choose_budget(tree.path_probs[alloc.order], state.batch_size, self.cost_model, drafted)
+            order = alloc.order
+            estimates = self.acceptance_estimates(tree.path_probs[order], tree.depths[order])
+            k = choose_budget(estimates, state.batch_size, self.cost_model, drafted)
             alloc = alloc.truncated(k, tree.request_ids)
         state.allocation = alloc
         return alloc.selected

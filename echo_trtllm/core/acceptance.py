@@ -1,0 +1,86 @@
+"""Acceptance estimates: a draft node's chance of being accepted, from its path probability and depth.
+
+The budget rule (`cost.choose_budget`) and the cost-aware drafting stop weigh each candidate by its chance of
+being accepted. A draft's path probability is that chance only if the draft is calibrated; small drafts are
+overconfident at depth (and an EAGLE-3 head's reduced vocabulary makes its probabilities larger still). The
+calibration's warm-up samples say how often a node of confidence c at depth d was accepted, so the estimate is
+fitted per depth by isotonic regression (pool adjacent violators: the non-decreasing step function of c closest to
+the accepted flags in least squares), which assumes only that a more confident node is not less likely to be
+accepted.
+
+    samples at depth 2, sorted by confidence:  c = 0.1  0.2  0.4  0.5  0.8     accepted = 0  1  0  1  1
+    pooled:                                     [0.1] [0.2, 0.4] [0.5] [0.8] -> 0, 0.5, 1, 1
+
+A depth with fewer than `min_samples` samples, or without both outcomes, keeps the raw path probability (no
+evidence to correct it with). Between fitted blocks the estimate is the value of the block at or left of c (below
+the first block: the first block's value).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["isotonic_fit", "AcceptanceModel", "MIN_SAMPLES"]
+
+MIN_SAMPLES = 20  # samples a depth needs before its estimate replaces the raw path probability
+
+
+def isotonic_fit(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """Pool adjacent violators on (x, y): returns (block starts in x, block values), both ascending; equal x pool."""
+    order = torch.argsort(x.double(), stable=True)
+    xs, ys = x.double()[order].tolist(), y.double()[order].tolist()
+    starts: list[float] = []
+    sums: list[float] = []
+    counts: list[int] = []
+    prev = None
+    for xi, yi in zip(xs, ys):
+        if xi == prev:  # equal x: the previous point's block, which is the last one (a step function of x)
+            sums[-1] += yi
+            counts[-1] += 1
+        else:
+            starts.append(xi)
+            sums.append(yi)
+            counts.append(1)
+        prev = xi
+        while len(sums) > 1 and sums[-2] / counts[-2] > sums[-1] / counts[-1]:
+            s_last, c_last = sums.pop(), counts.pop()
+            sums[-1] += s_last
+            counts[-1] += c_last
+            starts.pop()
+    return torch.tensor(starts, dtype=torch.float64), torch.tensor([s / c for s, c in zip(sums, counts)],
+                                                                   dtype=torch.float64)
+
+
+@dataclass(frozen=True)
+class AcceptanceModel:
+    """Per depth, an isotonic map from path probability to acceptance probability (module docstring)."""
+
+    # depth -> (block starts, block values); depths without a fit keep the raw path probability
+    fits: dict[int, tuple[Tensor, Tensor]]
+
+    @classmethod
+    def from_samples(cls, depths: Tensor, confidences: Tensor, accepted: Tensor,
+                     min_samples: int = MIN_SAMPLES) -> "AcceptanceModel":
+        fits = {}
+        for d in sorted(set(depths.tolist())):
+            sel = depths == d
+            acc = accepted[sel].double()
+            if int(sel.sum()) < min_samples or acc.min() == acc.max():
+                continue
+            fits[int(d)] = isotonic_fit(confidences[sel], acc)
+        return cls(fits)
+
+    def estimate(self, confidences: Tensor, depths: Tensor | int) -> Tensor:
+        """Acceptance estimates (float64) of nodes with these path probabilities at these depths."""
+        c = confidences.double().cpu()
+        d = torch.as_tensor(depths).cpu().expand_as(c)
+        out = c.clone()
+        for depth, (starts, values) in self.fits.items():
+            sel = d == depth
+            if bool(sel.any()):
+                i = (torch.searchsorted(starts, c[sel], right=True) - 1).clamp(min=0)
+                out[sel] = values[i]
+        return out.to(confidences.device)

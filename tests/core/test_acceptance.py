@@ -1,0 +1,72 @@
+"""Isotonic acceptance estimates against an independent reference: the min-max formula of isotonic least squares,
+y*_i = max_{a <= i} min_{b >= i} mean(y_a..y_b) (for distinct x in ascending order)."""
+
+import pytest
+import torch
+
+from echo_trtllm.core import EchoConfig
+from echo_trtllm.core.acceptance import AcceptanceModel, isotonic_fit
+from echo_trtllm.core.gating import GateSamples
+from echo_trtllm.core.policies import make_policy
+
+
+def minmax_reference(y: list[float]) -> list[float]:
+    n = len(y)
+    return [max(min(sum(y[a : b + 1]) / (b + 1 - a) for b in range(i, n)) for a in range(i + 1)) for i in range(n)]
+
+
+def step_values(starts, values, x):
+    i = (torch.searchsorted(starts, x.double(), right=True) - 1).clamp(min=0)
+    return values[i]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_pav_equals_the_minmax_formula(seed):
+    gen = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 14, (1,), generator=gen))
+    x = torch.randperm(100, generator=gen)[:n].double() / 100  # distinct
+    y = (torch.rand(n, generator=gen) < torch.rand(1, generator=gen)).double() if seed % 2 else torch.rand(n, generator=gen).double()
+    starts, values = isotonic_fit(x, y)
+    order = torch.argsort(x)
+    want = torch.tensor(minmax_reference(y[order].tolist()), dtype=torch.float64)
+    torch.testing.assert_close(step_values(starts, values, x[order]), want)
+    assert bool((values[1:] >= values[:-1]).all())
+
+
+def test_the_docstring_example_and_ties():
+    x = torch.tensor([0.1, 0.2, 0.4, 0.5, 0.8], dtype=torch.float64)
+    starts, values = isotonic_fit(x, torch.tensor([0.0, 1, 0, 1, 1]))
+    assert starts.tolist() == [0.1, 0.2, 0.5, 0.8] and values.tolist() == [0.0, 0.5, 1.0, 1.0]
+    starts, values = isotonic_fit(torch.tensor([0.3, 0.3, 0.3], dtype=torch.float64), torch.tensor([1.0, 0, 0]))
+    assert starts.tolist() == [0.3] and values.tolist() == pytest.approx([1 / 3])
+    # a tie with the last point of a merged block joins that block
+    starts, values = isotonic_fit(torch.tensor([0.1, 0.2, 0.2], dtype=torch.float64), torch.tensor([1.0, 0, 1]))
+    assert starts.tolist() == [0.1] and values.tolist() == pytest.approx([2 / 3])
+
+
+def test_a_depth_without_enough_evidence_keeps_the_raw_probability():
+    gen = torch.Generator().manual_seed(0)
+    c = torch.rand(200, generator=gen)
+    depths = torch.cat([torch.full((100,), 1), torch.full((90,), 2), torch.full((10,), 3)])
+    accepted = torch.rand(200, generator=gen) < c / 2  # an overconfident draft: accepted half as often
+    accepted[100:190] = True  # depth 2: one outcome only
+    model = AcceptanceModel.from_samples(depths, c, accepted)
+    assert set(model.fits) == {1}
+    q = torch.tensor([0.9, 0.9, 0.9])
+    est = model.estimate(q, torch.tensor([1, 2, 3]))
+    assert est[1] == pytest.approx(0.9) and est[2] == pytest.approx(0.9)
+    assert est[0] < 0.75  # corrected down at depth 1
+
+
+def test_echo_weighs_candidates_by_the_calibrated_estimates():
+    gen = torch.Generator().manual_seed(1)
+    c = torch.rand(400, generator=gen)
+    depths = torch.randint(1, 4, (400,), generator=gen)
+    accepted = torch.rand(400, generator=gen) < c * 0.3
+    samples = GateSamples(depths, c, accepted, max_depth=3)
+    policy = make_policy(EchoConfig(max_depth=3), None, samples)
+    raw = make_policy(EchoConfig(max_depth=3))
+    p = torch.tensor([0.8, 0.6])
+    assert torch.equal(raw.acceptance_estimates(p, torch.tensor([1, 2])), p)
+    est = policy.acceptance_estimates(p, torch.tensor([1, 2]))
+    assert bool((est < p).all()) and bool((est >= 0).all())
