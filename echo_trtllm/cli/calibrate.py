@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cost-tokens", default="1,2,4,8,16,32,64,128", help="tokens per forward to time")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per cost point (fastest kept)")
     ap.add_argument("--num-sweet-spots", type=int, default=2)
+    ap.add_argument("--grid", action="store_true",
+                    help="also time verification by tokens x cached context per request (the budget rule then "
+                         "prices each step at its own context; docs/calibration.md)")
     options.add_runtime_options(ap, batch=False)
     options.add_speculation_options(ap, policy=False)
     options.add_sampling_options(ap, temperature=False)
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"loaded target + draft in {time.perf_counter() - t0:.0f} s", flush=True)
         cal = calibrate(target, draft, tok, config, prompts, batch_size=args.batch_size, max_tokens=args.max_tokens,
                         max_seq_len=args.max_seq_len, cost_tokens=cost_tokens, repeats=args.repeats,
-                        num_sweet_spots=args.num_sweet_spots)
+                        num_sweet_spots=args.num_sweet_spots, grid=args.grid)
     except options.USAGE_ERRORS as e:
         return options.fail(PROG, e)
     out = attach_calibration(args.engine_dir, cal) if args.engine_dir else args.output
@@ -81,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     cm, g = cal.cost_model, cal.gate
     print("t_verify: " + ", ".join(f"{t}:{s * 1e3:.1f}ms" for t, s in zip(cm.verify_tokens, cm.verify_seconds)))
     print("t_draft:  " + ", ".join(f"{t}:{s * 1e3:.1f}ms" for t, s in zip(cm.draft_tokens, cm.draft_seconds)))
+    for t, row in zip(cm.grid_tokens, cm.grid_seconds):
+        print(f"t_verify({t} tokens) by context per request: " +
+              ", ".join(f"{c}:{x * 1e3:.1f}ms" for c, x in zip(cm.grid_contexts, row)))
     print(f"break-even acceptance probability (B={cal.operating_batch_size}): {cal.break_even_accept_prob:.3f}")
     print(f"warm-up: {cal.warmup['steps']} steps, {cal.warmup['samples']} gate samples")
     print("acceptance by depth: " + ", ".join(f"{d}:{r:.2f}" for d, r in g.acceptance_rate.items()))

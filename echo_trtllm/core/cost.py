@@ -3,7 +3,9 @@ whether a step drafts at all. Nothing here reads a clock: the runtime measures a
 
 A `CostModel` holds measured points of t_verify(T) (seconds of one target forward over T tokens in total) and of
 t_draft(T) (one draft forward over T tokens), interpolated piecewise-linearly and extrapolated along the last
-segment. `choose_budget` picks how many candidates to verify:
+segment. Under load the KV reads are part of a step: with a measured grid (`grid_tokens` x `grid_contexts`, seconds
+of a forward over T tokens whose requests hold C cached tokens each on average), `verify_time(T, context=C)`
+interpolates bilinearly in (T, C); without a grid, or without a context, it is the curve t_verify(T). `choose_budget` picks how many candidates to verify:
 
     K = B + n,  n maximising  (B + sum of the n best candidates' acceptance estimates) / (t_spent + t_verify(B + n))
 
@@ -59,6 +61,11 @@ class CostModel:
     # seconds of host control per step (gate, schedule, pack), charged to every speculative step
     control_seconds: float = 0.0
     device: str = ""
+    # verification by tokens and mean cached context per request: grid_seconds[i][j] at grid_tokens[i] tokens,
+    # grid_contexts[j] cached tokens per request (runtime.calibrate.measure_verify_grid)
+    grid_tokens: tuple[int, ...] = ()
+    grid_contexts: tuple[int, ...] = ()
+    grid_seconds: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("verify", "draft"):
@@ -71,9 +78,29 @@ class CostModel:
                 raise ValueError(f"CostModel.{name}_seconds must be positive, got {ys}")
         if not self.verify_tokens:
             raise ValueError("CostModel needs at least one verify point")
+        if self.grid_tokens or self.grid_contexts or self.grid_seconds:
+            for name in ("grid_tokens", "grid_contexts"):
+                xs = getattr(self, name)
+                if not xs or list(xs) != sorted(set(xs)) or any(x < 1 for x in xs):
+                    raise ValueError(f"CostModel.{name} must be strictly increasing integers >= 1, got {xs}")
+            if len(self.grid_seconds) != len(self.grid_tokens) or any(
+                    len(row) != len(self.grid_contexts) or any(y <= 0 for y in row) for row in self.grid_seconds):
+                raise ValueError("CostModel.grid_seconds must be len(grid_tokens) rows of len(grid_contexts) "
+                                 "positive seconds")
 
-    def verify_time(self, tokens: Tensor | int) -> Tensor:
-        return interpolate(self.verify_tokens, self.verify_seconds, torch.as_tensor(tokens))
+    @property
+    def has_grid(self) -> bool:
+        return bool(self.grid_seconds)
+
+    def verify_time(self, tokens: Tensor | int, context: float | None = None) -> Tensor:
+        """Seconds of a target forward over `tokens` tokens; with `context` (mean cached tokens per request of the
+        step) and a grid, read from the grid (bilinear in tokens and context, extrapolated along its edges)."""
+        tokens = torch.as_tensor(tokens)
+        if context is None or not self.grid_seconds:
+            return interpolate(self.verify_tokens, self.verify_seconds, tokens)
+        c = torch.tensor(float(context))
+        at_context = tuple(float(interpolate(self.grid_contexts, row, c)) for row in self.grid_seconds)
+        return interpolate(self.grid_tokens, at_context, tokens).clamp(min=1e-9)
 
     def draft_time(self, tokens: Tensor | int) -> Tensor:
         if not self.draft_tokens:
@@ -91,8 +118,10 @@ class CostModel:
     @classmethod
     def from_json(cls, text: str) -> "CostModel":
         d = json.loads(text)
-        for key in ("verify_tokens", "verify_seconds", "draft_tokens", "draft_seconds"):
+        for key in ("verify_tokens", "verify_seconds", "draft_tokens", "draft_seconds", "grid_tokens",
+                    "grid_contexts"):
             d[key] = tuple(d.get(key, ()))
+        d["grid_seconds"] = tuple(tuple(row) for row in d.get("grid_seconds", ()))
         return cls(**d)
 
     def save(self, path: str | Path) -> None:
@@ -103,39 +132,42 @@ class CostModel:
         return cls.from_json(Path(path).read_text())
 
 
-def choose_budget(estimates: Tensor, batch_size: int, cost: CostModel, spent_seconds: float = 0.0) -> int:
+def choose_budget(estimates: Tensor, batch_size: int, cost: CostModel, spent_seconds: float = 0.0,
+                  context: float | None = None) -> int:
     """K (>= B) maximising expected emitted tokens per second for this step (see the module docstring).
 
-    estimates (n,): acceptance estimates of the candidates in the order they would be taken."""
+    estimates (n,): acceptance estimates of the candidates in the order they would be taken. context: the step's
+    mean cached tokens per request (the grid's second axis; None: the curve)."""
     if estimates.ndim != 1:
         raise ValueError(f"estimates must be 1-D, got shape {tuple(estimates.shape)}")
     n = torch.arange(estimates.numel() + 1, dtype=torch.float64)  # candidates taken
     gain = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(estimates.double(), 0)])
     speculative = n > 0
     # Drafting time is already spent whatever is chosen now (whether to draft at all is decided before drafting).
-    seconds = spent_seconds + cost.control_seconds * speculative + cost.verify_time(batch_size + n)
+    seconds = spent_seconds + cost.control_seconds * speculative + cost.verify_time(batch_size + n, context)
     rate = (batch_size + gain) / seconds
     return batch_size + int(torch.argmax(rate))  # first maximum: the smaller K on ties
 
 
-def level_cost_ratio(cost: CostModel, batch_size: int, draft_width: int = 0) -> float:
+def level_cost_ratio(cost: CostModel, batch_size: int, draft_width: int = 0, context: float | None = None) -> float:
     """What one more draft level costs, as a fraction of a plain step, when every request of a batch of B gets
     it: one draft forward over B * draft_width tokens plus the verification of B more tokens,
     (t_draft(B * draft_width) + t_verify(2B) - t_verify(B)) / t_verify(B). A level yields p tokens per request
     where a step yields one, so it pays when p exceeds this ratio; at 1 or more it cannot pay at all."""
     b = max(1, batch_size)
-    base = float(cost.verify_time(b))
-    extra = float(cost.verify_time(2 * b)) - base
+    base = float(cost.verify_time(b, context))
+    extra = float(cost.verify_time(2 * b, context)) - base
     if draft_width > 0 and cost.draft_tokens:
         extra += float(cost.draft_time(b * draft_width))
     return extra / base
 
 
-def break_even_accept_prob(cost: CostModel, batch_size: int, draft_width: int = 0) -> float:
+def break_even_accept_prob(cost: CostModel, batch_size: int, draft_width: int = 0,
+                           context: float | None = None) -> float:
     """lambda: the acceptance probability above which drafting and verifying one more level pays,
     `level_cost_ratio` clamped to [0.02, 0.95] (the gate calibration's range). Verification is nearly free at
     B = 1 on a GPU (small lambda) and dear under load."""
-    return min(0.95, max(0.02, level_cost_ratio(cost, batch_size, draft_width)))
+    return min(0.95, max(0.02, level_cost_ratio(cost, batch_size, draft_width, context)))
 
 
 def batch_bucket(batch_size: int) -> int:

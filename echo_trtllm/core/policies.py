@@ -76,6 +76,8 @@ class DraftState:
     frontier_sizes: list[int] = field(default_factory=list)
     # the gate of this step (echo family: chosen for its batch size)
     gate: GateConfig | None = None
+    # mean cached tokens per request of the step (the cost grid's context axis; None: unknown)
+    context: float | None = None
 
 
 @dataclass
@@ -420,11 +422,12 @@ class EchoPolicy(TreePolicy):
             return
         cost, b = self.cost_model, state.batch_size
         n = int(state.active.sum())
-        step = float(cost.verify_time(b))
+        ctx = state.context
+        step = float(cost.verify_time(b, ctx))
         # the verification already claimed: every request's root and its spine so far (priority 1)
         claimed = b + int(state.spine_depth.sum())
         seconds = (float(cost.draft_time(n * self.expand_width))
-                   + float(cost.verify_time(claimed + n)) - float(cost.verify_time(claimed)))
+                   + float(cost.verify_time(claimed + n, ctx)) - float(cost.verify_time(claimed, ctx)))
         # tokens the next level may add, at most (the best nodes' acceptance estimates)
         gain = float(self.acceptance_estimates(state.confidence[-1][state.active], len(state.confidence)).sum())
         if gain * step <= seconds * b:
@@ -438,7 +441,7 @@ class EchoPolicy(TreePolicy):
             drafted = sum(float(self.cost_model.draft_time(f)) for f in state.frontier_sizes)  # sunk this step
             order = alloc.order
             estimates = self.acceptance_estimates(tree.path_probs[order], tree.depths[order])
-            k = choose_budget(estimates, state.batch_size, self.cost_model, drafted)
+            k = choose_budget(estimates, state.batch_size, self.cost_model, drafted, state.context)
             alloc = alloc.truncated(k, tree.request_ids)
         state.allocation = alloc
         return alloc.selected
@@ -470,17 +473,18 @@ class EchoNoBudgetStopPolicy(EchoPolicy):
 
 def draft_tree(
     policy: TreePolicy, root_token_ids: Tensor, draft_fn: DraftFn, budget: int | None = None,
-    max_levels: int | None = None,
+    max_levels: int | None = None, context: float | None = None,
 ) -> DraftResult:
     """Run one step's drafting loop and selection.
 
     root_token_ids (B,): each request's last committed token. draft_fn(level, frontier) returns the draft
     distribution (F, V) after each frontier node; the runtime runs the draft model there, tests use synthetic
     distributions. max_levels: draft at most this many levels this step (the tracker's depth limit; None: the
-    policy's max_depth).
+    policy's max_depth). context: the step's mean cached tokens per request (for a cost grid).
     """
     levels = [root_level(root_token_ids)]
     state = policy.start(root_token_ids.numel(), budget)
+    state.context = context
     depth_cap = policy.max_depth if max_levels is None else min(policy.max_depth, max_levels)
     for depth in range(1, depth_cap + 1):
         frontier = policy.frontier(levels[-1], state)

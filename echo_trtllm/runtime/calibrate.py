@@ -41,6 +41,7 @@ __all__ = [
     "CALIBRATION_FILE",
     "measure_forward_seconds",
     "measure_cost_model",
+    "measure_verify_grid",
     "LOAD_REPEATS",
     "gate_samples",
     "collect_gate_samples",
@@ -48,6 +49,9 @@ __all__ = [
 ]
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
+# the verification grid (`measure_verify_grid`): tokens per forward x cached tokens per request
+GRID_TOKENS = (1, 4, 16, 64, 256)
+GRID_CONTEXTS = (64, 256, 1024)
 # Timed runs per point of the quick curve an uncalibrated engine measures at load (~10 s for the Qwen2.5-Coder
 # 1.5B + 0.5B pair in bfloat16 on a 2-core CPU; milliseconds for the embedded pair)
 LOAD_REPEATS = 2
@@ -98,14 +102,50 @@ def nondecreasing(seconds: tuple[float, ...]) -> tuple[float, ...]:
     return tuple(reversed(out))
 
 
+@torch.inference_mode()
+def measure_verify_grid(target: CausalLM, tokens: tuple[int, ...] = GRID_TOKENS,
+                        contexts: tuple[int, ...] = GRID_CONTEXTS, max_requests: int = 64,
+                        repeats: int = 3) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[float, ...], ...]]:
+    """Seconds of a target forward over T tokens whose requests each hold C cached tokens, for T x C on the grid:
+    min(T, max_requests) requests with T / requests new tokens each (one per request up to max_requests, as a
+    decode step of that batch), fastest of `repeats`. The cached entries are left as allocated (zeros): what a
+    forward costs does not depend on their values, so no prefill is needed. Made non-decreasing in T per C."""
+    tokens, contexts = tuple(sorted(set(tokens))), tuple(sorted(set(contexts)))
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for t in tokens:
+        r = min(t, max_requests)
+        n = -(-t // r)
+        cache = target.allocate_cache(r, max(contexts) + n)
+        row = []
+        for c in contexts:
+            chains = list(torch.randint(0, target.config.vocab_size, (r, n), generator=gen))
+            batch = chain_batch(chains, torch.full((r,), c), torch.arange(r), logits="all")
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                target(batch, cache)
+                if target.device.type == "cuda":
+                    torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - t0)
+            row.append(best)
+        rows.append(row)
+        del cache
+    columns = [nondecreasing(tuple(rows[i][j] for i in range(len(tokens)))) for j in range(len(contexts))]
+    grid = tuple(tuple(columns[j][i] for j in range(len(contexts))) for i in range(len(tokens)))
+    return tokens, contexts, grid
+
+
 def measure_cost_model(target: CausalLM, draft: CausalLM | Eagle3Head | None, tokens: tuple[int, ...] = DEFAULT_TOKENS,
-                       context: int = 64, repeats: int = 5) -> CostModel:
-    """t_verify(T) (and t_draft(T) with a draft) at each T in `tokens`, made non-decreasing. With
-    `repeats=LOAD_REPEATS` this is what an uncalibrated engine measures at load."""
+                       context: int = 64, repeats: int = 5, grid: bool = False) -> CostModel:
+    """t_verify(T) (and t_draft(T) with a draft) at each T in `tokens`, made non-decreasing; with grid=True also
+    the verification grid by tokens and context (`measure_verify_grid`). With `repeats=LOAD_REPEATS` and no grid
+    this is what an uncalibrated engine measures at load."""
     tokens = tuple(sorted(set(tokens)))
     verify = nondecreasing(measure_forward_seconds(target, tokens, context, repeats))
     draft_times = nondecreasing(measure_forward_seconds(draft, tokens, context, repeats)) if draft else ()
-    return CostModel(tokens, verify, tokens if draft else (), draft_times, 0.0, str(target.device))
+    g = measure_verify_grid(target, repeats=min(repeats, 3)) if grid else ((), (), ())
+    return CostModel(tokens, verify, tokens if draft else (), draft_times, 0.0, str(target.device), *g)
 
 
 @dataclass
@@ -230,15 +270,15 @@ def warmup_config(config: EchoConfig, batch_size: int) -> EchoConfig:
 def calibrate(target: CausalLM, draft: CausalLM, tokenizer, config: EchoConfig, prompts: list[str],
               batch_size: int = 4, max_tokens: int = 32, max_seq_len: int = 1024,
               cost_tokens: tuple[int, ...] = DEFAULT_TOKENS, repeats: int = 5, num_sweet_spots: int = 2,
-              progress=None, cost_model: CostModel | None = None) -> Calibration:
+              progress=None, cost_model: CostModel | None = None, grid: bool = False) -> Calibration:
     """Measure the cost model (unless `cost_model` is given), run warm-up traffic, calibrate the gate; nothing is
-    written (see Calibration.save)."""
+    written (see Calibration.save). grid: also measure the verification grid by tokens and context."""
     from .executor import Executor
     from .request import SamplingParams
 
     if not prompts:
         raise ValueError("calibration needs at least one warm-up prompt")
-    cost = cost_model or measure_cost_model(target, draft, cost_tokens, repeats=repeats)
+    cost = cost_model or measure_cost_model(target, draft, cost_tokens, repeats=repeats, grid=grid)
     lam = break_even_accept_prob(cost, batch_size, config.beam_width)
     warm = warmup_config(config, batch_size)
     ex = Executor(target, draft, tokenizer, warm, max_batch_size=batch_size, max_seq_len=max_seq_len)

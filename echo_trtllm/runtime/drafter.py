@@ -48,10 +48,48 @@ from .clock import Clock, WallClock
 from .inputs import chain_batch, make_batch
 from .request import Request
 
-__all__ = ["Drafter", "Eagle3Drafter", "make_drafter"]
+__all__ = ["Drafter", "Eagle3Drafter", "FeatureWindow", "make_drafter"]
 
 STEADY_CHAIN = 2  # pending tokens per request in steady speculation: the bonus token and at most one leaf
 MAX_FEATURES = 512  # target features an EAGLE-3 drafter keeps per request (bounded catch-up)
+
+
+class FeatureWindow:
+    """A request's target features of consecutive tokens start, start + 1, ..., end - 1. Appends copy only the new
+    rows (the buffer doubles when full); dropping old rows moves an offset. Per step the cost is the tokens the
+    step committed, not the window's length."""
+
+    def __init__(self, start: int, feats: Tensor) -> None:
+        self.buf = feats.new_empty((max(16, 2 * feats.shape[0]), feats.shape[1]))
+        self.buf[: feats.shape[0]] = feats
+        self.head, self.start, self.length = 0, start, feats.shape[0]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    def append(self, feats: Tensor) -> None:
+        n = feats.shape[0]
+        if self.head + self.length + n > self.buf.shape[0]:
+            live = self.buf[self.head : self.head + self.length]
+            if 2 * (self.length + n) > self.buf.shape[0]:
+                grown = self.buf.new_empty((2 * (self.length + n), self.buf.shape[1]))
+                grown[: self.length] = live
+                self.buf = grown
+            else:
+                self.buf[: self.length] = live.clone()
+            self.head = 0
+        self.buf[self.head + self.length : self.head + self.length + n] = feats
+        self.length += n
+
+    def drop_before(self, token: int) -> None:
+        """Forget the features of tokens before `token` (the last one is always kept)."""
+        k = max(0, min(token - self.start, self.length - 1))
+        self.head, self.start, self.length = self.head + k, self.start + k, self.length - k
+
+    def rows(self, first: int, last: int) -> Tensor:
+        """Features of tokens first .. last (inclusive)."""
+        return self.buf[self.head + first - self.start : self.head + last + 1 - self.start]
 
 
 def make_drafter(draft: CausalLM | Eagle3Head, target: CausalLM, slots: int, capacity: int,
@@ -262,17 +300,18 @@ class Eagle3Drafter(Drafter):
         (a gap left by a failure) restarts at the new tokens; at most max_features are kept, never dropping the
         ones the head still has to read unless the window is full."""
         for r, start, feats in zip(requests, starts, features):
-            feats = feats.detach()
-            if r.features is not None and r.feature_start + r.features.shape[0] == start:
-                feats = torch.cat([r.features, feats])
-                start = r.feature_start
+            if r.features is not None and r.features.end == start:
+                r.features.append(feats)
+            else:
+                r.features = FeatureWindow(start, feats)
+            w = r.features
             needed = r.draft_offset + r.draft_ctx  # the oldest feature the head will read
-            drop = max(0, min(needed - start, feats.shape[0] - 1), feats.shape[0] - self.max_features)
-            r.features, r.feature_start = feats[drop:], start + drop
+            w.drop_before(max(min(needed, w.end - 1), w.end - self.max_features))
 
-    def _features(self, r: Request, first: int, last: int) -> Tensor:
+    @staticmethod
+    def _features(r: Request, first: int, last: int) -> Tensor:
         """Features of tokens first .. last (inclusive) of r."""
-        return r.features[first - r.feature_start : last + 1 - r.feature_start]
+        return r.features.rows(first, last)
 
     def pending(self, r: Request) -> int:
         return len(r.all_token_ids) - 1 - r.draft_offset - r.draft_ctx
@@ -283,12 +322,12 @@ class Eagle3Drafter(Drafter):
     def _readable(self, r: Request) -> bool:
         """Whether the head can read r's root: the target's feature of the token before it is here."""
         last = len(r.all_token_ids) - 2
-        return r.features is not None and r.feature_start <= last < r.feature_start + r.features.shape[0]
+        return r.features is not None and r.features.start <= last < r.features.end
 
     def _window_start(self, r: Request, max_pending: int | None) -> int | None:
         start = super()._window_start(r, max_pending)
-        if self._readable(r) and r.feature_start > (r.draft_offset + r.draft_ctx if start is None else start):
-            start = r.feature_start  # the features it would need are gone: start from the oldest kept
+        if self._readable(r) and r.features.start > (r.draft_offset + r.draft_ctx if start is None else start):
+            start = r.features.start  # the features it would need are gone: start from the oldest kept
         return start
 
     def begin(self, requests: list[Request], max_pending: int | None = None) -> None:
@@ -305,7 +344,7 @@ class Eagle3Drafter(Drafter):
         for r, n in group:
             last = r.target_ctx + n - 1  # the chunk's last token; its input feature is that of last - 1
             first = r.draft_offset + r.draft_ctx + 1
-            if first <= last and r.features is not None and r.feature_start <= first - 1:
+            if first <= last and r.features is not None and r.features.start <= first - 1 < r.features.end:
                 todo.append((r, first, last))
         if not todo:
             return

@@ -116,6 +116,8 @@ class StepReport:
     emitted: list[int] = field(default_factory=list)
     # the draft side failed and the step ran as plain AR
     draft_failed: bool = False
+    # mean cached target tokens per request at the start of the step (the cost grid's context axis)
+    context: float = 0.0
 
 
 class Executor:
@@ -441,7 +443,8 @@ class Executor:
             self.tracker.update(b, speculated, produced, timings.total, catch_up)
         return StepReport(b, int(packed.total_nodes), emitted, int(drafted.candidates.total_nodes) - b, finished,
                           reqs + failed, speculated, timings, drafted, result, [r.request_id for r in reqs],
-                          positions, kept_counts, draft_failed=planned and not speculated and self.drafter is not None)
+                          positions, kept_counts, draft_failed=planned and not speculated and self.drafter is not None,
+                          context=float(ctx.double().mean()))
 
     def _draft(self, reqs: list[Request], roots: torch.Tensor, ctx: torch.Tensor, speculate: bool):
         """The step's Super-Tree and its packed batch: (DraftResult, PackedVerifyBatch, speculated). Falls back to
@@ -452,7 +455,8 @@ class Executor:
                 self.drafter.begin(reqs, self._max_pending(len(reqs)))
                 budget = min(self.config.k_max, self.max_num_tokens) if self.policy.shares_budget else None
                 levels = self.tracker.depth_limit(len(reqs)) if self.tracker is not None else None
-                drafted = draft_tree(self.policy, roots, self.drafter.draft_fn, budget, levels)
+                drafted = draft_tree(self.policy, roots, self.drafter.draft_fn, budget, levels,
+                                     float(ctx.double().mean()))
                 return drafted, self._pack(drafted.selected, ctx), True
             except Exception:  # noqa: BLE001 - drafting is an optimisation: this step runs as plain AR
                 self._contain("drafting")

@@ -163,9 +163,8 @@ class Request:
     target_ctx: int = 0  # tokens in the target's KV cache (all tokens but the last)
     draft_ctx: int = 0  # tokens in the draft's KV cache
     draft_offset: int = 0  # leading tokens the draft no longer sees (re-primed after a long AR stretch)
-    # an EAGLE-3 drafter's window of target features: those of tokens feature_start, feature_start + 1, ...
-    features: "torch.Tensor | None" = None
-    feature_start: int = 0
+    # an EAGLE-3 drafter's window of target features (runtime.drafter.FeatureWindow)
+    features: object | None = None
     _uniforms: list[float] = field(default_factory=list, repr=False)
 
     def position_uniforms(self, start: int, count: int) -> list[float]:

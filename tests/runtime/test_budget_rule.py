@@ -209,3 +209,19 @@ def test_the_ar_fallback_is_an_option_for_every_method(default_pair, prompts, ar
     assert outs == ar_outputs
     assert all(r.speculated for r in pure if r.batch_size)
     assert decode_seconds(on) < decode_seconds(pure)
+
+
+def test_the_budget_rule_prices_each_step_at_the_batchs_own_context(default_pair, prompts, ar_outputs):
+    """A grid on which extra verified tokens are nearly free at short contexts and dear at long ones: the same
+    requests verify wide trees while their contexts are short and shrink K as the contexts grow past the grid's
+    crossover. The step reports carry the context the rule saw; outputs stay AR's."""
+    target, draft, tok = default_pair
+    grid = CostModel(TOKENS, tuple(0.010 + 0.00002 * t for t in TOKENS), TOKENS, tuple(0.0001 * t for t in TOKENS),
+                     grid_tokens=(1, 256), grid_contexts=(1, 16, 24, 256),
+                     grid_seconds=((0.010, 0.010, 0.010, 0.010), (0.011, 0.011, 20.0, 20.0)))
+    outs, reports = run(target, draft, tok, prompts[:8], grid, fallback=False, max_tokens=24)
+    assert outs == ar_outputs
+    short = [r.verified_tokens / r.batch_size for r in reports if r.batch_size and r.context < 16]
+    long = [r.verified_tokens / r.batch_size for r in reports if r.batch_size and r.context > 24]
+    assert short and long
+    assert min(short) > 1.5 and max(long) <= 1.0 + 1e-9, (short, long)

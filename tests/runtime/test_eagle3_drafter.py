@@ -167,3 +167,24 @@ def test_a_head_for_another_target_is_refused(fp32_pair):
         load_eagle3(DEFAULT_EAGLE3, draft)
     with pytest.raises(ValueError, match="draft_model"):
         LLM(DEFAULT_TARGET, DEFAULT_EAGLE3 / "config.json")
+
+
+def test_the_feature_window_equals_a_list_of_rows():
+    """Appends, drops and growth against a plain Python list of the same rows."""
+    from echo_trtllm.runtime.drafter import FeatureWindow
+
+    gen = torch.Generator().manual_seed(0)
+    rows = {t: torch.randn(3, generator=gen) for t in range(400)}
+    w = FeatureWindow(5, torch.stack([rows[t] for t in range(5, 9)]))
+    kept, nxt = list(range(5, 9)), 9
+    for step in range(120):
+        n = int(torch.randint(1, 5, (1,), generator=gen))
+        w.append(torch.stack([rows[t] for t in range(nxt, nxt + n)]))
+        kept += list(range(nxt, nxt + n))
+        nxt += n
+        if step % 3 == 0:
+            cut = kept[0] + int(torch.randint(0, len(kept) + 2, (1,), generator=gen))
+            w.drop_before(cut)
+            kept = [t for t in kept if t >= cut] or kept[-1:]
+        assert (w.start, w.end) == (kept[0], kept[-1] + 1)
+        assert torch.equal(w.rows(kept[0], kept[-1]), torch.stack([rows[t] for t in kept]))

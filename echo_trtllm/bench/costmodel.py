@@ -1,0 +1,110 @@
+"""How well the cost model predicts real steps: predicted vs measured step time by batch size.
+
+    python -m echo_trtllm.bench.costmodel [--model T --draft-model D] [--batch-sizes 1,16,64] [--json out.json]
+
+Measures the cost model with its grid (`measure_cost_model(..., grid=True)`), then runs ECHO (pure: every step
+speculates) at each batch size on held-out prompts and compares, step by step:
+
+    verify   the target forward over the step's T tokens: measured, against the grid at the step's mean cached
+             context per request (`verify_time(T, context)`) and against the context-blind curve (`verify_time(T)`)
+    step     the whole step: measured, against the grid's verification + the draft curve at every level's frontier
+             size + the model's control seconds
+
+Reported per batch size: median absolute relative error, and the ratio of summed predicted to summed measured
+seconds (bias). Wall-clock timings on a shared machine: the medians say more than any single step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+from echo_trtllm.core import EchoConfig
+from echo_trtllm.core.cost import CostModel
+
+__all__ = ["compare_steps"]
+
+
+def _errors(pred: list[float], meas: list[float]) -> dict:
+    rel = [abs(p - m) / m for p, m in zip(pred, meas) if m > 0]
+    return {"median_abs_rel_error": round(statistics.median(rel), 4) if rel else None,
+            "predicted_over_measured": round(sum(pred) / sum(meas), 4) if sum(meas) > 0 else None}
+
+
+def compare_steps(reports, cost: CostModel) -> dict:
+    """Errors of the cost model's predictions over executed step reports (steps that verified something)."""
+    meas_v, grid_v, curve_v, meas_s, pred_s = [], [], [], [], []
+    for rep in reports:
+        if not rep.batch_size or rep.verified_tokens == 0:
+            continue
+        t, c = rep.verified_tokens, rep.context
+        meas_v.append(rep.timings.verify)
+        grid_v.append(float(cost.verify_time(t, c)))
+        curve_v.append(float(cost.verify_time(t)))
+        draft = sum(float(cost.draft_time(f)) for f in rep.draft.state.frontier_sizes) if rep.draft else 0.0
+        meas_s.append(rep.timings.total)
+        pred_s.append(grid_v[-1] + draft + (cost.control_seconds if rep.speculated else 0.0))
+    return {"steps": len(meas_v),
+            "mean_verified_tokens": round(statistics.mean(r.verified_tokens for r in reports if r.batch_size), 2),
+            "mean_context": round(statistics.mean(r.context for r in reports if r.batch_size), 1),
+            "verify_grid": _errors(grid_v, meas_v), "verify_curve": _errors(curve_v, meas_v),
+            "step_grid": _errors(pred_s, meas_s)}
+
+
+def main(argv=None) -> int:
+    from echo_trtllm.api import LLM
+    from echo_trtllm.bench.prompts import load_prompts
+    from echo_trtllm.bench.run import machine_info
+    from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
+    from echo_trtllm.models.draft import load_draft
+    from echo_trtllm.models.loader import load_model
+    from echo_trtllm.runtime.calibrate import measure_cost_model
+    from echo_trtllm.runtime.request import SamplingParams
+
+    ap = argparse.ArgumentParser(prog="python -m echo_trtllm.bench.costmodel", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=str(DEFAULT_TARGET))
+    ap.add_argument("--draft-model", default=str(DEFAULT_DRAFT))
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--batch-sizes", default="1,16,64")
+    ap.add_argument("--prompt-set", default="humaneval")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    target, tok = load_model(args.model, dtype=args.dtype)
+    draft = load_draft(args.draft_model, target, dtype=args.dtype)
+    t0 = time.perf_counter()
+    cost = measure_cost_model(target, draft, repeats=args.repeats, grid=True)
+    print(f"cost model with grid measured in {time.perf_counter() - t0:.0f} s", flush=True)
+    prompts = load_prompts(args.prompt_set, "eval")
+    rows = []
+    for b in (int(x) for x in args.batch_sizes.split(",")):
+        config = EchoConfig(k_max=max(512, 8 * b))
+        with LLM(target, draft, tokenizer=tok, speculative_config=config, max_batch_size=b, max_seq_len=1024,
+                 cost_model=cost, fallback=False, iter_stats_max_iterations=1 << 20) as llm:
+            params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+            llm.generate([prompts[i % len(prompts)] for i in range(b)], params, use_tqdm=False)  # warm-up
+            llm.get_stats()
+            llm.generate([prompts[(b + i) % len(prompts)] for i in range(b)], params, use_tqdm=False)
+            row = {"batch_size": b, **compare_steps(llm.get_stats(), cost)}
+        rows.append(row)
+        print(f"B={b}: {row['steps']} steps, T {row['mean_verified_tokens']}, context {row['mean_context']}: verify "
+              f"error grid {row['verify_grid']['median_abs_rel_error']:.1%} (bias "
+              f"{row['verify_grid']['predicted_over_measured']:.2f}), curve "
+              f"{row['verify_curve']['median_abs_rel_error']:.1%} (bias "
+              f"{row['verify_curve']['predicted_over_measured']:.2f}); whole step "
+              f"{row['step_grid']['median_abs_rel_error']:.1%}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "cost_model": json.loads(cost.to_json()), "machine": machine_info(),
+                       "date": time.strftime("%Y-%m-%d"), "dtype": args.dtype,
+                       "command": "python -m echo_trtllm.bench.costmodel " + " ".join(
+                           argv if argv is not None else sys.argv[1:])}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,43 @@
+"""The cost model's verification grid (tokens x cached context per request), by hand-computed interpolation."""
+
+import pytest
+import torch
+
+from echo_trtllm.core.cost import CostModel, choose_budget
+
+GRID = dict(grid_tokens=(1, 16), grid_contexts=(100, 1000), grid_seconds=((0.010, 0.020), (0.030, 0.120)))
+
+
+def test_bilinear_in_tokens_and_context_and_the_curve_without_a_context():
+    cost = CostModel((1, 16), (0.01, 0.03), **GRID)
+    assert float(cost.verify_time(1, 100)) == pytest.approx(0.010)
+    assert float(cost.verify_time(16, 1000)) == pytest.approx(0.120)
+    # context 550 is halfway: rows (0.015, 0.075); 8.5 tokens is halfway between them: 0.045
+    assert float(cost.verify_time(8.5, 550)) == pytest.approx(0.045)
+    # beyond the grid: extrapolated along its last segments (context 1900: rows 0.03, 0.21)
+    assert float(cost.verify_time(16, 1900)) == pytest.approx(0.21)
+    # no context, or no grid: the curve
+    assert float(cost.verify_time(16)) == pytest.approx(0.03)
+    assert float(CostModel((1, 16), (0.01, 0.03)).verify_time(16, 1000)) == pytest.approx(0.03)
+    torch.testing.assert_close(cost.verify_time(torch.tensor([1, 16]), 100),
+                               torch.tensor([0.010, 0.030], dtype=torch.float64))
+
+
+def test_the_grid_round_trips_through_json_and_bad_grids_are_refused():
+    cost = CostModel((1, 16), (0.01, 0.03), **GRID)
+    again = CostModel.from_json(cost.to_json())
+    assert again == cost and again.has_grid
+    with pytest.raises(ValueError, match="grid_seconds"):
+        CostModel((1,), (0.01,), grid_tokens=(1, 16), grid_contexts=(100,), grid_seconds=((0.01,),))
+    with pytest.raises(ValueError, match="grid_contexts"):
+        CostModel((1,), (0.01,), grid_tokens=(1,), grid_contexts=(100, 50), grid_seconds=((0.01, 0.02),))
+
+
+def test_the_budget_rule_prices_each_step_at_its_own_context():
+    """Cheap extra tokens at a short context, dear ones at a long context: K shrinks as the context grows."""
+    cost = CostModel((1, 16), (0.01, 0.011), grid_tokens=(1, 16), grid_contexts=(100, 1000),
+                     grid_seconds=((0.010, 0.020), (0.011, 0.200)))
+    est = torch.full((15,), 0.5)
+    assert choose_budget(est, 1, cost, context=100) == 16
+    assert choose_budget(est, 1, cost, context=1000) == 1
+    assert choose_budget(est, 1, cost) == 16  # the curve: flat
