@@ -5,8 +5,9 @@
 Measures the cost model with its grid (`measure_cost_model(..., grid=True)`), then runs ECHO (pure: every step
 speculates) at each batch size on held-out prompts and compares, step by step:
 
-    verify   the target forward over the step's T tokens: measured, against the grid at the step's mean cached
-             context per request (`verify_time(T, context)`) and against the context-blind curve (`verify_time(T)`)
+    verify   the target forward over the step's T tokens: measured, against the grid at the step's context (the
+             batch's longest cached context, as the runtime's padded attention reads it: `verify_time(T, context)`)
+             and against the context-blind curve (`verify_time(T)`)
     step     the whole step: measured, against the grid's verification + the draft curve at every level's frontier
              size + the model's control seconds
 
@@ -49,7 +50,7 @@ def compare_steps(reports, cost: CostModel) -> dict:
         pred_s.append(grid_v[-1] + draft + (cost.control_seconds if rep.speculated else 0.0))
     return {"steps": len(meas_v),
             "mean_verified_tokens": round(statistics.mean(r.verified_tokens for r in reports if r.batch_size), 2),
-            "mean_context": round(statistics.mean(r.context for r in reports if r.batch_size), 1),
+            "mean_context_read": round(statistics.mean(r.context for r in reports if r.batch_size), 1),
             "verify_grid": _errors(grid_v, meas_v), "verify_curve": _errors(curve_v, meas_v),
             "step_grid": _errors(pred_s, meas_s)}
 
@@ -91,7 +92,7 @@ def main(argv=None) -> int:
             llm.generate([prompts[(b + i) % len(prompts)] for i in range(b)], params, use_tqdm=False)
             row = {"batch_size": b, **compare_steps(llm.get_stats(), cost)}
         rows.append(row)
-        print(f"B={b}: {row['steps']} steps, T {row['mean_verified_tokens']}, context {row['mean_context']}: verify "
+        print(f"B={b}: {row['steps']} steps, T {row['mean_verified_tokens']}, context {row['mean_context_read']}: verify "
               f"error grid {row['verify_grid']['median_abs_rel_error']:.1%} (bias "
               f"{row['verify_grid']['predicted_over_measured']:.2f}), curve "
               f"{row['verify_curve']['median_abs_rel_error']:.1%} (bias "

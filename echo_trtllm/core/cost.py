@@ -4,8 +4,10 @@ whether a step drafts at all. Nothing here reads a clock: the runtime measures a
 A `CostModel` holds measured points of t_verify(T) (seconds of one target forward over T tokens in total) and of
 t_draft(T) (one draft forward over T tokens), interpolated piecewise-linearly and extrapolated along the last
 segment. Under load the KV reads are part of a step: with a measured grid (`grid_tokens` x `grid_contexts`, seconds
-of a forward over T tokens whose requests hold C cached tokens each on average), `verify_time(T, context=C)`
-interpolates bilinearly in (T, C); without a grid, or without a context, it is the curve t_verify(T). `choose_budget` picks how many candidates to verify:
+of a verification over T tokens whose requests hold C cached tokens each), `verify_time(T, context=C)`
+interpolates bilinearly in (T, C); without a grid, or without a context, it is the curve t_verify(T). The runtime
+passes the context its attention reads per request: its padded layout attends the batch's longest context for
+every request (a paged-attention engine would pass the mean). `choose_budget` picks how many candidates to verify:
 
     K = B + n,  n maximising  (B + sum of the n best candidates' acceptance estimates) / (t_spent + t_verify(B + n))
 
@@ -93,8 +95,9 @@ class CostModel:
         return bool(self.grid_seconds)
 
     def verify_time(self, tokens: Tensor | int, context: float | None = None) -> Tensor:
-        """Seconds of a target forward over `tokens` tokens; with `context` (mean cached tokens per request of the
-        step) and a grid, read from the grid (bilinear in tokens and context, extrapolated along its edges)."""
+        """Seconds of a target forward over `tokens` tokens; with `context` (cached tokens per request as the step's
+        attention reads them) and a grid, read from the grid (bilinear in tokens and context, extrapolated along
+        its edges)."""
         tokens = torch.as_tensor(tokens)
         if context is None or not self.grid_seconds:
             return interpolate(self.verify_tokens, self.verify_seconds, tokens)

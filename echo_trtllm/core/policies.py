@@ -76,7 +76,7 @@ class DraftState:
     frontier_sizes: list[int] = field(default_factory=list)
     # the gate of this step (echo family: chosen for its batch size)
     gate: GateConfig | None = None
-    # mean cached tokens per request of the step (the cost grid's context axis; None: unknown)
+    # cached tokens per request as the step's attention reads them (the cost grid's context axis; None: unknown)
     context: float | None = None
 
 
@@ -480,7 +480,7 @@ def draft_tree(
     root_token_ids (B,): each request's last committed token. draft_fn(level, frontier) returns the draft
     distribution (F, V) after each frontier node; the runtime runs the draft model there, tests use synthetic
     distributions. max_levels: draft at most this many levels this step (the tracker's depth limit; None: the
-    policy's max_depth). context: the step's mean cached tokens per request (for a cost grid).
+    policy's max_depth). context: cached tokens per request as the step's attention reads them (for a cost grid).
     """
     levels = [root_level(root_token_ids)]
     state = policy.start(root_token_ids.numel(), budget)

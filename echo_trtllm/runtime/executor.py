@@ -116,7 +116,8 @@ class StepReport:
     emitted: list[int] = field(default_factory=list)
     # the draft side failed and the step ran as plain AR
     draft_failed: bool = False
-    # mean cached target tokens per request at the start of the step (the cost grid's context axis)
+    # the step's context as its attention reads it: the longest cached target context of the batch (the padded
+    # layout attends max-context keys for every request; the cost grid's context axis)
     context: float = 0.0
 
 
@@ -444,7 +445,7 @@ class Executor:
         return StepReport(b, int(packed.total_nodes), emitted, int(drafted.candidates.total_nodes) - b, finished,
                           reqs + failed, speculated, timings, drafted, result, [r.request_id for r in reqs],
                           positions, kept_counts, draft_failed=planned and not speculated and self.drafter is not None,
-                          context=float(ctx.double().mean()))
+                          context=float(ctx.max()))
 
     def _draft(self, reqs: list[Request], roots: torch.Tensor, ctx: torch.Tensor, speculate: bool):
         """The step's Super-Tree and its packed batch: (DraftResult, PackedVerifyBatch, speculated). Falls back to
@@ -455,8 +456,7 @@ class Executor:
                 self.drafter.begin(reqs, self._max_pending(len(reqs)))
                 budget = min(self.config.k_max, self.max_num_tokens) if self.policy.shares_budget else None
                 levels = self.tracker.depth_limit(len(reqs)) if self.tracker is not None else None
-                drafted = draft_tree(self.policy, roots, self.drafter.draft_fn, budget, levels,
-                                     float(ctx.double().mean()))
+                drafted = draft_tree(self.policy, roots, self.drafter.draft_fn, budget, levels, float(ctx.max()))
                 return drafted, self._pack(drafted.selected, ctx), True
             except Exception:  # noqa: BLE001 - drafting is an optimisation: this step runs as plain AR
                 self._contain("drafting")
