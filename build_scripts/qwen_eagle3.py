@@ -4,11 +4,12 @@ there it only prints its directory.
 
     python build_scripts/qwen_eagle3.py            # prints the head directory (stdout); progress on stderr
 
-Recipe (sized for a 2-core CPU in <= 90 minutes, `training.json` records what it did): 256 windows of 64 tokens
-of the Python standard library's source, each continued by the target for 64 tokens (float32 on the CPU: on an
-AVX2-only CPU it runs the 1.5B model faster than bfloat16, docs/dtype.md); a draft vocabulary of the 8,192 most
-frequent tokens; the head's MLP 4,096 wide (the target's is 8,960: half the head's cost per level); fc starting as
-the identity on the highest feature layer; TTT unroll 4; 450 steps of 4 sequences, stopping at 75 minutes in all.
+Recipe (sized for a 2-core CPU in <= 90 minutes from a smoke run's measured rates; `training.json` records what it
+did): 160 windows of 48 tokens of the Python standard library's source, each continued by the target for 48
+tokens (float32: on an AVX2-only CPU it runs the 1.5B model faster than bfloat16, docs/dtype.md; the smoke run
+generated ~6.5 tokens/s there, so the data takes ~40 minutes); a draft vocabulary of the 8,192 most frequent
+tokens; the head's MLP 4,096 wide (the target's is 8,960); fc starting as the identity on the highest feature
+layer; TTT unroll 4; 500 steps of 4 sequences (~3 s each), stopping at 85 minutes in all. Not run to the end yet.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import train_eagle3  # noqa: E402
 
 from echo_trtllm.models.fetch import QWEN_CODER_1_5B, default_cache_dir, fetch  # noqa: E402
 
-RECIPE = ["--corpus", "stdlib", "--dtype", "float32", "--sequences", "256", "--prompt-len", "64",
-          "--new-tokens", "64", "--draft-vocab", "8192", "--intermediate", "4096", "--ttt", "4", "--steps", "450",
-          "--batch", "4", "--lr", "1e-3", "--gen-batch", "16", "--time-limit", "75", "--seed", "0", "--fc-init", "high"]
+RECIPE = ["--corpus", "stdlib", "--dtype", "float32", "--sequences", "160", "--prompt-len", "48",
+          "--new-tokens", "48", "--draft-vocab", "8192", "--intermediate", "4096", "--ttt", "4", "--steps", "500",
+          "--batch", "4", "--lr", "1e-3", "--gen-batch", "16", "--time-limit", "85", "--seed", "0", "--fc-init", "high"]
 HEAD_DIR = "eagle3-qwen2.5-coder-1.5b"
 
 
