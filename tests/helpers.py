@@ -1,4 +1,4 @@
-"""Shared test helpers: random trees, synthetic drafts, and naive (loop-based) references."""
+"""Shared test helpers: random trees, synthetic drafts, naive (loop-based) references, a greedy executor run."""
 
 from __future__ import annotations
 
@@ -6,7 +6,10 @@ import math
 
 import torch
 
+from echo_trtllm.core import EchoConfig
 from echo_trtllm.core.tree import DraftLevel
+from echo_trtllm.runtime.executor import Executor
+from echo_trtllm.runtime.request import SamplingParams
 
 
 def random_parents(n: int, gen: torch.Generator, max_branch: float = 0.5) -> torch.Tensor:
@@ -66,3 +69,18 @@ def chi2_statistic(counts: torch.Tensor, probs: torch.Tensor, min_expected: floa
     obs, exp = obs[keep], exp[keep]
     stat = float(((obs - exp) ** 2 / exp).sum())
     return stat, int(keep.sum()) - 1
+
+
+def run_greedy(target, draft, tok, policy, prompts, batch_size, max_tokens, ignore_eos=True, **config):
+    """Greedy requests through one executor, submitted at once; the executor admits as slots free up, so requests
+    join and leave mid-flight. Returns (outputs, requests, batch size of every step); no step may fail."""
+    ex = Executor(target, draft, tok, EchoConfig(policy=policy, **config), max_batch_size=batch_size, max_seq_len=256)
+    reqs = [ex.make_request(p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=ignore_eos))
+            for p, m in zip(prompts, max_tokens)]
+    for r in reqs:
+        ex.submit(r)
+    sizes = []
+    while ex.has_work:
+        sizes.append(ex.step().batch_size)
+    assert not ex.failures, ex.last_error
+    return [r.output_token_ids for r in reqs], reqs, sizes

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 
 from echo_trtllm.core import EchoConfig
@@ -58,7 +57,7 @@ def compare_steps(reports, cost: CostModel) -> dict:
 def main(argv=None) -> int:
     from echo_trtllm.api import LLM
     from echo_trtllm.bench.prompts import load_prompts
-    from echo_trtllm.bench.run import machine_info
+    from echo_trtllm.bench.run import report_meta
     from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
     from echo_trtllm.models.draft import load_draft
     from echo_trtllm.models.loader import load_model
@@ -100,10 +99,8 @@ def main(argv=None) -> int:
               f"{row['step_grid']['median_abs_rel_error']:.1%}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "cost_model": json.loads(cost.to_json()), "machine": machine_info(),
-                       "date": time.strftime("%Y-%m-%d"), "dtype": args.dtype,
-                       "command": "python -m echo_trtllm.bench.costmodel " + " ".join(
-                           argv if argv is not None else sys.argv[1:])}, f, indent=2)
+            json.dump({"rows": rows, "cost_model": json.loads(cost.to_json()), "dtype": args.dtype,
+                       **report_meta("echo_trtllm.bench.costmodel", argv)}, f, indent=2)
     return 0
 
 

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import time
 
 import torch
 
 from echo_trtllm.core import EchoConfig
 from echo_trtllm.models.eagle3 import Eagle3Head
 from echo_trtllm.models.llama import CausalLM
+from echo_trtllm.runtime.calibrate import fastest_seconds
 from echo_trtllm.runtime.executor import Executor
 from echo_trtllm.runtime.inputs import chain_batch
 from echo_trtllm.runtime.request import SamplingParams
@@ -54,15 +53,6 @@ def acceptance_by_depth(target: CausalLM, head: Eagle3Head, tokenizer, prompts: 
             "mean_accepted_length": round(1 + float(a.float().mean()), 4) if accepted else 1.0}
 
 
-def _fastest(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 @torch.inference_mode()
 def level_cost(target: CausalLM, head: Eagle3Head, batch_size: int, context: int = 256, repeats: int = 5) -> dict:
     """Seconds of a target AR step and of one head level at `batch_size` requests with `context` cached tokens."""
@@ -79,20 +69,14 @@ def level_cost(target: CausalLM, head: Eagle3Head, batch_size: int, context: int
     width = 3 * head.config.target_hidden_size
     head(prefill, h_cache, torch.zeros(b * context, width, dtype=head.dtype))
     y = torch.zeros(b, head.config.layer.hidden_size, dtype=head.dtype, device=head.device)
-    target_ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=head.device))
 
     def head_level():
         return head(step, h_cache, y)[0]
 
-    def head_level_to_host():
-        logits = head_level()
-        probs = torch.zeros(b, vocab, device=logits.device)
-        probs[:, target_ids] = torch.softmax(logits, -1)
-        return probs.cpu()
-
-    t = _fastest(lambda: target(step, t_cache), repeats)
-    h = _fastest(head_level, repeats)
-    h2 = _fastest(head_level_to_host, repeats)
+    dev = target.device
+    t = fastest_seconds(lambda: target(step, t_cache), repeats, dev)
+    h = fastest_seconds(head_level, repeats, dev)
+    h2 = fastest_seconds(lambda: head.target_probs(head_level()).cpu(), repeats, dev)
     return {"batch_size": b, "context": context, "target_step_ms": round(t * 1e3, 3),
             "head_level_ms": round(h * 1e3, 3), "head_level_with_distribution_ms": round(h2 * 1e3, 3),
             "head_share": round(h / t, 4), "head_share_with_distribution": round(h2 / t, 4)}
@@ -100,7 +84,7 @@ def level_cost(target: CausalLM, head: Eagle3Head, batch_size: int, context: int
 
 def main(argv=None) -> int:
     from echo_trtllm.bench.prompts import load_prompts
-    from echo_trtllm.bench.run import machine_info
+    from echo_trtllm.bench.run import report_meta
     from echo_trtllm.models.eagle3 import load_eagle3
     from echo_trtllm.models.loader import load_model
 
@@ -134,8 +118,7 @@ def main(argv=None) -> int:
               f"({c['head_share_with_distribution']:.1%})")
     if args.json:
         out = {"acceptance": acc, "level_cost": costs, "prompt_set": args.prompt_set, "split": args.split,
-               "dtype": args.dtype, "machine": machine_info(), "date": time.strftime("%Y-%m-%d"),
-               "command": "python -m echo_trtllm.bench.eagle3 " + " ".join(argv if argv is not None else sys.argv[1:])}
+               "dtype": args.dtype, **report_meta("echo_trtllm.bench.eagle3", argv)}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
     return 0

@@ -37,6 +37,7 @@ import dataclasses
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -49,7 +50,8 @@ from echo_trtllm.runtime.request import SamplingParams
 
 from .trace import TraceRecorder
 
-__all__ = ["BenchConfig", "run_cell", "bench", "markdown_table", "plot", "machine_info", "cpu_flags", "METRICS"]
+__all__ = ["BenchConfig", "run_cell", "bench", "markdown_table", "plot", "machine_info", "report_meta", "cpu_flags",
+           "METRICS"]
 
 METRICS = ("tokens_per_s", "e2e_tokens_per_s", "mat", "verified_per_step", "acceptance_rate", "latency_p50_s",
            "latency_p99_s", "control_share", "draft_share", "speculated_share", "mat_vs_oracle", "ar_agreement",
@@ -145,6 +147,13 @@ def machine_info() -> dict:
     """What every benchmark JSON records about the machine it ran on."""
     return {"platform": platform.platform(), "processor": cpu_model(), "cpu_flags": cpu_flags(),
             "cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def report_meta(module: str, argv: list[str] | None) -> dict:
+    """What a `python -m <module>` report's JSON records beside its numbers: machine, date, the command."""
+    args = argv if argv is not None else sys.argv[1:]
+    return {"machine": machine_info(), "date": time.strftime("%Y-%m-%d"),
+            "command": " ".join(["python -m", module, *args])}
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -52,6 +52,11 @@ def interpolate(xs: tuple[float, ...], ys: tuple[float, ...], x: Tensor) -> Tens
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+def _check_axis(name: str, xs: tuple[int, ...]) -> None:
+    if list(xs) != sorted(set(xs)) or any(x < 1 for x in xs):
+        raise ValueError(f"CostModel.{name} must be strictly increasing integers >= 1, got {xs}")
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Measured forward times (seconds) by tokens per forward."""
@@ -63,7 +68,7 @@ class CostModel:
     # seconds of host control per step (gate, schedule, pack), charged to every speculative step
     control_seconds: float = 0.0
     device: str = ""
-    # verification by tokens and mean cached context per request: grid_seconds[i][j] at grid_tokens[i] tokens,
+    # verification by tokens and cached context per request: grid_seconds[i][j] at grid_tokens[i] tokens,
     # grid_contexts[j] cached tokens per request (runtime.calibrate.measure_verify_grid)
     grid_tokens: tuple[int, ...] = ()
     grid_contexts: tuple[int, ...] = ()
@@ -74,17 +79,16 @@ class CostModel:
             xs, ys = getattr(self, f"{name}_tokens"), getattr(self, f"{name}_seconds")
             if len(xs) != len(ys):
                 raise ValueError(f"CostModel.{name}_tokens and {name}_seconds must have equal length")
-            if list(xs) != sorted(set(xs)) or any(x < 1 for x in xs):
-                raise ValueError(f"CostModel.{name}_tokens must be strictly increasing integers >= 1, got {xs}")
+            _check_axis(f"{name}_tokens", xs)
             if any(y <= 0 for y in ys):
                 raise ValueError(f"CostModel.{name}_seconds must be positive, got {ys}")
         if not self.verify_tokens:
             raise ValueError("CostModel needs at least one verify point")
         if self.grid_tokens or self.grid_contexts or self.grid_seconds:
             for name in ("grid_tokens", "grid_contexts"):
-                xs = getattr(self, name)
-                if not xs or list(xs) != sorted(set(xs)) or any(x < 1 for x in xs):
-                    raise ValueError(f"CostModel.{name} must be strictly increasing integers >= 1, got {xs}")
+                if not getattr(self, name):
+                    raise ValueError(f"CostModel.{name} must be strictly increasing integers >= 1, got ()")
+                _check_axis(name, getattr(self, name))
             if len(self.grid_seconds) != len(self.grid_tokens) or any(
                     len(row) != len(self.grid_contexts) or any(y <= 0 for y in row) for row in self.grid_seconds):
                 raise ValueError("CostModel.grid_seconds must be len(grid_tokens) rows of len(grid_contexts) "
@@ -139,8 +143,8 @@ def choose_budget(estimates: Tensor, batch_size: int, cost: CostModel, spent_sec
                   context: float | None = None) -> int:
     """K (>= B) maximising expected emitted tokens per second for this step (see the module docstring).
 
-    estimates (n,): acceptance estimates of the candidates in the order they would be taken. context: the step's
-    mean cached tokens per request (the grid's second axis; None: the curve)."""
+    estimates (n,): acceptance estimates of the candidates in the order they would be taken. context: cached
+    tokens per request as the step's attention reads them (the grid's second axis; None: the curve)."""
     if estimates.ndim != 1:
         raise ValueError(f"estimates must be 1-D, got shape {tuple(estimates.shape)}")
     n = torch.arange(estimates.numel() + 1, dtype=torch.float64)  # candidates taken
@@ -152,25 +156,24 @@ def choose_budget(estimates: Tensor, batch_size: int, cost: CostModel, spent_sec
     return batch_size + int(torch.argmax(rate))  # first maximum: the smaller K on ties
 
 
-def level_cost_ratio(cost: CostModel, batch_size: int, draft_width: int = 0, context: float | None = None) -> float:
+def level_cost_ratio(cost: CostModel, batch_size: int, draft_width: int = 0) -> float:
     """What one more draft level costs, as a fraction of a plain step, when every request of a batch of B gets
     it: one draft forward over B * draft_width tokens plus the verification of B more tokens,
     (t_draft(B * draft_width) + t_verify(2B) - t_verify(B)) / t_verify(B). A level yields p tokens per request
     where a step yields one, so it pays when p exceeds this ratio; at 1 or more it cannot pay at all."""
     b = max(1, batch_size)
-    base = float(cost.verify_time(b, context))
-    extra = float(cost.verify_time(2 * b, context)) - base
+    base = float(cost.verify_time(b))
+    extra = float(cost.verify_time(2 * b)) - base
     if draft_width > 0 and cost.draft_tokens:
         extra += float(cost.draft_time(b * draft_width))
     return extra / base
 
 
-def break_even_accept_prob(cost: CostModel, batch_size: int, draft_width: int = 0,
-                           context: float | None = None) -> float:
+def break_even_accept_prob(cost: CostModel, batch_size: int, draft_width: int = 0) -> float:
     """lambda: the acceptance probability above which drafting and verifying one more level pays,
     `level_cost_ratio` clamped to [0.02, 0.95] (the gate calibration's range). Verification is nearly free at
     B = 1 on a GPU (small lambda) and dear under load."""
-    return min(0.95, max(0.02, level_cost_ratio(cost, batch_size, draft_width, context)))
+    return min(0.95, max(0.02, level_cost_ratio(cost, batch_size, draft_width)))
 
 
 def batch_bucket(batch_size: int) -> int:

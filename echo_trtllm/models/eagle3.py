@@ -119,6 +119,14 @@ class Eagle3Head(nn.Module):
         """Target vocabulary ids of draft-vocabulary ids."""
         return draft_ids + self.d2t[draft_ids]
 
+    def target_probs(self, logits: Tensor) -> Tensor:
+        """(S, target vocab) float32: the draft-vocabulary softmax of `logits` scattered to target ids (zero mass
+        outside the draft vocabulary)."""
+        probs = torch.zeros(logits.shape[0], self.config.layer.vocab_size, dtype=torch.float32, device=logits.device)
+        ids = self.to_target_ids(torch.arange(self.config.draft_vocab_size, device=logits.device))
+        probs[:, ids] = torch.softmax(logits.float(), dim=-1)
+        return probs
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache, features: Tensor) -> tuple[Tensor, Tensor]:
         """(draft logits (S, draft_vocab) float32 of the rows in batch.logits_index, next features (T, h)).

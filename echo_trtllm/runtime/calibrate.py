@@ -39,6 +39,7 @@ from .inputs import chain_batch
 __all__ = [
     "Calibration",
     "CALIBRATION_FILE",
+    "fastest_seconds",
     "measure_forward_seconds",
     "measure_cost_model",
     "measure_verify_grid",
@@ -57,6 +58,20 @@ GRID_CONTEXTS = (64, 256, 1024)
 LOAD_REPEATS = 2
 CALIBRATION_FILE = "calibration.json"
 FORMAT_VERSION = 1
+
+
+def fastest_seconds(fn, repeats: int, device: torch.device | str = "cpu") -> float:
+    """The fastest of `repeats` timed calls of fn() (CUDA work synchronised before the clock stops). The fastest,
+    not the median: on a shared machine noise only ever adds time."""
+    cuda = torch.device(device).type == "cuda"
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 @torch.inference_mode()
@@ -79,14 +94,7 @@ def measure_forward_seconds(model: CausalLM | Eagle3Head, tokens: tuple[int, ...
     out = []
     for t in tokens:
         batch = chain_batch([ids[context : context + t]], torch.tensor([context]), torch.tensor([0]), logits="all")
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            run(batch, cache)
-            if model.device.type == "cuda":
-                torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t0)
-        out.append(best)
+        out.append(fastest_seconds(lambda: run(batch, cache), repeats, model.device))
     return tuple(out)
 
 
@@ -122,12 +130,9 @@ def measure_verify_grid(target: CausalLM, tokens: tuple[int, ...] = GRID_TOKENS,
         row = []
         for c in contexts:
             chains = list(torch.randint(0, target.config.vocab_size, (r, n), generator=gen))
-            best = float("inf")
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                target(chain_batch(chains, torch.full((r,), c), torch.arange(r), logits="all"), cache).cpu()
-                best = min(best, time.perf_counter() - t0)
-            row.append(best)
+            row.append(fastest_seconds(
+                lambda: target(chain_batch(chains, torch.full((r,), c), torch.arange(r), logits="all"), cache).cpu(),
+                repeats, target.device))
         rows.append(row)
         del cache
     columns = [nondecreasing(tuple(rows[i][j] for i in range(len(tokens)))) for j in range(len(contexts))]

@@ -289,9 +289,6 @@ class Eagle3Drafter(Drafter):
         super().__init__(model, cache, clock, steady_chain)
         self.capture_layers = tuple(capture_layers)
         self.max_features = max_features
-        dv = model.config.draft_vocab_size
-        self._target_ids = model.to_target_ids(torch.arange(dv, device=model.device))
-        self._vocab = model.config.layer.vocab_size
 
     # ---------------------------------------------------------------- features
 
@@ -361,10 +358,7 @@ class Eagle3Drafter(Drafter):
             return self.model(batch, self.cache, features)
 
     def _probs(self, logits: Tensor) -> Tensor:
-        """Draft-vocabulary softmax scattered to target ids (zero mass outside the draft vocabulary)."""
-        probs = torch.zeros(logits.shape[0], self._vocab, dtype=torch.float32, device=logits.device)
-        probs[:, self._target_ids] = torch.softmax(logits.float(), dim=-1)
-        return probs
+        return self.model.target_probs(logits)
 
     def _forward_chains(self, reqs: list[int], chains: list[Tensor], starts: Tensor) -> Tensor:
         """Level 0: each request's pending chain with the target features of the tokens before it. A request whose

@@ -21,6 +21,7 @@ from echo_trtllm.models.loader import load_model
 from echo_trtllm.runtime.executor import Executor
 from echo_trtllm.runtime.inputs import chain_batch
 from echo_trtllm.runtime.request import SamplingParams
+from tests.helpers import run_greedy as run
 from tests.models.test_eagle3 import naive_head
 
 
@@ -28,19 +29,6 @@ from tests.models.test_eagle3 import naive_head
 def fp32_pair():
     target, tok = load_model(DEFAULT_TARGET, dtype="float32")
     return target, load_eagle3(DEFAULT_EAGLE3, target), tok
-
-
-def run(target, head, tok, policy, prompts, batch_size, max_tokens, **config):
-    ex = Executor(target, head, tok, EchoConfig(policy=policy, **config), max_batch_size=batch_size, max_seq_len=256)
-    reqs = [ex.make_request(p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
-            for p, m in zip(prompts, max_tokens)]
-    for r in reqs:
-        ex.submit(r)
-    sizes = []
-    while ex.has_work:
-        sizes.append(ex.step().batch_size)
-    assert not ex.failures, ex.last_error
-    return [r.output_token_ids for r in reqs], reqs, sizes
 
 
 @pytest.fixture(scope="module")

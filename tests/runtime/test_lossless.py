@@ -7,19 +7,7 @@ import torch
 from echo_trtllm.core import POLICY_NAMES, EchoConfig
 from echo_trtllm.runtime.executor import Executor
 from echo_trtllm.runtime.request import SamplingParams
-
-
-def run(target, draft, tok, policy, prompts, batch_size, max_tokens, ignore_eos=True, **config):
-    """Submit everything at once; the executor admits as slots free up, so requests join and leave mid-flight."""
-    ex = Executor(target, draft, tok, EchoConfig(policy=policy, **config), max_batch_size=batch_size, max_seq_len=256)
-    reqs = [ex.make_request(p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=ignore_eos))
-            for p, m in zip(prompts, max_tokens)]
-    for r in reqs:
-        ex.submit(r)
-    sizes = []
-    while ex.has_work:
-        sizes.append(ex.step().batch_size)
-    return [r.output_token_ids for r in reqs], reqs, sizes
+from tests.helpers import run_greedy as run
 
 
 @pytest.fixture(scope="module")
