@@ -120,9 +120,16 @@ def test_agreement_and_the_ar_spread_warning():
     assert ar_spread_warnings([{**row, "method": "echo"}]) == []
 
 
-def test_bench_runs_each_method_pure_and_with_the_fallback(tmp_path):
+def test_bench_runs_each_method_pure_and_with_the_fallback(tmp_path, monkeypatch):
     """--fallback off,on: every drafting method twice ("chain pure", "chain +fallback"), AR once; the pure rows
-    speculate in every step; every row still equals AR token for token; traces come from the pure rows."""
+    speculate in every step; every row still equals AR token for token; traces come from the pure rows. The cost
+    curve measured at load is replaced by an injected flat one (a verified token costs nothing more than AR's), so
+    ECHO's budget rule never prices its drafts out whatever this machine's speed."""
+    import echo_trtllm.runtime.calibrate as calibrate
+    from echo_trtllm.core.cost import CostModel
+
+    flat = CostModel((1, 2, 4, 8, 16, 32, 64, 128), (0.1,) * 8, (1, 2, 4, 8, 16, 32, 64, 128), (0.001,) * 8)
+    monkeypatch.setattr(calibrate, "measure_cost_model", lambda *a, **k: flat)
     out, trace = tmp_path / "b.json", tmp_path / "t.json"
     rc = main(["bench", "--methods", "ar,chain,echo", "--batch-sizes", "2", "--max-tokens", "6", "--max-depth", "3",
                "--max-nodes-per-request", "8", "--warmup-rounds", "0", "--rounds", "1", "--fallback", "off,on",
