@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from echo_trtllm.api import FALLBACK_MODES, LLM
-from echo_trtllm.core.config import POLICY_NAMES, EchoConfig
+from echo_trtllm.core.config import DEFAULT_STATIC_CHOICES, POLICY_NAMES, EchoConfig
 from echo_trtllm.core.policies import POLICIES, make_policy
 from echo_trtllm.runtime.request import SamplingParams
 
@@ -62,6 +62,38 @@ AR_SPREAD_WARNING = 0.10
 SPREAD = ("tokens_per_s", "speedup_vs_ar")
 # CPU feature flags that decide how fast a model's matrices run (recorded with every benchmark)
 SIMD_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4")
+
+
+# tree-shape options a --methods entry may set for itself ("chain:num_draft_tokens=2", "eagle2:total_tokens=16:
+# max_depth=4"); static_nodes=N keeps the default static tree's first N - 1 paths (it is listed best paths first)
+SHAPE_OPTIONS = {"max_depth": int, "top_k": int, "beam_width": int, "total_tokens": int, "num_draft_tokens": int,
+                 "max_nodes_per_request": int, "k_max": int, "fixed_threshold": float, "ddd_threshold": float,
+                 "static_nodes": int}
+
+
+def parse_method(spec: str) -> tuple[str, dict]:
+    """'policy[:option=value]...' -> (policy, EchoConfig overrides). ValueError naming the entry and what is
+    accepted."""
+    policy, *options = spec.split(":")
+    if policy not in POLICY_NAMES:
+        raise ValueError(f"methods: unknown policy {policy!r} in {spec!r}; choose from {', '.join(POLICY_NAMES)}")
+    overrides: dict = {}
+    for opt in options:
+        key, eq, value = opt.partition("=")
+        if not eq or key not in SHAPE_OPTIONS or key in overrides:
+            raise ValueError(f"methods: {spec!r}: each ':' option is one of {', '.join(SHAPE_OPTIONS)} given once as "
+                             f"option=value, got {opt!r}")
+        try:
+            overrides[key] = SHAPE_OPTIONS[key](value)
+        except ValueError:
+            raise ValueError(f"methods: {spec!r}: {key} takes a {SHAPE_OPTIONS[key].__name__}, got {value!r}") from None
+    if "static_nodes" in overrides:
+        n = overrides.pop("static_nodes")
+        if not 2 <= n <= len(DEFAULT_STATIC_CHOICES) + 1:
+            raise ValueError(f"methods: {spec!r}: static_nodes takes 2..{len(DEFAULT_STATIC_CHOICES) + 1} (root "
+                             f"included), got {n}")
+        overrides["static_choices"] = DEFAULT_STATIC_CHOICES[:n - 1]
+    return policy, overrides
 
 
 @dataclass(frozen=True)
@@ -85,9 +117,11 @@ class BenchConfig:
     fallback: tuple[str, ...] = ("auto",)
 
     def __post_init__(self) -> None:
-        bad = [m for m in self.methods if m not in POLICY_NAMES]
-        if bad or not self.methods:
-            raise ValueError(f"methods: unknown {bad or 'empty'}; choose from {', '.join(POLICY_NAMES)}")
+        if not self.methods or len(set(self.methods)) < len(self.methods):
+            raise ValueError(f"methods: distinct entries from {', '.join(POLICY_NAMES)} (each may add "
+                             f"':option=value' shape options), got {self.methods or 'none'}")
+        for m in self.methods:
+            parse_method(m)
         if not self.batch_sizes or any(not isinstance(b, int) or b < 1 for b in self.batch_sizes):
             raise ValueError(f"batch_sizes must be integers >= 1, got {self.batch_sizes}")
         if not self.temperatures or any(not t >= 0 for t in self.temperatures):
@@ -106,14 +140,17 @@ class BenchConfig:
             self.config_for(m, max(self.batch_sizes))  # every method's tree options are valid
 
     def config_for(self, method: str, batch_size: int) -> EchoConfig:
-        return dataclasses.replace(self.speculation, policy=method, k_max=max(self.speculation.k_max, batch_size))
+        """The tree options of one --methods entry (its own shape options over the shared ones)."""
+        policy, overrides = parse_method(method)
+        config = dataclasses.replace(self.speculation, policy=policy, **overrides)
+        return dataclasses.replace(config, k_max=max(config.k_max, batch_size))
 
     def runs(self) -> list[tuple[str, str, str]]:
         """(label, method, fallback mode) of every engine a cell runs: AR once (it never drafts), then each
         method once per mode, labelled "echo pure" / "echo +fallback" unless the mode is "auto"."""
         out = [("ar", "ar", "auto")]
         for m in self.methods:
-            if m == "ar":
+            if parse_method(m)[0] == "ar":
                 continue
             for mode in self.fallback:
                 out.append((m if mode == "auto" else f"{m} {FALLBACK_LABELS[mode]}", m, mode))
@@ -304,7 +341,8 @@ def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibr
                         cell["ar_agreement"], cell["ar_prefix_agreement"] = agreement(cell["token_ids"],
                                                                                       ar_cell["token_ids"])
                 method, mode = method_of.get(m, (m, "auto"))
-                row = {"method": m, "policy": method, "fallback": mode, "batch_size": b, "temperature": temp,
+                row = {"method": m, "policy": parse_method(method)[0] if m in method_of else method,
+                       "shape": method, "fallback": mode, "batch_size": b, "temperature": temp,
                        "rounds": len(cells), "speedup_vs_ar_by_round": [c["speedup_vs_ar"] for c in cells]}
                 for key in (*METRICS, "speedup_vs_ar"):
                     vals = [c[key] for c in cells if key in c and c[key] == c[key]]  # drop absent and NaN

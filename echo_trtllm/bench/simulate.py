@@ -11,8 +11,13 @@ charges each step
 
   ar            T = B, emitted = B, no drafting
   fixed methods T = sum of recorded verified, emitted = sum of recorded emitted (their trees do not react to load)
-  echo family   the B records' candidates merged in probability order (a prefix is ancestor-closed); K from
-                `choose_budget` on the simulated curve (capped at K_max), emitted = B + accepted among the K - B
+  echo family   the B records' drafted trees replayed through the runtime's own drafting loop (`draft_tree`
+                with the policy's gate, budget-aware and cost-aware stops, `allocate_budget` and `choose_budget`
+                on the simulated cost; `replay_step`): a frontier node's children are those its source method
+                drafted; emitted = B + the hindsight-accepted nodes among those verified; the draft cost is
+                charged per replayed level by its frontier size. Traces written before the trees were recorded
+                fall back to merging the candidates in probability order (the row's "allocation" says which).
+                The gate is the uncalibrated default unless gate samples are given (a calibration's).
 
 Cost models: either the measured curve of a calibration file (`--calibration`; then the simulation can be
 checked against the real benchmark on the same machine), or an analytic roofline for a model class on a GPU:
@@ -29,13 +34,19 @@ paper's reported figures are printed beside it for orientation only.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
 import torch
 
+from torch import Tensor
+
+from echo_trtllm.core.config import EchoConfig
 from echo_trtllm.core.cost import CostModel, choose_budget
-from echo_trtllm.core.policies import POLICIES
+from echo_trtllm.core.gating import GateSamples
+from echo_trtllm.core.policies import POLICIES, TreePolicy, draft_tree, make_policy
+from echo_trtllm.core.tree import DraftLevel
 
 __all__ = ["GPUSpec", "ModelSpec", "GPUS", "MODELS", "PAPER", "roofline_cost", "simulate_method", "simulate",
            "load_traces"]
@@ -97,14 +108,90 @@ def roofline_cost(model: ModelSpec, gpu: GPUSpec, dtype: str, batch_size: int, c
     return CostModel(TOKENS, verify, TOKENS, draft, 0.0, f"{gpu.name} x{model.num_gpus} {dtype} (roofline)")
 
 
+def has_trees(records: list[dict]) -> bool:
+    """Whether the records carry their drafted trees (depths and parents; traces written since the replay)."""
+    return all("parents" in r and "depths" in r for r in records)
+
+
+def replay_step(policy: TreePolicy, batch: list[dict], budget: int, context: float | None = None
+                ) -> tuple[list[int], list[int], list[int]]:
+    """One step of an echo-family policy on recorded trees, through the runtime's own drafting loop
+    (`draft_tree`: gate, budget-aware and cost-aware stops, `allocate_budget`, `choose_budget`). The draft model
+    is replaced by the records: a frontier node's children are the ones its source method drafted, with their
+    recorded conditional probabilities (a child the source never drafted has probability 0 and is never
+    accepted). Returns, per request, the nodes verified (root included) and the tokens emitted (accepted + bonus),
+and the frontier size of every drafted level."""
+    children: list[dict[int, list[tuple[float, int]]]] = []
+    for r in batch:
+        kids: dict[int, list[tuple[float, int]]] = {}
+        for j, (p, parent) in enumerate(zip(r["probs"], r["parents"])):
+            base = 1.0 if parent < 0 else r["probs"][parent]
+            kids.setdefault(parent, []).append((p / base if base > 0 else 0.0, j))
+        for lst in kids.values():
+            lst.sort(key=lambda c: -c[0])
+        children.append(kids)
+    width = max(policy.config.top_k, policy.config.beam_width,
+                max((len(lst) for kids in children for lst in kids.values()), default=1))
+    nodes: list[list[int | None]] = [[-1] * len(batch)]  # record node of every node of every level (-1: root)
+
+    def node_of(level: DraftLevel) -> list[int | None]:
+        """The record node behind each node of `level` (None: a child its source never drafted)."""
+        while len(nodes) <= level.depth:
+            d = len(nodes)
+            prev = nodes[d - 1]
+            cur = []
+            for req, parent, tok in zip(level.request_ids.tolist(), level.parent_ids.tolist(),
+                                        level.token_ids.tolist()):
+                up = prev[parent]
+                kids = children[req].get(up, []) if up is not None else []
+                cur.append(kids[tok][1] if tok < len(kids) else None)
+            nodes.append(cur)
+        return nodes[level.depth]
+
+    def draft_fn(level: DraftLevel, frontier: Tensor) -> Tensor:
+        here = node_of(level)
+        probs = torch.zeros(frontier.numel(), width)
+        for row, f in enumerate(frontier.tolist()):
+            up, req = here[f], int(level.request_ids[f])
+            for col, (p, _) in enumerate(children[req].get(up, []) if up is not None else []):
+                probs[row, col] = p
+        return probs
+
+    roots = torch.zeros(len(batch), dtype=torch.long)
+    result = draft_tree(policy, roots, draft_fn, budget=budget, context=context)
+    # every selected candidate's record node, request by request (parents come before children)
+    tree, sel = result.candidates, result.mask.tolist()
+    parents, tokens, cu = tree.parents.tolist(), tree.token_ids.tolist(), tree.cu_num_nodes.tolist()
+    verified = torch.bincount(tree.request_ids[result.mask], minlength=len(batch)).tolist()
+    emitted = [1] * len(batch)
+    for req, r in enumerate(batch):
+        rec: list[int | None] = [-1]
+        for k in range(1, cu[req + 1] - cu[req]):
+            up = rec[parents[cu[req] + k]]
+            kids = children[req].get(up, []) if up is not None else []
+            tok = tokens[cu[req] + k]
+            rec.append(kids[tok][1] if tok < len(kids) else None)
+            if sel[cu[req] + k] and rec[-1] is not None:
+                emitted[req] += r["accepted"][rec[-1]]
+    return verified, emitted, list(result.state.frontier_sizes)
+
+
 def simulate_method(method: str, records: list[dict], batch_size: int, cost: CostModel, steps: int = 200,
-                    k_max: int = 1 << 30, control_seconds: float = 0.0) -> dict:
-    """Simulated tokens/s of one method at one batch size (module docstring)."""
+                    k_max: int = 1 << 30, control_seconds: float = 0.0, config: EchoConfig | None = None,
+                    gate_samples: GateSamples | None = None, context: float | None = None) -> dict:
+    """Simulated tokens/s of one method at one batch size (module docstring). method: a policy name, or a bench
+    entry with shape options ("chain:num_draft_tokens=2"). config / gate_samples / context: the echo family's
+    tree options (default EchoConfig()), its gate's calibration evidence, and the context the cost is read at."""
     if not records:
         raise ValueError(f"no trace records for method {method!r}")
-    if method not in POLICIES:
+    name = method.split(":", 1)[0]
+    if name not in POLICIES:
         raise ValueError(f"trace method {method!r} is not a policy; known: {', '.join(POLICIES)}")
-    policy = POLICIES[method]
+    policy = POLICIES[name]
+    replay = policy.shares_budget and has_trees(records)
+    if replay:
+        runner = make_policy(dataclasses.replace(config or EchoConfig(), policy=name), cost, gate_samples)
+        budget = max(batch_size, min(k_max, runner.config.k_max, batch_size * runner.config.max_nodes_per_request))
     emitted_total = 0
     seconds = 0.0
     verified_total = 0
@@ -112,11 +199,15 @@ def simulate_method(method: str, records: list[dict], batch_size: int, cost: Cos
         batch = [records[(s * batch_size + j) % len(records)] for j in range(batch_size)]
         if not policy.needs_draft_model:
             emitted, verified, draft_time = batch_size, batch_size, 0.0
+        elif replay:
+            per_verified, per_emitted, frontiers = replay_step(runner, batch, budget, context)
+            verified, emitted = sum(per_verified), sum(per_emitted)
+            draft_time = sum(float(cost.draft_time(f)) for f in frontiers)
         else:
             levels = max(r["levels"] for r in batch)
             drafted = sum(len(r["probs"]) for r in batch)
             draft_time = levels * float(cost.draft_time(max(1, -(-drafted // max(levels, 1))))) if levels else 0.0
-            if policy.shares_budget:
+            if policy.shares_budget:  # a trace without its trees: the candidates merged in probability order
                 cands = sorted(((-p, rank, j, a) for j, r in enumerate(batch)
                                 for rank, (p, a) in enumerate(zip(r["probs"], r["accepted"]))))
                 est = torch.tensor([-c[0] for c in cands], dtype=torch.float64)
@@ -129,18 +220,25 @@ def simulate_method(method: str, records: list[dict], batch_size: int, cost: Cos
                 verified = sum(r["verified"] for r in batch)
         emitted_total += emitted
         verified_total += verified
-        seconds += float(cost.verify_time(verified)) + draft_time + (control_seconds if policy.needs_draft_model else 0.0)
+        seconds += (float(cost.verify_time(verified, context)) + draft_time
+                    + (control_seconds if policy.needs_draft_model else 0.0))
     return {"method": method, "batch_size": batch_size, "tokens_per_s": emitted_total / seconds,
-            "mat": emitted_total / (steps * batch_size), "verified_per_step": verified_total / steps}
+            "mat": emitted_total / (steps * batch_size), "verified_per_step": verified_total / steps,
+            "records": len(records), "allocation": ("replayed gate + allocate_budget" if replay else
+                                                    "probability merge (trace without trees)"
+                                                    if policy.shares_budget else "as recorded")}
 
 
 def simulate(traces: dict[str, list[dict]], batch_sizes: list[int], cost_for_batch, steps: int = 200,
-             k_max: int = 1 << 30, control_seconds: float = 0.0) -> list[dict]:
-    """traces: method -> records. cost_for_batch(B) -> CostModel. Rows carry speedup_vs_ar when 'ar' is traced."""
+             k_max: int = 1 << 30, control_seconds: float = 0.0, config: EchoConfig | None = None,
+             gate_samples: GateSamples | None = None, context: float | None = None) -> list[dict]:
+    """traces: method -> records. cost_for_batch(B) -> CostModel. Rows carry speedup_vs_ar when 'ar' is traced,
+    and how many recorded request-steps each rests on ("records")."""
     rows = []
     for b in batch_sizes:
         cost = cost_for_batch(b)
-        cells = {m: simulate_method(m, recs, b, cost, steps, k_max, control_seconds) for m, recs in traces.items()}
+        cells = {m: simulate_method(m, recs, b, cost, steps, k_max, control_seconds, config, gate_samples, context)
+                 for m, recs in traces.items()}
         ar = cells.get("ar")
         for m, cell in cells.items():
             cell["speedup_vs_ar"] = cell["tokens_per_s"] / ar["tokens_per_s"] if ar else None

@@ -11,7 +11,9 @@ oracle emits B + min(K - B, sum_i L_i) tokens. `mat_vs_oracle` is the method's e
 summed over the run's steps (1.0 = the allocation lost nothing that was drafted).
 
 Traces (for `echo_trtllm.bench.simulate`): one record per request and step — the candidates' path probabilities
-in priority order with their hindsight flags, the tokens verified and emitted, and the drafted levels.
+in priority order with their hindsight flags, depths and parents (indices into the same order, -1 for a child of
+the root: the drafted tree itself, which the simulator replays through the real gate and budget), the tokens
+verified and emitted, and the drafted levels.
 """
 
 from __future__ import annotations
@@ -89,9 +91,12 @@ class TraceRecorder:
                 verified_total += e.verified
                 actual += e.emitted
                 order = sorted(range(len(e.tokens)), key=lambda j: (-e.path_probs[j], e.depths[j], j))
+                where = {j: i for i, j in enumerate(order)}
                 records.append({"probs": [round(e.path_probs[j], 6) for j in order],
                                 "accepted": [int(flags[j]) for j in order], "verified": e.verified,
-                                "emitted": e.emitted, "levels": max(e.depths, default=0)})
+                                "emitted": e.emitted, "levels": max(e.depths, default=0),
+                                "depths": [e.depths[j] for j in order],
+                                "parents": [where[e.parents[j]] if e.parents[j] >= 0 else -1 for j in order]})
             oracle += oracle_emitted(chains, verified_total)
         return {"emitted": actual, "oracle_emitted": oracle,
                 "mat_vs_oracle": actual / oracle if oracle else float("nan"), "records": records}

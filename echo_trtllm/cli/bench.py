@@ -27,7 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     options.add_model_options(ap, engine_dir=False)
-    ap.add_argument("--methods", default=",".join(POLICY_NAMES), help="comma-separated policies (AR always runs)")
+    ap.add_argument("--methods", default=",".join(POLICY_NAMES), help="comma-separated policies (AR always runs); an entry may set its own tree "
+                                                                 "shape, e.g. chain:num_draft_tokens=2 or "
+                                                                 "eagle2:total_tokens=16:max_depth=4 (options: "
+                                                                 "max_depth, top_k, beam_width, total_tokens, "
+                                                                 "num_draft_tokens, max_nodes_per_request, k_max, "
+                                                                 "fixed_threshold, ddd_threshold, static_nodes)")
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--temperatures", default="0", help="comma-separated; 0 = greedy (e.g. 0,0.8)")
     ap.add_argument("--prompt-set", default="mixed", choices=list(PROMPT_SETS))
@@ -62,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from echo_trtllm.bench.prompts import load_prompts
-    from echo_trtllm.bench.run import BenchConfig, bench, load_hf_pair, machine_info, markdown_table, plot
+    from echo_trtllm.bench.run import BenchConfig, bench, load_hf_pair, machine_info, markdown_table, parse_method, plot
     from echo_trtllm.core.policies import POLICIES
     from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
     from echo_trtllm.models.draft import draft_kind, load_draft
@@ -92,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     draft = load_draft(args.draft_model or DEFAULT_DRAFT, target, dtype=args.dtype, device=device)
     print(f"loaded target + draft in {time.perf_counter() - t0:.0f} s ({target.dtype} / {draft.dtype})", flush=True)
     # methods that use a cost curve: the echo family, and every drafting method when its fallback is on
-    uses_cost_curve = any(POLICIES[m].uses_cost_curve("on" in cfg.fallback) for m in cfg.methods)
+    uses_cost_curve = any(POLICIES[parse_method(m)[0]].uses_cost_curve("on" in cfg.fallback) for m in cfg.methods)
     cost_model = None if args.no_cost_model else "auto"
     if in_process and uses_cost_curve:
         calibration = calibrate(target, draft, tok, cfg.speculation, calibration_prompts[:8], batch_size=8,

@@ -8,8 +8,11 @@ from __future__ import annotations
 import argparse
 import json
 
+from echo_trtllm.core.config import EchoConfig
+
 from . import options
 
+_DEFAULT = EchoConfig()
 PROG = "echo-trtllm simulate"
 
 
@@ -29,6 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--k-max", type=int, default=1 << 30, help="global verification budget per step, tokens")
     ap.add_argument("--control-us", type=float, default=0.0, help="ECHO control per speculative step (µs)")
+    g = ap.add_argument_group("the echo family's replay (its trees go through the runtime's gate and budget)")
+    g.add_argument("--max-depth", type=int, default=_DEFAULT.max_depth, help="deepest draft level")
+    g.add_argument("--max-nodes-per-request", type=int, default=_DEFAULT.max_nodes_per_request,
+                   help="cap on each request's verified tree, root included")
+    g.add_argument("--tree-top-k", type=int, default=_DEFAULT.top_k, help="children drafted per expanded node")
+    g.add_argument("--beam-width", type=int, default=_DEFAULT.beam_width, help="nodes expanded per request and level")
+    g.add_argument("--gate-calibration", help="calibration JSON whose gate samples calibrate the replayed gate "
+                                              "(default: --calibration's when given, else the uncalibrated gate)")
     ap.add_argument("--json", help="write the rows here")
     return ap
 
@@ -55,16 +66,26 @@ def main(argv: list[str] | None = None) -> int:
             def cost_for_batch(b):
                 return roofline_cost(model, gpu, args.gpu_dtype, b, args.context, mfu=args.mfu)
 
-        rows = simulate(traces, batch_sizes, cost_for_batch, args.steps, args.k_max, args.control_us * 1e-6)
+        config = EchoConfig(k_max=args.k_max, max_depth=args.max_depth,
+                            max_nodes_per_request=args.max_nodes_per_request, top_k=args.tree_top_k,
+                            beam_width=args.beam_width)
+        gate_samples = None
+        if args.gate_calibration or args.calibration:
+            from echo_trtllm.runtime.calibrate import Calibration
+
+            cal = Calibration.load(args.gate_calibration or args.calibration)
+            gate_samples = cal.gate_samples() if cal.samples is not None else None
+        rows = simulate(traces, batch_sizes, cost_for_batch, args.steps, args.k_max, args.control_us * 1e-6,
+                        config, gate_samples)
     except (*options.USAGE_ERRORS, KeyError) as e:
         return options.fail(PROG, e)
     print(f"SIMULATION — {label}; acceptance replayed from {args.trace.rsplit('/', 1)[-1]}")
-    print("| method | B | sim tokens/s | sim ×AR | sim MAT | sim verified/step |")
-    print("|---|---|---|---|---|---|")
+    print("| method | B | sim tokens/s | sim ×AR | sim MAT | sim verified/step | request-steps | allocation |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         sp = "–" if r["speedup_vs_ar"] is None else f"{r['speedup_vs_ar']:.2f}"
         print(f"| {r['method']} | {r['batch_size']} | {r['tokens_per_s']:.0f} | {sp} | {r['mat']:.2f} | "
-              f"{r['verified_per_step']:.1f} |")
+              f"{r['verified_per_step']:.1f} | {r['records']} | {r['allocation']} |")
     if not args.calibration:
         print(f"for orientation ({PAPER[args.target]}); not comparable: other draft, other acceptance")
     if args.json:

@@ -1,0 +1,69 @@
+"""`simulate` replays the real gate and budget: fed the trees an ECHO run drafted, grouped as that run's steps,
+with the run's tree options and cost model, the replay verifies exactly the nodes the runtime verified and emits
+what the runtime emitted (the runtime is the reference; the replay shares only the core's policy code)."""
+
+import pytest
+
+from echo_trtllm.bench.simulate import make_policy, replay_step, simulate_method
+from echo_trtllm.bench.trace import TraceRecorder
+from echo_trtllm.core import EchoConfig
+from echo_trtllm.core.cost import CostModel
+from echo_trtllm.runtime.executor import Executor
+from echo_trtllm.runtime.request import SamplingParams
+
+# verification cheap up to 8 tokens, then linear; a draft level costs ~10 % of a step: the budget rule and the
+# cost-aware stop both bind on some steps
+COST = CostModel((1, 8, 16, 32, 64, 128), (0.10, 0.11, 0.16, 0.26, 0.46, 0.86), (1, 8, 64), (0.01, 0.012, 0.03))
+
+
+def traced_run(default_pair, prompts, policy, batch_size, **config):
+    target, draft, tok = default_pair
+    cfg = EchoConfig(policy=policy, **config)
+    ex = Executor(target, draft, tok, cfg, max_batch_size=batch_size, max_seq_len=256, cost_model=COST,
+                  fallback=False)
+    reqs = [ex.make_request(p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+            for p in prompts[:batch_size]]
+    for r in reqs:
+        ex.submit(r)
+    recorder = TraceRecorder(ex.policy.max_tree_nodes - 1)
+    sizes = []
+    while ex.has_work:
+        rep = ex.step()
+        if rep.draft is not None and rep.batch_size:
+            recorder.record(rep)
+            sizes.append(rep.batch_size)
+    assert not ex.failures, ex.last_error
+    records = recorder.evaluate({r.request_id: r.output_token_ids for r in reqs})["records"]
+    steps, at = [], 0
+    for b in sizes:
+        steps.append(records[at:at + b])
+        at += b
+    return cfg, steps
+
+
+@pytest.mark.parametrize("policy", ["echo", "echo-dense"])
+def test_the_replay_verifies_what_the_runtime_verified(default_pair, prompts, policy):
+    cfg, steps = traced_run(default_pair, prompts, policy, 6, k_max=40, max_nodes_per_request=12)
+    runner = make_policy(cfg, COST)
+    replayed = verified_total = cut = 0
+    for step in steps:
+        verified, emitted, _ = replay_step(runner, step, cfg.k_max)
+        assert verified == [r["verified"] for r in step]
+        # the runtime's count is cut at max_tokens on a request's last step, at most once per request
+        assert all(e >= r["emitted"] for e, r in zip(emitted, step))
+        cut += sum(e != r["emitted"] for e, r in zip(emitted, step))
+        replayed += 1
+        verified_total += sum(verified)
+    assert replayed >= 8 and cut <= 6
+    assert verified_total > sum(len(s) for s in steps)  # some drafts were verified: the rule did something
+
+
+def test_the_replay_reacts_to_a_tighter_budget(default_pair, prompts):
+    """The same trees under a smaller K_max: never more verified than the budget; the budget binds."""
+    cfg, steps = traced_run(default_pair, prompts, "echo", 6, k_max=60, max_nodes_per_request=16)
+    records = [r for s in steps for r in s]
+    loose = simulate_method("echo", records, 6, COST, steps=10, config=cfg)
+    tight = simulate_method("echo", records, 6, COST, steps=10, k_max=7, config=cfg)
+    assert loose["allocation"] == tight["allocation"] == "replayed gate + allocate_budget"
+    assert tight["verified_per_step"] <= 7 < loose["verified_per_step"]
+    assert loose["records"] == len(records)
