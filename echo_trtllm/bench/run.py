@@ -26,7 +26,9 @@ Metrics per (method, batch size, temperature):
   control_share       ECHO control (gate + schedule + pack) as a share of decode step time
   draft_share         draft model forwards as a share of decode step time
   speculated_share    share of steps that speculated (the budget rule may choose plain AR)
-  mat_vs_oracle       emitted tokens / the hindsight oracle's for the same drafts and per-step budget (T=0)
+  mat_vs_oracle       emitted tokens / the hindsight oracle's with the same per-step budget, choosing from every
+                      output-path token any method of the cell drafted (T=0; bench.trace); mat_vs_own_oracle:
+                      from this method's own drafts only
   speedup_vs_ar       tokens_per_s over AR's in the same rounds (median of the per-round ratios)
   *_min / *_max       spread over rounds of tokens_per_s and speedup_vs_ar
 """
@@ -46,6 +48,7 @@ import torch
 from echo_trtllm.api import FALLBACK_MODES, LLM
 from echo_trtllm.core.config import DEFAULT_STATIC_CHOICES, POLICY_NAMES, EchoConfig
 from echo_trtllm.core.policies import POLICIES, make_policy
+from echo_trtllm.models.draft import draft_kind
 from echo_trtllm.runtime.request import SamplingParams
 
 from .trace import TraceRecorder
@@ -54,8 +57,8 @@ __all__ = ["BenchConfig", "run_cell", "bench", "markdown_table", "plot", "machin
            "METRICS"]
 
 METRICS = ("tokens_per_s", "e2e_tokens_per_s", "mat", "verified_per_step", "acceptance_rate", "latency_p50_s",
-           "latency_p99_s", "control_share", "draft_share", "speculated_share", "mat_vs_oracle", "ar_agreement",
-           "ar_prefix_agreement")
+           "latency_p99_s", "control_share", "draft_share", "speculated_share", "mat_vs_oracle", "mat_vs_own_oracle",
+           "ar_agreement", "ar_prefix_agreement")
 FALLBACK_LABELS = {"on": "+fallback", "off": "pure"}
 # AR's own tokens/s spread over rounds, (max - min) / median, above which the table warns that ratios carry noise
 AR_SPREAD_WARNING = 0.10
@@ -213,7 +216,8 @@ def run_cell(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int, tem
     reports = llm.get_stats()
     steps = verified = speculated = 0
     decode = control = draft_model = 0.0
-    recorder = TraceRecorder(llm.executor.policy.max_tree_nodes - 1) if temperature == 0 else None
+    policy = llm.executor.policy
+    recorder = TraceRecorder(policy.max_tree_nodes - 1, policy.max_depth) if temperature == 0 else None
     for rep in reports:
         steps += 1
         verified += rep.verified_tokens
@@ -239,10 +243,31 @@ def run_cell(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int, tem
         "token_ids": [o.token_ids for o in outputs],
     }
     if recorder is not None:
-        ev = recorder.evaluate({o.request_id: o.token_ids for o in outputs})
-        row["mat_vs_oracle"] = ev["mat_vs_oracle"]
+        by_id = {o.request_id: o.token_ids for o in outputs}
+        ev = recorder.evaluate(by_id)
+        row["mat_vs_oracle"] = row["mat_vs_own_oracle"] = ev["mat_vs_own_oracle"]
         row["trace"] = ev["records"]
+        # for the wider oracle over every method of the cell (widen_oracles)
+        row["_oracle"] = (recorder, by_id, {o.request_id: i for i, o in enumerate(outputs)})
     return row
+
+
+def widen_oracles(cells: dict[str, dict], reference: str = "ar", depth_keyed: bool = False) -> None:
+    """Re-score each traced cell of one round against the wider candidate set: the output-path tokens any method
+    of the round drafted, pooled over the requests (slots) whose output equals the reference method's
+    (bench.trace, module docstring). Sets mat_vs_oracle; mat_vs_own_oracle keeps the method's own."""
+    ref = cells[reference]["token_ids"]
+    same = {m: {i for i, (a, b) in enumerate(zip(c["token_ids"], ref)) if a == b} for m, c in cells.items()}
+    pooled: set = set()
+    for m, c in cells.items():
+        if c.get("_oracle"):
+            recorder, by_id, slot_of = c["_oracle"]
+            pooled |= recorder.reveals(by_id, slot_of, depth_keyed, same[m])
+    for m, c in cells.items():
+        if c.get("_oracle"):
+            recorder, by_id, slot_of = c["_oracle"]
+            mine = {k for k in pooled if k[0] in same[m]} | recorder.reveals(by_id, slot_of, depth_keyed)
+            c["mat_vs_oracle"] = recorder.evaluate(by_id, mine, slot_of, depth_keyed)["mat_vs_oracle"]
 
 
 def load_hf_pair(model: str, draft: str, dtype: str):
@@ -314,6 +339,7 @@ def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibr
             samples.update({m: [] for m in extra})
             try:
                 for rnd in range(cfg.warmup_rounds + cfg.rounds):
+                    round_cells: dict[str, dict] = {}
                     # AR first in even rounds, last in odd ones: a drift of the machine's speed within a round
                     # then favours neither side of a ratio
                     for m in (order if rnd % 2 == 0 else order[::-1]) + extra:
@@ -323,10 +349,15 @@ def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibr
                                                     cfg.max_tokens, n, seed=rnd * b)
                         else:
                             cell = run_cell(engines[m], prompts, b, cfg.max_tokens, temp, seed=rnd * b)
+                        round_cells[m] = cell
                         if rnd >= cfg.warmup_rounds:
                             samples[m].append(cell)
                         if progress is not None:
                             progress(m, b, temp, cell)
+                    if temp == 0:
+                        widen_oracles({m: round_cells[m] for m in order}, depth_keyed=draft_kind(draft) == "eagle3")
+                    for cell in round_cells.values():
+                        cell.pop("_oracle", None)
             finally:
                 for engine in engines.values():
                     engine.shutdown()

@@ -77,3 +77,34 @@ def test_hindsight_flags_follow_the_output():
     assert oracle_emitted([2, 0, 3], verified_total=6) == 3 + 3  # budget binds: 6 - 3 spare slots
     assert oracle_emitted([2, 0, 3], verified_total=20) == 3 + 5
     assert math.isclose(oracle_emitted([], 0), 0)
+
+
+def test_the_wider_oracle_counts_what_another_method_drafted():
+    """Method A drafted [5, 1] (the second token wrong); method B drafted [5, 6, 7] at the same position of the
+    same output. A's own oracle is A itself (ratio 1); the wider one knows B showed 6 was there: with A's budget of
+    two drafts it emits 1 + 2 = 3 against A's 2. B verified all it drafted and everything it drafted was
+    accepted: 1.0 either way. A request whose output differs from the reference lends nothing."""
+    from echo_trtllm.bench.run import widen_oracles
+    from echo_trtllm.bench.trace import TraceRecorder
+
+    out = [5, 6, 7, 8, 9]
+
+    def recorded(tokens, verified, emitted, request=7):
+        rec = TraceRecorder(per_request_cap=4, max_depth=4)
+        rec.steps = [[StepEntry(request, 0, tokens, list(range(-1, len(tokens) - 1)), [0.5] * len(tokens),
+                                list(range(1, len(tokens) + 1)), verified, emitted)]]
+        return rec
+
+    a, b = recorded([5, 1], 3, 2), recorded([5, 6, 7], 4, 4)
+    cells = {"ar": {"token_ids": [out]},
+             "A": {"token_ids": [out], "_oracle": (a, {7: out}, {7: 0})},
+             "B": {"token_ids": [out], "_oracle": (b, {7: out}, {7: 0})}}
+    widen_oracles(cells)
+    assert a.evaluate({7: out})["mat_vs_own_oracle"] == 1.0
+    assert cells["A"]["mat_vs_oracle"] == pytest.approx(2 / 3)
+    assert cells["B"]["mat_vs_oracle"] == 1.0
+    # B's output parts from the reference: its drafts no longer widen A's oracle
+    other = [5, 6, 7, 8, 0]
+    cells["B"] = {"token_ids": [other], "_oracle": (b, {7: other}, {7: 0})}
+    widen_oracles(cells)
+    assert cells["A"]["mat_vs_oracle"] == 1.0
