@@ -8,8 +8,10 @@ speculates) at each batch size on held-out prompts and compares, step by step:
     verify   the target forward over the step's T tokens: measured, against the grid at the step's context (the
              batch's longest cached context, as the runtime's padded attention reads it: `verify_time(T, context)`)
              and against the context-blind curve (`verify_time(T)`)
-    step     the whole step: measured, against the grid's verification + the draft curve at every level's frontier
-             size + the model's control seconds
+             and against the grid plus the step overhead fitted as `calibrate` fits it (on calibration prompts,
+             at one batch size, `--fit-batch-size`)
+    step     the whole step: measured, against the grid's verification + the fitted overhead + the draft curve at
+             every level's frontier size + the model's control seconds
 
 Reported per batch size: median absolute relative error, and the ratio of summed predicted to summed measured
 seconds (bias). Wall-clock timings on a shared machine: the medians say more than any single step.
@@ -18,12 +20,13 @@ seconds (bias). Wall-clock timings on a shared machine: the medians say more tha
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
 
 from echo_trtllm.core import EchoConfig
-from echo_trtllm.core.cost import CostModel
+from echo_trtllm.core.cost import CostModel, fit_step_overhead
 
 __all__ = ["compare_steps"]
 
@@ -34,24 +37,33 @@ def _errors(pred: list[float], meas: list[float]) -> dict:
             "predicted_over_measured": round(sum(pred) / sum(meas), 4) if sum(meas) > 0 else None}
 
 
+def measured_steps(reports) -> list[tuple[int, float, float]]:
+    """(tokens verified, context read, verify seconds) of every step that verified something."""
+    return [(r.verified_tokens, r.context, r.timings.verify) for r in reports if r.batch_size and r.verified_tokens]
+
+
 def compare_steps(reports, cost: CostModel) -> dict:
-    """Errors of the cost model's predictions over executed step reports (steps that verified something)."""
-    meas_v, grid_v, curve_v, meas_s, pred_s = [], [], [], [], []
+    """Errors of the cost model's predictions over executed step reports (steps that verified something):
+    the grid alone, the grid plus the cost model's fitted step overhead, the context-blind curve, and the whole
+    step (grid + overhead + the draft curve per level + control)."""
+    bare = dataclasses.replace(cost, step_overhead_seconds=0.0)
+    meas_v, grid_v, fitted_v, curve_v, meas_s, pred_s = [], [], [], [], [], []
     for rep in reports:
         if not rep.batch_size or rep.verified_tokens == 0:
             continue
         t, c = rep.verified_tokens, rep.context
         meas_v.append(rep.timings.verify)
-        grid_v.append(float(cost.verify_time(t, c)))
-        curve_v.append(float(cost.verify_time(t)))
+        grid_v.append(float(bare.verify_time(t, c)))
+        fitted_v.append(float(cost.verify_time(t, c)))
+        curve_v.append(float(bare.verify_time(t)))
         draft = sum(float(cost.draft_time(f)) for f in rep.draft.state.frontier_sizes) if rep.draft else 0.0
         meas_s.append(rep.timings.total)
-        pred_s.append(grid_v[-1] + draft + (cost.control_seconds if rep.speculated else 0.0))
+        pred_s.append(fitted_v[-1] + draft + (cost.control_seconds if rep.speculated else 0.0))
     return {"steps": len(meas_v),
             "mean_verified_tokens": round(statistics.mean(r.verified_tokens for r in reports if r.batch_size), 2),
             "mean_context_read": round(statistics.mean(r.context for r in reports if r.batch_size), 1),
-            "verify_grid": _errors(grid_v, meas_v), "verify_curve": _errors(curve_v, meas_v),
-            "step_grid": _errors(pred_s, meas_s)}
+            "verify_grid": _errors(grid_v, meas_v), "verify_grid_overhead": _errors(fitted_v, meas_v),
+            "verify_curve": _errors(curve_v, meas_v), "step_grid": _errors(pred_s, meas_s)}
 
 
 def main(argv=None) -> int:
@@ -72,6 +84,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-set", default="humaneval")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--fit-batch-size", type=int, default=4, help="batch size of the step-overhead fit (calibrate's)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     target, tok = load_model(args.model, dtype=args.dtype)
@@ -79,21 +92,35 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     cost = measure_cost_model(target, draft, repeats=args.repeats, grid=True)
     print(f"cost model with grid measured in {time.perf_counter() - t0:.0f} s", flush=True)
-    prompts = load_prompts(args.prompt_set, "eval")
+    prompts, cal_prompts = load_prompts(args.prompt_set, "eval"), load_prompts(args.prompt_set, "calibration")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+
+    def engine(b: int, cost_model: CostModel) -> LLM:
+        return LLM(target, draft, tokenizer=tok, speculative_config=EchoConfig(k_max=max(512, 8 * b)),
+                   max_batch_size=b, max_seq_len=1024, cost_model=cost_model, fallback=False,
+                   iter_stats_max_iterations=1 << 20)
+
+    # the step overhead, fitted as `calibrate` fits it: on calibration prompts at one batch size
+    fb = args.fit_batch_size
+    with engine(fb, cost) as llm:
+        llm.generate([cal_prompts[i % len(cal_prompts)] for i in range(fb)], params, use_tqdm=False)  # warm-up
+        llm.get_stats()
+        llm.generate([cal_prompts[(fb + i) % len(cal_prompts)] for i in range(fb)], params, use_tqdm=False)
+        cost = dataclasses.replace(cost, step_overhead_seconds=fit_step_overhead(cost, measured_steps(llm.get_stats())))
+    print(f"step overhead fitted at B={fb} on calibration prompts: {cost.step_overhead_seconds * 1e3:.2f} ms", flush=True)
     rows = []
     for b in (int(x) for x in args.batch_sizes.split(",")):
-        config = EchoConfig(k_max=max(512, 8 * b))
-        with LLM(target, draft, tokenizer=tok, speculative_config=config, max_batch_size=b, max_seq_len=1024,
-                 cost_model=cost, fallback=False, iter_stats_max_iterations=1 << 20) as llm:
-            params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-            llm.generate([prompts[i % len(prompts)] for i in range(b)], params, use_tqdm=False)  # warm-up
+        with engine(b, cost) as llm:
+            llm.generate([cal_prompts[i % len(cal_prompts)] for i in range(b)], params, use_tqdm=False)  # warm-up
             llm.get_stats()
             llm.generate([prompts[(b + i) % len(prompts)] for i in range(b)], params, use_tqdm=False)
             row = {"batch_size": b, **compare_steps(llm.get_stats(), cost)}
         rows.append(row)
         print(f"B={b}: {row['steps']} steps, T {row['mean_verified_tokens']}, context {row['mean_context_read']}: verify "
               f"error grid {row['verify_grid']['median_abs_rel_error']:.1%} (bias "
-              f"{row['verify_grid']['predicted_over_measured']:.2f}), curve "
+              f"{row['verify_grid']['predicted_over_measured']:.2f}), grid + overhead "
+              f"{row['verify_grid_overhead']['median_abs_rel_error']:.1%} (bias "
+              f"{row['verify_grid_overhead']['predicted_over_measured']:.2f}), curve "
               f"{row['verify_curve']['median_abs_rel_error']:.1%} (bias "
               f"{row['verify_curve']['predicted_over_measured']:.2f}); whole step "
               f"{row['step_grid']['median_abs_rel_error']:.1%}", flush=True)

@@ -27,6 +27,8 @@ batch-size bucket, and probes the mode it is not using.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 import statistics
@@ -36,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["CostModel", "choose_budget", "interpolate", "level_cost_ratio", "break_even_accept_prob", "batch_bucket",
+__all__ = ["CostModel", "choose_budget", "fit_step_overhead", "interpolate", "level_cost_ratio", "break_even_accept_prob", "batch_bucket",
            "SpeculationTracker"]
 
 
@@ -73,6 +75,9 @@ class CostModel:
     grid_tokens: tuple[int, ...] = ()
     grid_contexts: tuple[int, ...] = ()
     grid_seconds: tuple[tuple[float, ...], ...] = ()
+    # host seconds a real verification step spends beyond the timed forward (building the tree's inputs,
+    # acceptance, commit), added to every verify_time; fitted from real steps (`fit_step_overhead`)
+    step_overhead_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("verify", "draft"):
@@ -84,6 +89,8 @@ class CostModel:
                 raise ValueError(f"CostModel.{name}_seconds must be positive, got {ys}")
         if not self.verify_tokens:
             raise ValueError("CostModel needs at least one verify point")
+        if not (self.step_overhead_seconds >= 0.0):
+            raise ValueError(f"CostModel.step_overhead_seconds must be >= 0, got {self.step_overhead_seconds}")
         if self.grid_tokens or self.grid_contexts or self.grid_seconds:
             for name in ("grid_tokens", "grid_contexts"):
                 if not getattr(self, name):
@@ -104,10 +111,10 @@ class CostModel:
         its edges)."""
         tokens = torch.as_tensor(tokens)
         if context is None or not self.grid_seconds:
-            return interpolate(self.verify_tokens, self.verify_seconds, tokens)
+            return interpolate(self.verify_tokens, self.verify_seconds, tokens) + self.step_overhead_seconds
         c = torch.tensor(float(context))
         at_context = tuple(float(interpolate(self.grid_contexts, row, c)) for row in self.grid_seconds)
-        return interpolate(self.grid_tokens, at_context, tokens).clamp(min=1e-9)
+        return interpolate(self.grid_tokens, at_context, tokens).clamp(min=1e-9) + self.step_overhead_seconds
 
     def draft_time(self, tokens: Tensor | int) -> Tensor:
         if not self.draft_tokens:
@@ -137,6 +144,17 @@ class CostModel:
     @classmethod
     def load(cls, path: str | Path) -> "CostModel":
         return cls.from_json(Path(path).read_text())
+
+
+def fit_step_overhead(cost: CostModel, steps: list[tuple[int, float, float]]) -> float:
+    """The host seconds per verification step the forward timings miss: the median of (measured - predicted)
+    over real steps (tokens verified, context read, measured verify seconds), at least 0. The median, because a
+    shared machine only ever adds time to single steps. `cost` is read without its own overhead."""
+    if not steps:
+        raise ValueError("fit_step_overhead needs at least one measured step")
+    base = dataclasses.replace(cost, step_overhead_seconds=0.0)
+    residuals = sorted(m - float(base.verify_time(t, c)) for t, c, m in steps)
+    return max(0.0, residuals[len(residuals) // 2])
 
 
 def choose_budget(estimates: Tensor, batch_size: int, cost: CostModel, spent_seconds: float = 0.0,

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from echo_trtllm.core.config import EchoConfig
 from echo_trtllm.jsonfile import read_json_object
-from echo_trtllm.core.cost import CostModel, break_even_accept_prob
+from echo_trtllm.core.cost import CostModel, break_even_accept_prob, fit_step_overhead
 from echo_trtllm.core.gating import GateCalibration, GateSamples, calibrate_gate
 from echo_trtllm.models.eagle3 import Eagle3Head
 from echo_trtllm.models.llama import CausalLM
@@ -283,14 +283,25 @@ def calibrate(target: CausalLM, draft: CausalLM, tokenizer, config: EchoConfig, 
     if not prompts:
         raise ValueError("calibration needs at least one warm-up prompt")
     cost = cost_model or measure_cost_model(target, draft, cost_tokens, repeats=repeats, grid=grid)
-    lam = break_even_accept_prob(cost, batch_size, config.beam_width)
     warm = warmup_config(config, batch_size)
     ex = Executor(target, draft, tokenizer, warm, max_batch_size=batch_size, max_seq_len=max_seq_len)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     t0 = time.perf_counter()
-    depths, conf, acc, steps = collect_gate_samples(ex, prompts, params, progress)
+    measured: list[tuple[int, float, float]] = []  # (tokens, context, verify seconds) of every verifying step
+
+    def observe(report) -> None:
+        if report.batch_size and report.verified_tokens:
+            measured.append((report.verified_tokens, report.context, report.timings.verify))
+        if progress is not None:
+            progress(report)
+
+    depths, conf, acc, steps = collect_gate_samples(ex, prompts, params, observe)
+    if measured:  # what the forward timings miss of a real step (the warm-up's own steps)
+        cost = dataclasses.replace(cost, step_overhead_seconds=fit_step_overhead(cost, measured))
+    lam = break_even_accept_prob(cost, batch_size, config.beam_width)
     gate = calibrate_gate(depths, conf, acc, config.max_depth, num_sweet_spots=num_sweet_spots, min_accept_prob=lam)
     warmup = {"prompts": len(prompts), "batch_size": batch_size, "max_tokens": max_tokens, "steps": steps,
+              "step_overhead_seconds": round(cost.step_overhead_seconds, 6),
               "draft_width": config.beam_width,
               "samples": int(depths.numel()), "seconds": round(time.perf_counter() - t0, 3)}
     samples = {"depths": depths.tolist(), "confidences": conf.tolist(), "accepted":

@@ -41,3 +41,27 @@ def test_the_budget_rule_prices_each_step_at_its_own_context():
     assert choose_budget(est, 1, cost, context=100) == 16
     assert choose_budget(est, 1, cost, context=1000) == 1
     assert choose_budget(est, 1, cost) == 16  # the curve: flat
+
+
+def test_the_step_overhead_is_the_median_residual_of_real_steps():
+    """Real steps cost the forward plus a host term the forward timings miss; the fit is the median of
+    measured - predicted (a slow outlier does not move it), added to every verify_time, kept in JSON."""
+    import dataclasses
+
+    from echo_trtllm.core.cost import fit_step_overhead
+
+    cost = CostModel.linear(0.010, 0.001)
+    steps = [(t, 100.0, 0.010 + 0.001 * t + 0.004) for t in (1, 3, 8, 20)] + [(5, 100.0, 0.5)]
+    overhead = fit_step_overhead(cost, steps)
+    assert overhead == pytest.approx(0.004)
+    fitted = dataclasses.replace(cost, step_overhead_seconds=overhead)
+    assert float(fitted.verify_time(10)) == pytest.approx(0.010 + 0.010 + 0.004)
+    assert CostModel.from_json(fitted.to_json()) == fitted
+    # refitting a fitted model finds the same term (its own overhead is not counted twice)
+    assert fit_step_overhead(fitted, steps) == pytest.approx(0.004)
+    # a forward timing that already covers everything: no negative overhead
+    assert fit_step_overhead(cost, [(4, 10.0, 0.012)]) == 0.0
+    with pytest.raises(ValueError, match="step_overhead_seconds must be >= 0"):
+        CostModel((1,), (0.1,), step_overhead_seconds=-0.001)
+    with pytest.raises(ValueError, match="at least one measured step"):
+        fit_step_overhead(cost, [])
