@@ -74,18 +74,28 @@ SHAPE_OPTIONS = {"max_depth": int, "top_k": int, "beam_width": int, "total_token
                  "static_nodes": int}
 
 
+def split_fallback(spec: str) -> tuple[str, str | None]:
+    """A --methods entry without its ':fallback=MODE' option, and that mode (None: the run's --fallback)."""
+    parts = spec.split(":")
+    modes = [p.partition("=")[2] for p in parts if p.startswith("fallback=")]
+    if len(modes) > 1 or (modes and modes[0] not in FALLBACK_MODES):
+        raise ValueError(f"methods: {spec!r}: fallback=MODE is given at most once, MODE one of "
+                         f"{', '.join(FALLBACK_MODES)}")
+    return ":".join(p for p in parts if not p.startswith("fallback=")), (modes[0] if modes else None)
+
+
 def parse_method(spec: str) -> tuple[str, dict]:
     """'policy[:option=value]...' -> (policy, EchoConfig overrides). ValueError naming the entry and what is
-    accepted."""
-    policy, *options = spec.split(":")
+    accepted. A ':fallback=on|off|auto' option runs that entry in that mode only (`split_fallback`)."""
+    policy, *options = split_fallback(spec)[0].split(":")
     if policy not in POLICY_NAMES:
         raise ValueError(f"methods: unknown policy {policy!r} in {spec!r}; choose from {', '.join(POLICY_NAMES)}")
     overrides: dict = {}
     for opt in options:
         key, eq, value = opt.partition("=")
         if not eq or key not in SHAPE_OPTIONS or key in overrides:
-            raise ValueError(f"methods: {spec!r}: each ':' option is one of {', '.join(SHAPE_OPTIONS)} given once as "
-                             f"option=value, got {opt!r}")
+            raise ValueError(f"methods: {spec!r}: each ':' option is one of {', '.join(SHAPE_OPTIONS)}, fallback "
+                             f"given once as option=value, got {opt!r}")
         try:
             overrides[key] = SHAPE_OPTIONS[key](value)
         except ValueError:
@@ -141,6 +151,7 @@ class BenchConfig:
             raise ValueError(f"hf_assisted takes 'heuristic' or integers >= 1, got {bad_n}")
         for m in self.methods:
             self.config_for(m, max(self.batch_sizes))  # every method's tree options are valid
+        self.runs()  # and their labels distinct
 
     def config_for(self, method: str, batch_size: int) -> EchoConfig:
         """The tree options of one --methods entry (its own shape options over the shared ones)."""
@@ -155,8 +166,11 @@ class BenchConfig:
         for m in self.methods:
             if parse_method(m)[0] == "ar":
                 continue
-            for mode in self.fallback:
-                out.append((m if mode == "auto" else f"{m} {FALLBACK_LABELS[mode]}", m, mode))
+            shape, own = split_fallback(m)
+            for mode in (own,) if own else self.fallback:
+                out.append((shape if mode == "auto" else f"{shape} {FALLBACK_LABELS[mode]}", m, mode))
+        if len({label for label, _, _ in out}) < len(out):
+            raise ValueError(f"methods: two entries run under the same label: {[label for label, _, _ in out]}")
         return out
 
 

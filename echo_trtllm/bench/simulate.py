@@ -184,14 +184,15 @@ def simulate_method(method: str, records: list[dict], batch_size: int, cost: Cos
     tree options (default EchoConfig()), its gate's calibration evidence, and the context the cost is read at."""
     if not records:
         raise ValueError(f"no trace records for method {method!r}")
-    name = method.split(":", 1)[0]
-    if name not in POLICIES:
-        raise ValueError(f"trace method {method!r} is not a policy; known: {', '.join(POLICIES)}")
+    from .run import parse_method
+
+    name, shape = parse_method(method)
     policy = POLICIES[name]
-    replay = policy.shares_budget and has_trees(records)
+    replay = policy.needs_draft_model and has_trees(records)
     if replay:
-        runner = make_policy(dataclasses.replace(config or EchoConfig(), policy=name), cost, gate_samples)
-        budget = max(batch_size, min(k_max, runner.config.k_max, batch_size * runner.config.max_nodes_per_request))
+        runner = make_policy(dataclasses.replace(config or EchoConfig(), policy=name, **shape), cost, gate_samples)
+        budget = (max(batch_size, min(k_max, runner.config.k_max, batch_size * runner.config.max_nodes_per_request))
+                  if policy.shares_budget else None)
     emitted_total = 0
     seconds = 0.0
     verified_total = 0
@@ -224,21 +225,31 @@ def simulate_method(method: str, records: list[dict], batch_size: int, cost: Cos
                     + (control_seconds if policy.needs_draft_model else 0.0))
     return {"method": method, "batch_size": batch_size, "tokens_per_s": emitted_total / seconds,
             "mat": emitted_total / (steps * batch_size), "verified_per_step": verified_total / steps,
-            "records": len(records), "allocation": ("replayed gate + allocate_budget" if replay else
+            "records": len(records), "allocation": ("replayed" if replay else
                                                     "probability merge (trace without trees)"
                                                     if policy.shares_budget else "as recorded")}
 
 
 def simulate(traces: dict[str, list[dict]], batch_sizes: list[int], cost_for_batch, steps: int = 200,
              k_max: int = 1 << 30, control_seconds: float = 0.0, config: EchoConfig | None = None,
-             gate_samples: GateSamples | None = None, context: float | None = None) -> list[dict]:
-    """traces: method -> records. cost_for_batch(B) -> CostModel. Rows carry speedup_vs_ar when 'ar' is traced,
-    and how many recorded request-steps each rests on ("records")."""
+             gate_samples: GateSamples | None = None, context: float | None = None,
+             methods: list[str] | None = None, tree_source: str | None = None) -> list[dict]:
+    """traces: method -> records. cost_for_batch(B) -> CostModel. methods: what to simulate (bench --methods
+    entries, shape options included; default: the traced methods, each on its own records). tree_source: replay
+    every method on this traced method's trees (e.g. a wide eagle2 run, to compare shapes no run drafted). Rows
+    carry speedup_vs_ar when 'ar' is among them, and how many recorded request-steps each rests on ("records")."""
+    if tree_source is not None and tree_source not in traces:
+        raise ValueError(f"tree source {tree_source!r} is not traced; traced: {', '.join(traces)}")
+    methods = list(methods or traces)
+    missing = [m for m in methods if tree_source is None and m not in traces]
+    if missing:
+        raise ValueError(f"methods {missing} are not traced (traced: {', '.join(traces)}); give a tree source")
     rows = []
     for b in batch_sizes:
         cost = cost_for_batch(b)
-        cells = {m: simulate_method(m, recs, b, cost, steps, k_max, control_seconds, config, gate_samples, context)
-                 for m, recs in traces.items()}
+        cells = {m: simulate_method(m, traces[tree_source or m], b, cost, steps, k_max, control_seconds, config,
+                                    gate_samples, context)
+                 for m in methods}
         ar = cells.get("ar")
         for m, cell in cells.items():
             cell["speedup_vs_ar"] = cell["tokens_per_s"] / ar["tokens_per_s"] if ar else None

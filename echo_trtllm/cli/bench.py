@@ -32,13 +32,16 @@ def build_parser() -> argparse.ArgumentParser:
                                                                  "eagle2:total_tokens=16:max_depth=4 (options: "
                                                                  "max_depth, top_k, beam_width, total_tokens, "
                                                                  "num_draft_tokens, max_nodes_per_request, k_max, "
-                                                                 "fixed_threshold, ddd_threshold, static_nodes)")
+                                                                 "fixed_threshold, ddd_threshold, static_nodes), "
+                                                                 "and fallback=on|off|auto to run it in that mode only "
+                                                                 "(e.g. echo:fallback=on beside --fallback off)")
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--temperatures", default="0", help="comma-separated; 0 = greedy (e.g. 0,0.8)")
     ap.add_argument("--prompt-set", default="mixed", choices=list(PROMPT_SETS))
-    ap.add_argument("--prompt-split", default="eval", choices=["eval", "all"],
+    ap.add_argument("--prompt-split", default="eval", choices=["eval", "calibration", "all"],
                     help="evaluate on the set's eval side (default; --calibration in-process warms up on the "
-                         "calibration side, so the two never share a prompt) or on all of it")
+                         "calibration side, so the two never share a prompt), on the calibration side (tuning tree "
+                         "shapes without touching eval prompts) or on all of it")
     ap.add_argument("--rounds", type=int, default=1, help="timed rounds (medians and min-max reported)")
     ap.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds first (same engines)")
     ap.add_argument("--hf-assisted", type=lambda t: [x for x in t.split(",") if x], default=[],
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     draft = load_draft(args.draft_model or DEFAULT_DRAFT, target, dtype=args.dtype, device=device)
     print(f"loaded target + draft in {time.perf_counter() - t0:.0f} s ({target.dtype} / {draft.dtype})", flush=True)
     # methods that use a cost curve: the echo family, and every drafting method when its fallback is on
-    uses_cost_curve = any(POLICIES[parse_method(m)[0]].uses_cost_curve("on" in cfg.fallback) for m in cfg.methods)
+    uses_cost_curve = any(POLICIES[parse_method(m)[0]].uses_cost_curve(mode == "on") for _, m, mode in cfg.runs())
     cost_model = None if args.no_cost_model else "auto"
     if in_process and uses_cost_curve:
         calibration = calibrate(target, draft, tok, cfg.speculation, calibration_prompts[:8], batch_size=8,

@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cap on each request's verified tree, root included")
     g.add_argument("--tree-top-k", type=int, default=_DEFAULT.top_k, help="children drafted per expanded node")
     g.add_argument("--beam-width", type=int, default=_DEFAULT.beam_width, help="nodes expanded per request and level")
+    ap.add_argument("--methods", help="comma-separated bench --methods entries to simulate, shape options included "
+                                      "(default: the traced methods)")
+    ap.add_argument("--tree-source", help="replay every method on this traced method's drafted trees (e.g. a wide "
+                                          "eagle2 run; tunes shapes no run drafted)")
     g.add_argument("--gate-calibration", help="calibration JSON whose gate samples calibrate the replayed gate "
                                               "(default: --calibration's when given, else the uncalibrated gate)")
     ap.add_argument("--json", help="write the rows here")
@@ -76,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
             cal = Calibration.load(args.gate_calibration or args.calibration)
             gate_samples = cal.gate_samples() if cal.samples is not None else None
         rows = simulate(traces, batch_sizes, cost_for_batch, args.steps, args.k_max, args.control_us * 1e-6,
-                        config, gate_samples)
+                        config, gate_samples,
+                        methods=[m for m in args.methods.split(",") if m] if args.methods else None,
+                        tree_source=args.tree_source)
     except (*options.USAGE_ERRORS, KeyError) as e:
         return options.fail(PROG, e)
     print(f"SIMULATION — {label}; acceptance replayed from {args.trace.rsplit('/', 1)[-1]}")

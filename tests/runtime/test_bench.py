@@ -172,3 +172,22 @@ def test_the_prompt_split_is_fixed_and_disjoint():
     assert len(load_prompts("humaneval", "calibration")) == 41 and len(load_prompts("humaneval", "eval")) == 123
     with pytest.raises(ValueError, match="unknown split 'train'"):
         load_prompts("mixed", "train")
+
+
+def test_method_entries_carry_their_own_shape_and_fallback():
+    from echo_trtllm.bench.run import BenchConfig, parse_method
+
+    cfg = BenchConfig(methods=("chain:num_draft_tokens=2", "static:static_nodes=5", "echo", "echo:fallback=on"),
+                      batch_sizes=(4,), fallback=("off",))
+    assert [label for label, _, _ in cfg.runs()] == ["ar", "chain:num_draft_tokens=2 pure", "static:static_nodes=5 pure",
+                                                     "echo pure", "echo +fallback"]
+    assert cfg.config_for("chain:num_draft_tokens=2", 4).num_draft_tokens == 2
+    assert len(cfg.config_for("static:static_nodes=5", 4).static_choices) == 4
+    assert parse_method("eagle2:total_tokens=16:max_depth=4") == ("eagle2", {"total_tokens": 16, "max_depth": 4})
+    for bad, match in [("chain:depth=2", "each ':' option is one of"), ("chain:num_draft_tokens=x", "takes a int"),
+                       ("nope", "unknown policy 'nope'"), ("echo:fallback=maybe", "fallback=MODE"),
+                       ("static:static_nodes=99", "static_nodes takes 2..16")]:
+        with pytest.raises(ValueError, match=match):
+            BenchConfig(methods=(bad,))
+    with pytest.raises(ValueError, match="same label"):
+        BenchConfig(methods=("echo", "echo:fallback=off"), fallback=("off",))

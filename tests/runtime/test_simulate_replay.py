@@ -41,13 +41,13 @@ def traced_run(default_pair, prompts, policy, batch_size, **config):
     return cfg, steps
 
 
-@pytest.mark.parametrize("policy", ["echo", "echo-dense"])
+@pytest.mark.parametrize("policy", ["echo", "echo-dense", "chain", "static", "eagle2", "ddd"])
 def test_the_replay_verifies_what_the_runtime_verified(default_pair, prompts, policy):
     cfg, steps = traced_run(default_pair, prompts, policy, 6, k_max=40, max_nodes_per_request=12)
     runner = make_policy(cfg, COST)
     replayed = verified_total = cut = 0
     for step in steps:
-        verified, emitted, _ = replay_step(runner, step, cfg.k_max)
+        verified, emitted, _ = replay_step(runner, step, cfg.k_max if runner.shares_budget else None)
         assert verified == [r["verified"] for r in step]
         # the runtime's count is cut at max_tokens on a request's last step, at most once per request
         assert all(e >= r["emitted"] for e, r in zip(emitted, step))
@@ -58,12 +58,31 @@ def test_the_replay_verifies_what_the_runtime_verified(default_pair, prompts, po
     assert verified_total > sum(len(s) for s in steps)  # some drafts were verified: the rule did something
 
 
+def test_shapes_no_run_drafted_replay_on_a_wider_source(default_pair, prompts):
+    """Tuning by replay: chains of 1..3 and a 8-node eagle2 on the trees a 32-node eagle2 drafted; each stays
+    inside its shape, and a longer chain never emits less than a shorter one on the same trees."""
+    from echo_trtllm.bench.simulate import simulate
+
+    cfg, steps = traced_run(default_pair, prompts, "eagle2", 6, total_tokens=32)
+    traces = {"eagle2": [r for s in steps for r in s]}
+    specs = ["ar", "chain:num_draft_tokens=1", "chain:num_draft_tokens=3", "eagle2:total_tokens=8"]
+    rows = {r["method"]: r for r in simulate(traces, [6], lambda b: COST, steps=10, methods=specs,
+                                             tree_source="eagle2")}
+    assert rows["chain:num_draft_tokens=1"]["verified_per_step"] <= 6 * 2
+    assert rows["chain:num_draft_tokens=3"]["verified_per_step"] <= 6 * 4
+    assert rows["eagle2:total_tokens=8"]["verified_per_step"] <= 6 * 8
+    assert rows["chain:num_draft_tokens=3"]["mat"] >= rows["chain:num_draft_tokens=1"]["mat"] > 1.0
+    assert rows["ar"]["mat"] == 1.0
+    with pytest.raises(ValueError, match="not traced"):
+        simulate(traces, [6], lambda b: COST, steps=1, methods=["chain"])
+
+
 def test_the_replay_reacts_to_a_tighter_budget(default_pair, prompts):
     """The same trees under a smaller K_max: never more verified than the budget; the budget binds."""
     cfg, steps = traced_run(default_pair, prompts, "echo", 6, k_max=60, max_nodes_per_request=16)
     records = [r for s in steps for r in s]
     loose = simulate_method("echo", records, 6, COST, steps=10, config=cfg)
     tight = simulate_method("echo", records, 6, COST, steps=10, k_max=7, config=cfg)
-    assert loose["allocation"] == tight["allocation"] == "replayed gate + allocate_budget"
+    assert loose["allocation"] == tight["allocation"] == "replayed"
     assert tight["verified_per_step"] <= 7 < loose["verified_per_step"]
     assert loose["records"] == len(records)
