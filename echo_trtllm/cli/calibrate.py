@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_model_options(ap)
     ap.add_argument("--output", help="calibration JSON to write (required without --engine-dir)")
     ap.add_argument("--prompt-set", default="mixed", choices=list(PROMPT_SETS), help="warm-up prompts")
-    ap.add_argument("--num-prompts", type=int, default=16, help="warm-up prompts taken from the set")
+    ap.add_argument("--num-prompts", type=int, default=16, help="warm-up prompts taken from the set's calibration side")
     ap.add_argument("--batch-size", type=int, default=4, help="warm-up batch size (the record's operating point)")
     ap.add_argument("--cost-tokens", default="1,2,4,8,16,32,64,128", help="tokens per forward to time")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per cost point (fastest kept)")
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             target_src, draft_src = args.model or DEFAULT_TARGET, args.draft_model or DEFAULT_DRAFT
             config, dtype = options.echo_config(args), args.dtype
-        prompts = load_prompts(args.prompt_set)[: args.num_prompts]
+        prompts = load_prompts(args.prompt_set, "calibration")[: args.num_prompts]  # never an eval prompt
         t0 = time.perf_counter()
         target, tok = load_model(target_src, dtype=dtype, device=args.device or "cpu")
         draft = load_draft(draft_src, target, dtype=dtype, device=args.device or "cpu")

@@ -26,7 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--target", default="235b", choices=list(MODELS))
     ap.add_argument("--gpu", default="H100", choices=list(GPUS))
     ap.add_argument("--gpu-dtype", default="fp8", choices=["bf16", "fp8"], help="the simulated GPU's precision")
-    ap.add_argument("--context", type=int, default=2048, help="tokens of KV per request read every step")
+    ap.add_argument("--context", type=int, default=None,
+                    help="tokens of KV per request read every step (roofline: default 2048; a measured calibration "
+                         "with a grid reads its grid there, without one its curve)")
     ap.add_argument("--mfu", type=float, default=0.5)
     ap.add_argument("--batch-sizes", default="1,4,16,64,128,256")
     ap.add_argument("--steps", type=int, default=200)
@@ -65,10 +67,11 @@ def main(argv: list[str] | None = None) -> int:
                 return measured
         else:
             model, gpu = MODELS[args.target], GPUS[args.gpu]
-            label = f"{model.name} on {model.num_gpus}x{gpu.name}, {args.gpu_dtype}, context {args.context}"
+            context = args.context or 2048
+            label = f"{model.name} on {model.num_gpus}x{gpu.name}, {args.gpu_dtype}, context {context}"
 
             def cost_for_batch(b):
-                return roofline_cost(model, gpu, args.gpu_dtype, b, args.context, mfu=args.mfu)
+                return roofline_cost(model, gpu, args.gpu_dtype, b, context, mfu=args.mfu)
 
         config = EchoConfig(k_max=args.k_max, max_depth=args.max_depth,
                             max_nodes_per_request=args.max_nodes_per_request, top_k=args.tree_top_k,
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = simulate(traces, batch_sizes, cost_for_batch, args.steps, args.k_max, args.control_us * 1e-6,
                         config, gate_samples,
                         methods=[m for m in args.methods.split(",") if m] if args.methods else None,
-                        tree_source=args.tree_source)
+                        tree_source=args.tree_source, context=args.context if args.calibration else None)
     except (*options.USAGE_ERRORS, KeyError) as e:
         return options.fail(PROG, e)
     print(f"SIMULATION — {label}; acceptance replayed from {args.trace.rsplit('/', 1)[-1]}")
