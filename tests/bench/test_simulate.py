@@ -108,3 +108,23 @@ def test_the_wider_oracle_counts_what_another_method_drafted():
     cells["B"] = {"token_ids": [other], "_oracle": (b, {7: other}, {7: 0})}
     widen_oracles(cells)
     assert cells["A"]["mat_vs_oracle"] == 1.0
+
+
+def test_tuning_picks_each_policy_its_fastest_simulated_shape():
+    from echo_trtllm.bench.run import parse_method
+    from echo_trtllm.bench.tune import GRID, best_shapes, grid_methods
+
+    rows = [{"method": "ar", "batch_size": 4, "tokens_per_s": 10.0},
+            {"method": "chain:num_draft_tokens=1", "batch_size": 4, "tokens_per_s": 12.0},
+            {"method": "chain:num_draft_tokens=2", "batch_size": 4, "tokens_per_s": 13.0},
+            {"method": "chain:num_draft_tokens=2", "batch_size": 16, "tokens_per_s": 99.0},
+            {"method": "echo:max_depth=3:beam_width=1", "batch_size": 4, "tokens_per_s": 14.0}]
+    best = best_shapes(rows, 4)
+    assert {p: r["method"] for p, r in best.items()} == {"chain": "chain:num_draft_tokens=2",
+                                                          "echo": "echo:max_depth=3:beam_width=1"}
+    with pytest.raises(ValueError, match="no drafting rows at batch size 64"):
+        best_shapes(rows, 64)
+    shapes = grid_methods()
+    assert shapes[0] == "ar" and len(shapes) == 1 + sum(len(g) for g in GRID.values())
+    for s in shapes:  # every shape of the grid is a valid bench entry
+        parse_method(s)
