@@ -17,14 +17,14 @@ import json
 
 __all__ = ["GRID", "grid_methods", "best_shapes"]
 
-# the shapes tried per method (bench --methods entries); the echo family varies depth and beam, its budget rule
-# picks the rest each step
+# the shapes tried per method (bench --methods entries); the echo family keeps the calibrated depth (its gate's
+# samples are per depth) and varies its beam and per-request cap, its gate and budget rule pick the rest each step
 GRID: dict[str, tuple[str, ...]] = {
     "chain": tuple(f"chain:num_draft_tokens={n}" for n in (1, 2, 3, 4, 5, 6)),
     "static": tuple(f"static:static_nodes={n}" for n in (2, 3, 5, 8, 11, 16)),
     "eagle2": tuple(f"eagle2:total_tokens={t}:max_depth={d}" for t in (4, 8, 16, 32, 64) for d in (3, 6)),
     "ddd": tuple(f"ddd:total_tokens={t}" for t in (4, 8, 16, 32, 64)),
-    "echo": tuple(f"echo:max_depth={d}:beam_width={w}" for d in (3, 6) for w in (1, 2, 4)),
+    "echo": tuple(f"echo:beam_width={w}:max_nodes_per_request={n}" for w in (1, 2, 4) for n in (8, 16, 64)),
 }
 
 

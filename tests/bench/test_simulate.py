@@ -118,10 +118,10 @@ def test_tuning_picks_each_policy_its_fastest_simulated_shape():
             {"method": "chain:num_draft_tokens=1", "batch_size": 4, "tokens_per_s": 12.0},
             {"method": "chain:num_draft_tokens=2", "batch_size": 4, "tokens_per_s": 13.0},
             {"method": "chain:num_draft_tokens=2", "batch_size": 16, "tokens_per_s": 99.0},
-            {"method": "echo:max_depth=3:beam_width=1", "batch_size": 4, "tokens_per_s": 14.0}]
+            {"method": "echo:beam_width=1:max_nodes_per_request=8", "batch_size": 4, "tokens_per_s": 14.0}]
     best = best_shapes(rows, 4)
     assert {p: r["method"] for p, r in best.items()} == {"chain": "chain:num_draft_tokens=2",
-                                                          "echo": "echo:max_depth=3:beam_width=1"}
+                                                          "echo": "echo:beam_width=1:max_nodes_per_request=8"}
     with pytest.raises(ValueError, match="no drafting rows at batch size 64"):
         best_shapes(rows, 64)
     shapes = grid_methods()

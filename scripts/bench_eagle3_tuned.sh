@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The tuned EAGLE-3 table: every method with the same head and its own best shape, one side-by-side bench per
+# batch size (issue 10).
+#
+#   bash scripts/bench_eagle3_tuned.sh qwen      # Qwen2.5-Coder-1.5B + its trained head (fetched / trained once)
+#   bash scripts/bench_eagle3_tuned.sh default   # the embedded pair + its committed head
+#
+# Steps, all on the prompt set's calibration side until the last one:
+#   1. calibrate (cost curve with its tokens x context grid, the step overhead, the gate's samples);
+#   2. trace a wide eagle2 tree (the tree source) on calibration prompts;
+#   3. simulate every shape of bench.tune's grid on those trees with that cost model (bench.simulate replays
+#      each policy through the runtime's drafting loop) and pick each method's fastest shape per batch size;
+#   4. per batch size, one bench on held-out prompts: AR, every method pure with its tuned shape, ECHO also
+#      with the AR fallback.
+# Environment: BS (batch sizes), MAXTOK, ROUNDS, OUT (default docs/bench), PY; SRC_B, SRC_TOKENS, CONTEXT (tuning).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+WHICH=${1:-default}
+OUT=${OUT:-docs/bench}
+BS=${BS:-"1 4 16 64"}
+MAXTOK=${MAXTOK:-16}
+ROUNDS=${ROUNDS:-2}
+# the tree source: eagle2 drafts its full tree (top-4 frontier, 6 levels: 84 nodes per request) whatever it
+# verifies, and traces record every drafted node, so a cheap 8-node verification gives the whole tree
+SRC="eagle2:total_tokens=8:max_depth=6"
+SRC_B=${SRC_B:-16}
+SRC_TOKENS=${SRC_TOKENS:-32}
+CONTEXT=${CONTEXT:-192}  # the cost grid is read at this context (HumanEval prompt + output, tokens)
+case "$WHICH" in
+  qwen)
+    TARGET=$($PY -m echo_trtllm.models.fetch qwen2.5-coder-1.5b)
+    HEAD=$($PY build_scripts/qwen_eagle3.py)
+    MODEL=(--model "$TARGET" --draft-model "$HEAD")
+    NAME=qwen-eagle3 ;;
+  default)
+    MODEL=(--draft-model echo_trtllm/models/default/eagle3)
+    NAME=default-eagle3-tuned ;;
+  *) echo "usage: $0 qwen|default" >&2; exit 2 ;;
+esac
+COMMON=("${MODEL[@]}" --dtype float32 --prompt-set humaneval)
+CAL=$OUT/$NAME-calibration.json
+if [ ! -f "$CAL" ]; then
+  $PY -m echo_trtllm.cli calibrate "${COMMON[@]}" --num-prompts 8 --batch-size 4 --max-tokens 16 --grid --repeats 2 \
+    --cost-tokens 1,2,4,8,16,32,64,128,256 --output "$CAL"
+fi
+if [ ! -f "$OUT/$NAME-tune-trace.json" ]; then
+  $PY -m echo_trtllm.cli bench "${COMMON[@]}" --methods "$SRC" --batch-sizes "$SRC_B" --fallback off \
+    --prompt-split calibration --max-tokens "$SRC_TOKENS" --rounds 1 --warmup-rounds 0 --calibration "$CAL" --trace "$OUT/$NAME-tune-trace.json" \
+    --json "$OUT/$NAME-tune-source.json"
+fi
+$PY -m echo_trtllm.cli simulate --trace "$OUT/$NAME-tune-trace.json" --calibration "$CAL" --tree-source "$SRC" \
+  --methods "$($PY -m echo_trtllm.bench.tune --grid)" --batch-sizes "$(echo $BS | tr ' ' ,)" --steps 40 \
+  --context "$CONTEXT" \
+  --json "$OUT/$NAME-tune-sim.json" > "$OUT/$NAME-tune-sim.md"
+for B in $BS; do
+  M=$($PY -m echo_trtllm.bench.tune --simulation "$OUT/$NAME-tune-sim.json" --batch-size "$B")
+  E=$(echo "$M" | tr , '\n' | grep '^echo')
+  echo "B=$B tuned: $M" >&2
+  $PY -m echo_trtllm.cli bench "${COMMON[@]}" --methods "$M,$E:fallback=on" --batch-sizes "$B" --fallback off \
+    --max-tokens "$MAXTOK" --rounds "$ROUNDS" --warmup-rounds 0 --calibration "$CAL" \
+    --json "$OUT/$NAME-b$B.json" --markdown "$OUT/$NAME-b$B.md" --trace "$OUT/$NAME-b$B-trace.json"
+done
