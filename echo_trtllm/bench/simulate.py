@@ -113,15 +113,16 @@ def has_trees(records: list[dict]) -> bool:
     return all("parents" in r and "depths" in r for r in records)
 
 
-def replay_step(policy: TreePolicy, batch: list[dict], budget: int, context: float | None = None
+def replay_step(policy: TreePolicy, batch: list[dict], budget: int | None, context: float | None = None
                 ) -> tuple[list[int], list[int], list[int]]:
-    """One step of an echo-family policy on recorded trees, through the runtime's own drafting loop
-    (`draft_tree`: gate, budget-aware and cost-aware stops, `allocate_budget`, `choose_budget`). The draft model
-    is replaced by the records: a frontier node's children are the ones its source method drafted, with their
-    recorded conditional probabilities (a child the source never drafted has probability 0 and is never
-    accepted). Returns, per request, the nodes verified (root included) and the tokens emitted (accepted + bonus),
-and the frontier size of every drafted level."""
-    children: list[dict[int, list[tuple[float, int]]]] = []
+    """One step of a drafting policy on recorded trees, through the runtime's own drafting loop (`draft_tree`:
+    frontier choice, and for the echo family the gate, budget-aware and cost-aware stops, `allocate_budget`,
+    `choose_budget`). The draft model is replaced by the records: a frontier node's children are the ones its
+    source method drafted, with their recorded conditional probabilities, as local token ids 0, 1, ... best
+    first (a child the source never drafted has probability 0 and is never accepted). Returns, per request, the
+    nodes verified (root included) and the tokens emitted (accepted + bonus), and every drafted level's frontier
+    size."""
+    children: list[dict[int, list[tuple[float, int]]]] = []  # per request: record parent -> (cond. prob, node)
     for r in batch:
         kids: dict[int, list[tuple[float, int]]] = {}
         for j, (p, parent) in enumerate(zip(r["probs"], r["parents"])):
@@ -132,24 +133,19 @@ and the frontier size of every drafted level."""
         children.append(kids)
     width = max(policy.config.top_k, policy.config.beam_width,
                 max((len(lst) for kids in children for lst in kids.values()), default=1))
-    nodes: list[list[int | None]] = [[-1] * len(batch)]  # record node of every node of every level (-1: root)
 
-    def node_of(level: DraftLevel) -> list[int | None]:
-        """The record node behind each node of `level` (None: a child its source never drafted)."""
-        while len(nodes) <= level.depth:
-            d = len(nodes)
-            prev = nodes[d - 1]
-            cur = []
-            for req, parent, tok in zip(level.request_ids.tolist(), level.parent_ids.tolist(),
-                                        level.token_ids.tolist()):
-                up = prev[parent]
-                kids = children[req].get(up, []) if up is not None else []
-                cur.append(kids[tok][1] if tok < len(kids) else None)
-            nodes.append(cur)
-        return nodes[level.depth]
+    def child(req: int, up: int | None, tok: int) -> int | None:
+        """The record node drafted as local token `tok` under record node `up` (-1: the root)."""
+        kids = children[req].get(up, []) if up is not None else []
+        return kids[tok][1] if tok < len(kids) else None
+
+    levels: list[list[int | None]] = [[-1] * len(batch)]  # the record node of every node, level by level
 
     def draft_fn(level: DraftLevel, frontier: Tensor) -> Tensor:
-        here = node_of(level)
+        if len(levels) == level.depth:  # draft_tree asks level by level: map the newest one
+            levels.append([child(q, levels[-1][p], t) for q, p, t in zip(
+                level.request_ids.tolist(), level.parent_ids.tolist(), level.token_ids.tolist())])
+        here = levels[level.depth]
         probs = torch.zeros(frontier.numel(), width)
         for row, f in enumerate(frontier.tolist()):
             up, req = here[f], int(level.request_ids[f])
@@ -157,21 +153,17 @@ and the frontier size of every drafted level."""
                 probs[row, col] = p
         return probs
 
-    roots = torch.zeros(len(batch), dtype=torch.long)
-    result = draft_tree(policy, roots, draft_fn, budget=budget, context=context)
-    # every selected candidate's record node, request by request (parents come before children)
+    result = draft_tree(policy, torch.zeros(len(batch), dtype=torch.long), draft_fn, budget=budget, context=context)
+    # every verified candidate's record node, request by request (parents come before children)
     tree, sel = result.candidates, result.mask.tolist()
     parents, tokens, cu = tree.parents.tolist(), tree.token_ids.tolist(), tree.cu_num_nodes.tolist()
     verified = torch.bincount(tree.request_ids[result.mask], minlength=len(batch)).tolist()
     emitted = [1] * len(batch)
     for req, r in enumerate(batch):
         rec: list[int | None] = [-1]
-        for k in range(1, cu[req + 1] - cu[req]):
-            up = rec[parents[cu[req] + k]]
-            kids = children[req].get(up, []) if up is not None else []
-            tok = tokens[cu[req] + k]
-            rec.append(kids[tok][1] if tok < len(kids) else None)
-            if sel[cu[req] + k] and rec[-1] is not None:
+        for k in range(cu[req] + 1, cu[req + 1]):
+            rec.append(child(req, rec[parents[k]], tokens[k]))
+            if sel[k] and rec[-1] is not None:
                 emitted[req] += r["accepted"][rec[-1]]
     return verified, emitted, list(result.state.frontier_sizes)
 
