@@ -130,6 +130,9 @@ class BenchConfig:
     fallback: tuple[str, ...] = ("auto",)
 
     def __post_init__(self) -> None:
+        bad = [m for m in self.methods if split_fallback(m)[0].split(":")[0] not in POLICY_NAMES]
+        if bad:
+            raise ValueError(f"methods: unknown {bad}; choose from {', '.join(POLICY_NAMES)}")
         if not self.methods or len(set(self.methods)) < len(self.methods):
             raise ValueError(f"methods: distinct entries from {', '.join(POLICY_NAMES)} (each may add "
                              f"':option=value' shape options), got {self.methods or 'none'}")
@@ -272,16 +275,12 @@ def widen_oracles(cells: dict[str, dict], reference: str = "ar", depth_keyed: bo
     (bench.trace, module docstring). Sets mat_vs_oracle; mat_vs_own_oracle keeps the method's own."""
     ref = cells[reference]["token_ids"]
     same = {m: {i for i, (a, b) in enumerate(zip(c["token_ids"], ref)) if a == b} for m, c in cells.items()}
-    pooled: set = set()
-    for m, c in cells.items():
-        if c.get("_oracle"):
-            recorder, by_id, slot_of = c["_oracle"]
-            pooled |= recorder.reveals(by_id, slot_of, depth_keyed, same[m])
-    for m, c in cells.items():
-        if c.get("_oracle"):
-            recorder, by_id, slot_of = c["_oracle"]
-            mine = {k for k in pooled if k[0] in same[m]} | recorder.reveals(by_id, slot_of, depth_keyed)
-            c["mat_vs_oracle"] = recorder.evaluate(by_id, mine, slot_of, depth_keyed)["mat_vs_oracle"]
+    traced = {m: c["_oracle"] for m, c in cells.items() if c.get("_oracle")}
+    own = {m: recorder.reveals(by_id, slot_of, depth_keyed) for m, (recorder, by_id, slot_of) in traced.items()}
+    pooled = {k for m, keys in own.items() for k in keys if k[0] in same[m]}
+    for m, (recorder, by_id, slot_of) in traced.items():
+        mine = {k for k in pooled if k[0] in same[m]} | own[m]
+        cells[m]["mat_vs_oracle"] = recorder.evaluate(by_id, mine, slot_of, depth_keyed)["mat_vs_oracle"]
 
 
 def load_hf_pair(model: str, draft: str, dtype: str):

@@ -39,7 +39,6 @@ import json
 from dataclasses import dataclass
 
 import torch
-
 from torch import Tensor
 
 from echo_trtllm.core.config import EchoConfig

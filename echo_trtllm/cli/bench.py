@@ -23,18 +23,16 @@ PROG = "echo-trtllm bench"
 
 def build_parser() -> argparse.ArgumentParser:
     from echo_trtllm.bench.prompts import PROMPT_SETS
+    from echo_trtllm.bench.run import SHAPE_OPTIONS
     from echo_trtllm.core.config import POLICY_NAMES
 
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     options.add_model_options(ap, engine_dir=False)
-    ap.add_argument("--methods", default=",".join(POLICY_NAMES), help="comma-separated policies (AR always runs); an entry may set its own tree "
-                                                                 "shape, e.g. chain:num_draft_tokens=2 or "
-                                                                 "eagle2:total_tokens=16:max_depth=4 (options: "
-                                                                 "max_depth, top_k, beam_width, total_tokens, "
-                                                                 "num_draft_tokens, max_nodes_per_request, k_max, "
-                                                                 "fixed_threshold, ddd_threshold, static_nodes), "
-                                                                 "and fallback=on|off|auto to run it in that mode only "
-                                                                 "(e.g. echo:fallback=on beside --fallback off)")
+    ap.add_argument("--methods", default=",".join(POLICY_NAMES),
+                    help="comma-separated policies (AR always runs); an entry may set its own tree shape, e.g. "
+                         "chain:num_draft_tokens=2 or eagle2:total_tokens=16:max_depth=4 (options: "
+                         f"{', '.join(SHAPE_OPTIONS)}), and fallback=on|off|auto to run it in that mode only "
+                         "(e.g. echo:fallback=on beside --fallback off)")
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--temperatures", default="0", help="comma-separated; 0 = greedy (e.g. 0,0.8)")
     ap.add_argument("--prompt-set", default="mixed", choices=list(PROMPT_SETS))

@@ -34,16 +34,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--k-max", type=int, default=1 << 30, help="global verification budget per step, tokens")
     ap.add_argument("--control-us", type=float, default=0.0, help="ECHO control per speculative step (µs)")
-    g = ap.add_argument_group("the echo family's replay (its trees go through the runtime's gate and budget)")
+    ap.add_argument("--methods", help="comma-separated bench --methods entries to simulate, shape options included "
+                                      "(default: the traced methods)")
+    ap.add_argument("--tree-source", help="replay every method on this traced method's drafted trees (e.g. a wide "
+                                          "eagle2 run; tunes shapes no run drafted)")
+    g = ap.add_argument_group("the replay (recorded trees through the runtime's drafting loop, gate and budget; "
+                              "a --methods entry's own shape options win)")
     g.add_argument("--max-depth", type=int, default=_DEFAULT.max_depth, help="deepest draft level")
     g.add_argument("--max-nodes-per-request", type=int, default=_DEFAULT.max_nodes_per_request,
                    help="cap on each request's verified tree, root included")
     g.add_argument("--tree-top-k", type=int, default=_DEFAULT.top_k, help="children drafted per expanded node")
     g.add_argument("--beam-width", type=int, default=_DEFAULT.beam_width, help="nodes expanded per request and level")
-    ap.add_argument("--methods", help="comma-separated bench --methods entries to simulate, shape options included "
-                                      "(default: the traced methods)")
-    ap.add_argument("--tree-source", help="replay every method on this traced method's drafted trees (e.g. a wide "
-                                          "eagle2 run; tunes shapes no run drafted)")
     g.add_argument("--gate-calibration", help="calibration JSON whose gate samples calibrate the replayed gate "
                                               "(default: --calibration's when given, else the uncalibrated gate)")
     ap.add_argument("--json", help="write the rows here")
@@ -57,10 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         traces = load_traces(args.trace, args.source_batch_size)
         batch_sizes = options.int_list(args.batch_sizes, "--batch-sizes")
-        if args.calibration:
-            from echo_trtllm.runtime.calibrate import Calibration
+        from echo_trtllm.runtime.calibrate import Calibration
 
-            measured = Calibration.load(args.calibration).cost_model
+        cal = Calibration.load(args.calibration) if args.calibration else None
+        if cal is not None:
+            measured = cal.cost_model
             label = f"measured cost curve ({measured.device})"
 
             def cost_for_batch(b):
@@ -76,12 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         config = EchoConfig(k_max=args.k_max, max_depth=args.max_depth,
                             max_nodes_per_request=args.max_nodes_per_request, top_k=args.tree_top_k,
                             beam_width=args.beam_width)
-        gate_samples = None
-        if args.gate_calibration or args.calibration:
-            from echo_trtllm.runtime.calibrate import Calibration
-
-            cal = Calibration.load(args.gate_calibration or args.calibration)
-            gate_samples = cal.gate_samples() if cal.samples is not None else None
+        gates = Calibration.load(args.gate_calibration) if args.gate_calibration else cal
+        gate_samples = gates.gate_samples() if gates is not None and gates.samples is not None else None
         rows = simulate(traces, batch_sizes, cost_for_batch, args.steps, args.k_max, args.control_us * 1e-6,
                         config, gate_samples,
                         methods=[m for m in args.methods.split(",") if m] if args.methods else None,
