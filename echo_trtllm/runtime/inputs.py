@@ -70,13 +70,16 @@ def chain_batch(chains: list[Tensor], starts: Tensor, slots: Tensor, logits: str
     return make_batch(ids, req, pos, pos, slots, starts.to(dev).long(), visible, index[logits])
 
 
-def tree_batch(packed: PackedVerifyBatch, context_lengths: Tensor, slots: Tensor) -> ForwardBatch:
+def tree_batch(packed: PackedVerifyBatch, context_lengths: Tensor, slots: Tensor,
+               max_tokens: int | None = None) -> ForwardBatch:
     """The packed Super-Tree as the target sees it, built from TensorRT-LLM's contract tensors alone:
     spec_decoding_generation_lengths (N_b), spec_decoding_position_offsets (depths, any stride >= max N_b),
     spec_decoding_packed_mask (row r, bit c: attends node c of its own request) and the context lengths.
 
     Node j of request b is written at cache position ctx_b + j with RoPE position ctx_b + offset; it sees the
     context p < ctx_b and position ctx_b + c for every set bit c. Everything runs on the slots' device.
+    max_tokens: max_b (ctx_b + N_b), the keys attention reads, when the caller knows it on the host; with it no
+    value is read back from the device (None: computed from the tensors).
     """
     dev = slots.device
     ctx = context_lengths.to(dev).long()  # (B,)
@@ -84,10 +87,13 @@ def tree_batch(packed: PackedVerifyBatch, context_lengths: Tensor, slots: Tensor
     offsets = packed.position_offsets.to(dev).long()  # (B, S): S = the stride
     b, stride = offsets.shape
     bits = unpack_mask(packed.packed_mask.to(dev), stride)  # (N_tot, S)
-    req = torch.repeat_interleave(torch.arange(b, device=dev), gen)  # (N_tot,)
-    local = torch.arange(req.numel(), device=dev) - (torch.cumsum(gen, 0) - gen)[req]
-    n_max = max(int(gen.max()) if b else 1, 1)
-    l_max = max(int((ctx + gen).max()) if b else 1, 1)
+    n_tot = packed.input_ids.numel()
+    req = torch.repeat_interleave(torch.arange(b, device=dev), gen, output_size=n_tot)  # (N_tot,)
+    local = torch.arange(n_tot, device=dev) - (torch.cumsum(gen, 0) - gen)[req]
+    n_max = max(stride, 1)  # query rows per request: the stride (rows past N_b are padding)
+    if max_tokens is None:
+        max_tokens = int((ctx + gen).max()) if b else 1
+    l_max = max(max_tokens, 1)
     tree = torch.zeros(b, n_max, stride, dtype=torch.bool, device=dev)  # (B, N_max, S) per-request bits
     tree[req, local] = bits
     rel = torch.arange(l_max, device=dev)[None, :] - ctx[:, None]  # (B, L): tree column of each cache position
