@@ -131,9 +131,10 @@ def priority_order(scores: Tensor, depths: Tensor) -> Tensor:
     One stable sort of an int64 key: the float32 bit pattern of a score >= 0 is monotone in its value, so
     key = (bits of the largest float32 - bits of the score) * 2^16 + depth orders exactly as described.
     """
-    if scores.numel() and bool((scores < 0).any()):
-        raise ValueError("priority_order needs scores >= 0 (probabilities)")
-    bits = scores.float().contiguous().view(torch.int32).long()  # (N,) monotone in the score
+    s = scores.float()
+    if s.numel() and bool(((s < 0) | s.isnan()).any()):
+        raise ValueError("priority_order needs scores >= 0 (probabilities; no NaN)")
+    bits = (s + 0.0).contiguous().view(torch.int32).long()  # (N,) monotone in the score; + 0.0 turns -0.0 into 0.0
     key = (0x7F7FFFFF - bits) * 65536 + depths.long()
     return torch.sort(key, stable=True).indices
 
