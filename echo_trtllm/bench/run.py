@@ -53,7 +53,7 @@ from echo_trtllm.runtime.request import SamplingParams
 
 from .trace import TraceRecorder
 
-__all__ = ["BenchConfig", "run_cell", "bench", "markdown_table", "plot", "machine_info", "report_meta", "cpu_flags",
+__all__ = ["BenchConfig", "run_cell", "bench", "markdown_table", "profile_table", "traffic_profile", "plot", "machine_info", "report_meta", "cpu_flags",
            "METRICS"]
 
 METRICS = ("tokens_per_s", "e2e_tokens_per_s", "mat", "verified_per_step", "acceptance_rate", "latency_p50_s",
@@ -244,6 +244,7 @@ def run_cell(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int, tem
         draft_model += rep.timings.draft_model
         if recorder is not None:
             recorder.record(rep)
+    traffic = traffic_profile(reports)
     tokens = sum(len(o.token_ids) for o in outputs)
     req_steps = sum(o.stats.steps for o in outputs)
     drafts_verified = sum(o.stats.verified_tokens for o in outputs) - req_steps
@@ -257,7 +258,7 @@ def run_cell(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int, tem
         "control_share": control / decode, "draft_share": draft_model / decode, "speculated_share": speculated / steps,
         "mat_vs_oracle": float("nan"), "trace": None,
         "ar_agreement": float("nan"), "ar_prefix_agreement": float("nan"),
-        "token_ids": [o.token_ids for o in outputs],
+        "token_ids": [o.token_ids for o in outputs], "traffic": traffic,
     }
     if recorder is not None:
         by_id = {o.request_id: o.token_ids for o in outputs}
@@ -388,6 +389,8 @@ def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibr
                 row = {"method": m, "policy": parse_method(method)[0] if m in method_of else method,
                        "shape": method, "fallback": mode, "batch_size": b, "temperature": temp,
                        "rounds": len(cells), "speedup_vs_ar_by_round": [c["speedup_vs_ar"] for c in cells]}
+                # per-step host <-> device traffic does not depend on the machine's speed: the last round's
+                row["traffic"] = cells[-1].get("traffic")
                 for key in (*METRICS, "speedup_vs_ar"):
                     vals = [c[key] for c in cells if key in c and c[key] == c[key]]  # drop absent and NaN
                     row[key] = statistics.median(vals) if vals else None
@@ -414,6 +417,50 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[flo
         common = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
         prefix += common / n
     return exact / max(len(outputs), 1), prefix / max(len(outputs), 1)
+
+
+def traffic_profile(reports) -> dict | None:
+    """Host <-> device traffic per step of a cell (runtime.transfer): over all steps and over the speculative
+    ones (the steps whose tree is drafted level by level): mean and max syncs, mean bytes each way, the largest
+    single read, and per label the reads per step and bytes per read."""
+    steps = [r.traffic for r in reports if r.traffic is not None]
+    if not steps:
+        return None
+
+    def summary(ts):
+        if not ts:
+            return None
+        labels = sorted({k for t in ts for k in t.reads})
+        return {"steps": len(ts), "syncs_mean": sum(t.syncs for t in ts) / len(ts),
+                "syncs_max": max(t.syncs for t in ts),
+                "to_host_bytes_mean": sum(t.to_host_bytes for t in ts) / len(ts),
+                "to_device_bytes_mean": sum(t.to_device_bytes for t in ts) / len(ts),
+                "largest_read_bytes": max(t.largest_read_bytes for t in ts),
+                "reads_per_step": {k: sum(t.reads.get(k, (0, 0))[0] for t in ts) / len(ts) for k in labels},
+                "bytes_per_read": {k: sum(t.reads.get(k, (0, 0))[1] for t in ts)
+                                   / max(sum(t.reads.get(k, (0, 0))[0] for t in ts), 1) for k in labels}}
+
+    spec = [r.traffic for r in reports if r.traffic is not None and r.speculated]
+    return {"all": summary(steps), "speculative": summary(spec)}
+
+
+def profile_table(rows: list[dict], vocab_size: int) -> str:
+    """`bench --profile`: host <-> device traffic per step, speculative steps (all steps where none speculated)."""
+    head = ("| method | B | steps | syncs/step (mean, max) | to host / step | to device / step | largest read "
+            "| ≥ one vocabulary row? | reads per step |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    row_bytes = 4 * vocab_size  # one float32 row over the vocabulary
+    for r in rows:
+        t = r.get("traffic") or {}
+        s = t.get("speculative") or t.get("all")
+        if not s:
+            continue
+        reads = ", ".join(f"{k} {v:.1f}" for k, v in s["reads_per_step"].items())
+        lines.append(f"| {r['method']} | {r['batch_size']} | {s['steps']} | {s['syncs_mean']:.1f}, {s['syncs_max']} | "
+                     f"{s['to_host_bytes_mean'] / 1e3:.1f} kB | {s['to_device_bytes_mean'] / 1e3:.1f} kB | "
+                     f"{s['largest_read_bytes'] / 1e3:.1f} kB | {'yes' if s['largest_read_bytes'] >= row_bytes else 'no'} "
+                     f"| {reads} |")
+    return "\n".join(lines) + "\n"
 
 
 def ar_spread_warnings(rows: list[dict]) -> list[str]:

@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--trace", help="write per-step acceptance traces here (input of echo-trtllm simulate)")
     ap.add_argument("--markdown", help="write the markdown table here (it is printed either way)")
     ap.add_argument("--plot", help="write PNG plots PREFIX-t<temperature>.png")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print host <-> device traffic per step (syncs, bytes each way, largest read; every "
+                         "row's JSON has it either way)")
     return ap
 
 
@@ -68,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from echo_trtllm.bench.prompts import load_prompts
-    from echo_trtllm.bench.run import BenchConfig, bench, load_hf_pair, machine_info, markdown_table, parse_method, plot
+    from echo_trtllm.bench.run import (BenchConfig, bench, load_hf_pair, machine_info, markdown_table, parse_method, plot,
+                                       profile_table)
     from echo_trtllm.core.policies import POLICIES
     from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
     from echo_trtllm.models.draft import draft_kind, load_draft
@@ -122,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
 
         rows, traces = bench(target, draft, tok, prompts, cfg, calibration, cost_model, progress, hf)
     table = markdown_table(rows)
+    if args.profile:
+        table += "\nHost <-> device traffic per speculative step (runtime.transfer):\n\n" + profile_table(
+            rows, target.config.vocab_size)
     print(table)
     source = ("file" if args.calibration and not in_process else "in-process" if in_process else
               "none (no cost model)" if args.no_cost_model else "none (cost curve measured at load)")

@@ -6,7 +6,7 @@ from .cost import CostModel, SpeculationTracker, break_even_accept_prob, choose_
 from .gating import GateCalibration, GateConfig, GateSamples, GateSchedule, best_path_confidence, calibrate_gate, gate
 from .pack import PackedVerifyBatch, pack, pack_from_parents, unpack_mask
 from .policies import POLICIES, DraftResult, DraftState, TreePolicy, draft_tree, make_policy
-from .tree import DraftLevel, SuperTree, expand_level, root_level
+from .tree import DraftLevel, DraftTopK, SuperTree, expand_level, root_level
 from .verify import SamplingTensors, VerifyResult, process_logits, verify, verify_greedy, verify_sampling
 
 __all__ = [
@@ -14,6 +14,6 @@ __all__ = [
     "break_even_accept_prob", "choose_budget", "GateCalibration", "GateConfig", "GateSamples", "GateSchedule",
     "best_path_confidence", "calibrate_gate", "gate", "PackedVerifyBatch", "pack", "pack_from_parents",
     "unpack_mask", "POLICIES", "DraftResult", "DraftState", "TreePolicy", "draft_tree", "make_policy",
-    "DraftLevel", "SuperTree", "expand_level", "root_level", "SamplingTensors", "VerifyResult",
+    "DraftLevel", "DraftTopK", "SuperTree", "expand_level", "root_level", "SamplingTensors", "VerifyResult",
     "process_logits", "verify", "verify_greedy", "verify_sampling",
 ]  # fmt: skip

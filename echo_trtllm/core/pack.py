@@ -25,7 +25,7 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from .tree import SuperTree, ancestor_table, global_parent_ids, nodes_by_depth, request_ids_from_cu
+from .tree import SuperTree, global_parent_ids, nodes_by_depth, request_ids_from_cu
 
 __all__ = ["PackedVerifyBatch", "pack", "pack_from_parents", "unpack_mask", "words_per_row"]
 
@@ -83,46 +83,30 @@ class PackedVerifyBatch:
         """(N_tot,) int64 flat parent index, -1 for roots."""
         return global_parent_ids(self.parents, self.cu_num_nodes)
 
-    def path_nodes(self) -> Tensor:
-        """(N_tot, D+1) int64: flat index of each node's ancestor at every depth, -1 past its own depth."""
-        return ancestor_table(self.global_parents, self.node_depths.long())
-
-    def dense_tree_mask(self) -> Tensor:
-        """(N_tot, N_max) bool: row r, column c <=> node r attends node c of its own request (unpacked bits)."""
-        return unpack_mask(self.packed_mask, self.max_nodes)
-
-    def sdpa_mask(self, context_lengths: Tensor) -> Tensor:
-        """(B, N_max, C_max + N_max) bool mask for SDPA with queries = padded tree nodes and keys =
-        [context KV (C_max, right-padded) | tree nodes (N_max)]. Padded query rows attend key 0 only, so that
-        no row is fully masked (their outputs are discarded)."""
-        # context_lengths: (B,)
-        b, n_max = self.batch_size, self.max_nodes
-        c_max = int(context_lengths.max()) if b else 0
-        dev = self.packed_mask.device
-        mask = torch.zeros(b, n_max, c_max + n_max, dtype=torch.bool, device=dev)
-        local = torch.arange(self.total_nodes, device=dev) - self.cu_num_nodes[:-1].long()[self.request_ids]
-        ctx_cols = torch.arange(c_max, device=dev)[None, :] < context_lengths.to(dev)[:, None]  # (B, C_max)
-        mask[:, :, :c_max] = ctx_cols[:, None, :]
-        mask[self.request_ids, local, c_max:] = self.dense_tree_mask()
-        valid_rows = torch.arange(n_max, device=dev)[None, :] < self.generation_lengths.to(dev)[:, None]
-        mask[~valid_rows] = False
-        mask[..., 0] |= ~valid_rows
-        return mask
-
     def to(self, device: torch.device | str) -> "PackedVerifyBatch":
         return PackedVerifyBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
-def pack(tree: SuperTree, context_lengths: Tensor | None = None) -> PackedVerifyBatch:
+def pack(tree: SuperTree, context_lengths: Tensor | None = None,
+         max_generation_length: int | None = None) -> PackedVerifyBatch:
     """Flatten the (selected) Super-Tree into a `PackedVerifyBatch`.
 
     context_lengths (B,): tokens of each request already in the target's KV cache; the root sits at that
     position. Without it, position_ids are the depths.
+    max_generation_length: the engine's fixed stride (TensorRT-LLM's max_draft_len + 1): position_offsets become
+    (B, max_generation_length) and packed_mask (N_tot, ceil(max_generation_length / 32)), zero-padded, as an
+    engine built with that max_draft_len expects them. None: the stride is this batch's largest tree.
     """
     b = tree.batch_size
     dev = tree.token_ids.device
     n_i = tree.num_nodes  # (B,)
     n_max = int(n_i.max())
+    if max_generation_length is not None:
+        if isinstance(max_generation_length, bool) or not isinstance(max_generation_length, int) \
+                or max_generation_length < n_max:
+            raise ValueError(f"max_generation_length must be an int >= the largest tree ({n_max} nodes), "
+                             f"got {max_generation_length!r}")
+        n_max = max_generation_length
     w = words_per_row(n_max)
     req = tree.request_ids  # (N_tot,)
     starts = tree.cu_num_nodes[:-1][req]  # (N_tot,)

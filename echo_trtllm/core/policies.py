@@ -37,7 +37,7 @@ from .config import EchoConfig
 from .acceptance import AcceptanceModel
 from .cost import CostModel, choose_budget
 from .gating import GateConfig, GateSamples, GateSchedule, best_path_confidence, gate
-from .tree import DraftLevel, SuperTree, expand_level, priority_order, root_level, segment_rank
+from .tree import DraftLevel, DraftTopK, SuperTree, expand_level, priority_order, root_level, segment_rank
 
 __all__ = [
     "DraftState",
@@ -49,8 +49,9 @@ __all__ = [
     "top_per_request",
 ]
 
-# (level, frontier indices into it (F,)) -> (F, V) draft distribution of the token after each frontier node
-DraftFn = Callable[[DraftLevel, Tensor], Tensor]
+# (level, frontier indices into it (F,)) -> the draft distribution of the token after each frontier node: (F, V),
+# or its top k (`DraftTopK`, k >= the policy's `max_children`) as the runtime's drafters return it
+DraftFn = Callable[[DraftLevel, Tensor], "Tensor | DraftTopK"]
 
 
 @dataclass
@@ -166,6 +167,11 @@ class TreePolicy:
 
     def num_children(self, depth: int) -> int:
         return self.config.top_k
+
+    @property
+    def max_children(self) -> int:
+        """The most children any drafted node gets: the k a drafter's top-k must cover."""
+        return max(self.num_children(d) for d in range(1, max(self.max_depth, 1) + 1))
 
     def observe(self, level: DraftLevel, state: DraftState) -> None:
         state.confidence.append(best_path_confidence(level, state.batch_size).cpu())
@@ -491,7 +497,7 @@ def draft_tree(
         if frontier.numel() == 0:
             break
         state.frontier_sizes.append(frontier.numel())
-        probs = draft_fn(levels[-1], frontier)  # (F, V)
+        probs = draft_fn(levels[-1], frontier)  # (F, V) or DraftTopK
         level = expand_level(levels[-1], frontier, probs, policy.num_children(depth))
         levels.append(level)
         policy.observe(level, state)

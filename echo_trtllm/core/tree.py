@@ -25,12 +25,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from functools import cached_property
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 __all__ = [
     "DraftLevel",
+    "DraftTopK",
     "SuperTree",
     "root_level",
     "expand_level",
@@ -129,9 +131,10 @@ def priority_order(scores: Tensor, depths: Tensor) -> Tensor:
     One stable sort of an int64 key: the float32 bit pattern of a score >= 0 is monotone in its value, so
     key = (bits of the largest float32 - bits of the score) * 2^16 + depth orders exactly as described.
     """
-    if scores.numel() and bool((scores < 0).any()):
-        raise ValueError("priority_order needs scores >= 0 (probabilities)")
-    bits = scores.float().contiguous().view(torch.int32).long()  # (N,) monotone in the score
+    s = scores.float()
+    if s.numel() and bool(((s < 0) | s.isnan()).any()):
+        raise ValueError("priority_order needs scores >= 0 (probabilities; no NaN)")
+    bits = (s + 0.0).contiguous().view(torch.int32).long()  # (N,) monotone in the score; + 0.0 turns -0.0 into 0.0
     key = (0x7F7FFFFF - bits) * 65536 + depths.long()
     return torch.sort(key, stable=True).indices
 
@@ -199,21 +202,51 @@ def root_level(root_token_ids: Tensor) -> DraftLevel:
     )
 
 
-def expand_level(prev: DraftLevel, frontier: Tensor, child_probs: Tensor, num_children: int) -> DraftLevel:
+class DraftTopK(NamedTuple):
+    """The draft's k most likely next tokens after each frontier node, best first: what a drafter hands the
+    drafting loop instead of the (F, V) distribution (computed where the draft model runs; F x k comes back)."""
+
+    # (F, k) float32, descending along each row
+    probs: Tensor
+    # (F, k) int64 token ids
+    tokens: Tensor
+
+    @classmethod
+    def of(cls, probs: Tensor, k: int) -> "DraftTopK":
+        """The top-k of a (F, V) distribution (k capped at V)."""
+        values, tokens = torch.topk(probs.float(), min(k, probs.shape[-1]), dim=-1)
+        return cls(values, tokens)
+
+    def to(self, device: torch.device | str) -> "DraftTopK":
+        return DraftTopK(self.probs.to(device), self.tokens.to(device))
+
+
+def expand_level(prev: DraftLevel, frontier: Tensor, child_probs: Tensor | DraftTopK,
+                 num_children: int) -> DraftLevel:
     """Grow one level: the top-`num_children` tokens of the draft distribution at each frontier node.
 
-    frontier [F] indexes `prev`; child_probs [F, V] is the (processed) draft distribution of the token that
-    follows each frontier node. Children are emitted frontier-major, best sibling first.
+    frontier [F] indexes `prev`; child_probs is the (processed) draft distribution of the token that follows each
+    frontier node, either whole (F, V) or as its top k >= num_children (`DraftTopK`). Children are emitted
+    frontier-major, best sibling first.
     """
     if frontier.ndim != 1:
         raise ValueError(f"frontier must be 1-D (F,), got shape {tuple(frontier.shape)}")
-    if child_probs.ndim != 2 or child_probs.shape[0] != frontier.numel():
-        raise ValueError(
-            f"child_probs must be (F, V) with F = {frontier.numel()} frontier nodes, got {tuple(child_probs.shape)}"
-        )
-    if not 1 <= num_children <= child_probs.shape[1]:
-        raise ValueError(f"num_children must be in [1, V={child_probs.shape[1]}], got {num_children}")
-    probs, tokens = torch.topk(child_probs.float(), num_children, dim=-1)  # (F, k), (F, k)
+    top = child_probs if isinstance(child_probs, DraftTopK) else None
+    full = top.probs if top is not None else child_probs
+    what = "DraftTopK probs" if top is not None else "child_probs"
+    if full.ndim != 2 or full.shape[0] != frontier.numel():
+        raise ValueError(f"{what} must be (F, {'k' if top is not None else 'V'}) with F = {frontier.numel()} "
+                         f"frontier nodes, got {tuple(full.shape)}")
+    if top is not None and top.tokens.shape != full.shape:
+        raise ValueError(f"DraftTopK tokens must have the shape of its probs {tuple(full.shape)}, "
+                         f"got {tuple(top.tokens.shape)}")
+    if not 1 <= num_children <= full.shape[1]:
+        width = f"k={full.shape[1]}" if top is not None else f"V={full.shape[1]}"
+        raise ValueError(f"num_children must be in [1, {width}], got {num_children}")
+    if top is not None:
+        probs, tokens = top.probs[:, :num_children].float(), top.tokens[:, :num_children].long()
+    else:
+        probs, tokens = torch.topk(child_probs.float(), num_children, dim=-1)  # (F, k), (F, k)
     frontier = frontier.long()
     parent_path = prev.path_probs[frontier]  # (F,)
     k = num_children

@@ -119,13 +119,11 @@ class Eagle3Head(nn.Module):
         """Target vocabulary ids of draft-vocabulary ids."""
         return draft_ids + self.d2t[draft_ids]
 
-    def target_probs(self, logits: Tensor) -> Tensor:
-        """(S, target vocab) float32: the draft-vocabulary softmax of `logits` scattered to target ids (zero mass
-        outside the draft vocabulary)."""
-        probs = torch.zeros(logits.shape[0], self.config.layer.vocab_size, dtype=torch.float32, device=logits.device)
-        ids = self.to_target_ids(torch.arange(self.config.draft_vocab_size, device=logits.device))
-        probs[:, ids] = torch.softmax(logits.float(), dim=-1)
-        return probs
+    def top_k(self, logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """(probs (S, k') float32 descending, target ids (S, k')), k' = min(k, draft vocabulary): the best tokens
+        of the draft-vocabulary softmax of `logits`, on their device (no target-vocabulary row is built)."""
+        probs, ids = torch.topk(torch.softmax(logits.float(), dim=-1), min(k, logits.shape[-1]), dim=-1)
+        return probs, self.to_target_ids(ids)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache, features: Tensor) -> tuple[Tensor, Tensor]:

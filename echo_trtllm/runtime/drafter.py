@@ -29,9 +29,11 @@ attention depends only on relative positions, so this is the draft prompted with
 request's positions minus `draft_offset`. The head keeps at most `max_features` features per request and
 re-primes from the oldest it has when its pending chain reaches further back.
 
-Draft probabilities are the draft's softmax at temperature 1 (the head's over its reduced vocabulary, scattered to
-target ids through `d2t`): they rank candidates (path probabilities), while acceptance uses the target's processed
-distribution, so outputs stay lossless whatever the draft does.
+Draft probabilities are the draft's softmax at temperature 1 (the head's over its reduced vocabulary, its top
+tokens mapped to target ids through `d2t`): they rank candidates (path probabilities), while acceptance uses the
+target's processed distribution, so outputs stay lossless whatever the draft does. They stay where the draft
+runs: each level hands the drafting loop only the top `top_k` tokens per frontier node (`DraftTopK`, F x k), never
+a vocabulary-sized row.
 """
 
 from __future__ import annotations
@@ -39,13 +41,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from echo_trtllm.core.tree import DraftLevel, SuperTree
+from echo_trtllm.core.tree import DraftLevel, DraftTopK, SuperTree
 from echo_trtllm.core.verify import VerifyResult
 from echo_trtllm.models.eagle3 import Eagle3Head
 from echo_trtllm.models.llama import CausalLM, KVCache
 
 from .clock import Clock, WallClock
 from .inputs import chain_batch, make_batch
+from .transfer import HostLink
 from .request import Request
 
 __all__ = ["Drafter", "Eagle3Drafter", "FeatureWindow", "make_drafter"]
@@ -93,13 +96,14 @@ class FeatureWindow:
 
 
 def make_drafter(draft: CausalLM | Eagle3Head, target: CausalLM, slots: int, capacity: int,
-                 clock: Clock | None = None, max_depth: int = 8) -> "Drafter":
-    """The drafter for a draft model or an EAGLE-3 head of `target`, with a KV cache of `slots` x `capacity`."""
+                 clock: Clock | None = None, max_depth: int = 8, link: HostLink | None = None) -> "Drafter":
+    """The drafter for a draft model or an EAGLE-3 head of `target`, with a KV cache of `slots` x `capacity`;
+    link: the executor's host <-> device ledger (default: its own)."""
     cache = draft.allocate_cache(slots, capacity)
     if isinstance(draft, Eagle3Head):
         layers = draft.config.capture_layers or target.eagle3_layers()
-        return Eagle3Drafter(draft, cache, layers, clock, steady_chain=max_depth + 1)
-    return Drafter(draft, cache, clock)
+        return Eagle3Drafter(draft, cache, layers, clock, steady_chain=max_depth + 1, link=link)
+    return Drafter(draft, cache, clock, link=link)
 
 
 class Drafter:
@@ -109,10 +113,11 @@ class Drafter:
     capture_layers: tuple[int, ...] = ()
 
     def __init__(self, model: CausalLM | Eagle3Head, cache: KVCache, clock: Clock | None = None,
-                 steady_chain: int = STEADY_CHAIN) -> None:
+                 steady_chain: int = STEADY_CHAIN, link: HostLink | None = None) -> None:
         self.model = model
         self.cache = cache
         self.clock = clock or WallClock(model.device)
+        self.link = link or HostLink(model.device)
         self.steady_chain = steady_chain
         self._requests: list[Request] = []
         self.model_seconds = 0.0  # draft forward time of the current step (the rest of drafting is control)
@@ -145,8 +150,12 @@ class Drafter:
 
     # ---------------------------------------------------------------- per step
 
-    def begin(self, requests: list[Request], max_pending: int | None = None) -> None:
-        """Start a step. max_pending: re-prime requests whose pending chain is longer (module docstring)."""
+    def begin(self, requests: list[Request], top_k: int, max_pending: int | None = None) -> None:
+        """Start a step. top_k: tokens per frontier node each level hands back (the policy's `max_children`);
+        max_pending: re-prime requests whose pending chain is longer (module docstring)."""
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+        self.top_k = top_k
         for r in requests:
             offset = self._window_start(r, max_pending)
             if offset is not None:
@@ -170,23 +179,24 @@ class Drafter:
             return len(r.all_token_ids) - max_pending
         return None
 
-    def draft_fn(self, level: DraftLevel, frontier: Tensor) -> Tensor:
-        """(F, V) draft distribution after each frontier node of `level`."""
+    def draft_fn(self, level: DraftLevel, frontier: Tensor) -> DraftTopK:
+        """The draft's top_k next tokens after each frontier node of `level`, chosen on the draft's device; only
+        these (F, top_k) come back to the drafting loop (the host control plane)."""
         t0 = self.clock.now()
         if level.depth == 0:
-            probs = self._expand_roots(frontier)
+            logits = self._expand_roots(frontier)
         else:
-            probs = self._expand_nodes(level, frontier)
-        probs = probs.cpu()  # the drafting loop (host control plane) reads them
+            logits = self._expand_nodes(level, frontier)
+        top = DraftTopK(*self.link.read("draft top-k", *self._top_k(logits)))
         self.model_seconds += self.clock.now() - t0
-        return probs
+        return top
 
     def _forward(self, batch, features: Tensor | None = None) -> Tensor:
         with self.clock.forward("draft", batch.input_ids.numel()):
             return self.model(batch, self.cache)
 
-    def _probs(self, logits: Tensor) -> Tensor:
-        return torch.softmax(logits, dim=-1)
+    def _top_k(self, logits: Tensor) -> DraftTopK:
+        return DraftTopK.of(torch.softmax(logits.float(), dim=-1), self.top_k)
 
     def _chains(self, reqs: list[int]) -> list[Tensor]:
         return [torch.tensor(self._requests[i].all_token_ids[self._requests[i].draft_offset + self._requests[i].draft_ctx :])
@@ -211,7 +221,7 @@ class Drafter:
         pos[frontier] = self._root_pos[frontier]
         self._level_pos = [pos]
         self._level_visible = [pos[:, None].clone()]
-        return self._probs(logits)
+        return logits
 
     def _forward_chains(self, reqs: list[int], chains: list[Tensor], starts: Tensor) -> Tensor:
         return self._forward(chain_batch(chains, starts, self._slots[reqs], logits="last"))
@@ -242,7 +252,7 @@ class Drafter:
         full_visible[frontier] = visible
         self._level_pos.append(full_pos)
         self._level_visible.append(full_visible)
-        return self._probs(logits)
+        return logits
 
     def _forward_nodes(self, batch, level: DraftLevel, frontier: Tensor) -> Tensor:
         return self._forward(batch)
@@ -285,8 +295,9 @@ class Eagle3Drafter(Drafter):
     with the target feature of token draft_offset + p; the root's entry sits at position (tokens - 2 - offset)."""
 
     def __init__(self, model: Eagle3Head, cache: KVCache, capture_layers: tuple[int, ...],
-                 clock: Clock | None = None, steady_chain: int = 9, max_features: int = MAX_FEATURES) -> None:
-        super().__init__(model, cache, clock, steady_chain)
+                 clock: Clock | None = None, steady_chain: int = 9, max_features: int = MAX_FEATURES,
+                 link: HostLink | None = None) -> None:
+        super().__init__(model, cache, clock, steady_chain, link)
         self.capture_layers = tuple(capture_layers)
         self.max_features = max_features
 
@@ -327,8 +338,8 @@ class Eagle3Drafter(Drafter):
             start = r.features.start  # the features it would need are gone: start from the oldest kept
         return start
 
-    def begin(self, requests: list[Request], max_pending: int | None = None) -> None:
-        super().begin(requests, max_pending)
+    def begin(self, requests: list[Request], top_k: int, max_pending: int | None = None) -> None:
+        super().begin(requests, top_k, max_pending)
         self._level_y: list[Tensor] = []
         self._read = torch.zeros(len(requests), dtype=torch.bool)  # requests whose root the head read
 
@@ -357,8 +368,9 @@ class Eagle3Drafter(Drafter):
         with self.clock.forward("draft", batch.input_ids.numel()):
             return self.model(batch, self.cache, features)
 
-    def _probs(self, logits: Tensor) -> Tensor:
-        return self.model.target_probs(logits)
+    def _top_k(self, logits: Tensor) -> DraftTopK:
+        """Top-k over the draft vocabulary, mapped to target ids (no target-vocabulary row is built)."""
+        return DraftTopK(*self.model.top_k(logits, self.top_k))
 
     def _forward_chains(self, reqs: list[int], chains: list[Tensor], starts: Tensor) -> Tensor:
         """Level 0: each request's pending chain with the target features of the tokens before it. A request whose

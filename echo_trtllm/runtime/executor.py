@@ -36,7 +36,7 @@ import logging
 import random
 import traceback
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -52,6 +52,7 @@ from echo_trtllm.models.loader import Tokenizer
 
 from .clock import Clock, WallClock
 from .drafter import make_drafter
+from .transfer import HostLink, Traffic
 from .inputs import chain_batch, tree_batch
 from .request import Request, SamplingParams, check_prompt
 
@@ -119,6 +120,8 @@ class StepReport:
     # the step's context as its attention reads it: the longest cached target context of the batch (the padded
     # layout attends max-context keys for every request; the cost grid's context axis)
     context: float = 0.0
+    # host <-> device traffic of the step (`transfer.HostLink`): syncs, bytes each way, largest single read
+    traffic: Traffic | None = None
 
 
 class Executor:
@@ -151,6 +154,7 @@ class Executor:
         self.policy = make_policy(config, cost_model, gate_samples)
         self.cost_model = cost_model
         self.clock = clock or WallClock(target.device)
+        self.link = HostLink(target.device)  # every tensor crossing host <-> model device, counted per step
         self.tracker = None
         default = cost_model is not None and self.policy.shares_budget
         if self.policy.needs_draft_model and (fallback or (fallback is None and default)):
@@ -181,7 +185,7 @@ class Executor:
         self.drafter = None
         if self.policy.needs_draft_model:
             self.drafter = make_drafter(draft, target, max_batch_size, self.max_seq_len + self.policy.max_expanded_nodes + 1,
-                                        self.clock, self.policy.max_depth)
+                                        self.clock, self.policy.max_depth, self.link)
         # target layers whose inputs every target forward returns for the drafter (an EAGLE-3 head's features)
         self._capture = self.drafter.capture_layers if self.drafter is not None else ()
         self.waiting: deque[Request] = deque()
@@ -333,18 +337,30 @@ class Executor:
         slots = torch.tensor([r.slot for r, _ in group])
         return chain_batch(chains, starts, slots, logits="none")
 
-    def _verify(self, reqs: list[Request], packed, logits: torch.Tensor) -> VerifyResult:
-        """Greedy, or sampling with each request's uniforms of the positions this step covers."""
-        sampling = SamplingTensors(
-            torch.tensor([float(r.params.temperature) for r in reqs]),
-            torch.tensor([r.params.top_k for r in reqs], dtype=torch.long),
-            torch.tensor([float(r.params.top_p) for r in reqs]),
-        )
-        if sampling.all_greedy:
-            return verify(packed, logits)
-        depth = int(packed.node_depths.max()) + 1
-        u = torch.tensor([r.position_uniforms(len(r.output_token_ids), depth) for r in reqs], dtype=torch.float64)
-        return verify(packed, logits, sampling, position_uniforms=u)
+    def _send(self, packed):
+        """The packed batch on the model's device (already there when the plugin's kernel packed it)."""
+        if packed.packed_mask.device == self.target.device:
+            return packed
+        return type(packed)(**{f.name: self.link.send("packed tree", getattr(packed, f.name)) for f in fields(packed)})
+
+    def _verify(self, reqs: list[Request], packed, logits: torch.Tensor, depth: int) -> VerifyResult:
+        """Greedy, or sampling with each request's uniforms of the positions this step covers. Runs where the
+        logits are (the model's device); one read brings the accepted path back to the host. depth: levels of
+        the tree (its deepest node's depth + 1, known on the host)."""
+        greedy = all(r.params.temperature <= 0 for r in reqs)
+        if greedy:
+            result = verify(packed, logits)
+        else:
+            send = self.link.send
+            sampling = SamplingTensors(
+                send("sampling", torch.tensor([float(r.params.temperature) for r in reqs])),
+                send("sampling", torch.tensor([r.params.top_k for r in reqs], dtype=torch.long)),
+                send("sampling", torch.tensor([float(r.params.top_p) for r in reqs])),
+            )
+            u = torch.tensor([r.position_uniforms(len(r.output_token_ids), depth) for r in reqs], dtype=torch.float64)
+            result = verify(packed, logits, sampling, position_uniforms=send("uniforms", u))
+        return VerifyResult(*self.link.read("accepted path", result.accepted_node_ids, result.accepted_token_ids,
+                                            result.cu_accepted))
 
     def _finish(self, req: Request, tokens: list[int]) -> int:
         """Append emitted tokens until a stop condition; returns how many were kept."""
@@ -377,6 +393,7 @@ class Executor:
 
     @torch.inference_mode()
     def step(self) -> StepReport:
+        self.link.take()  # this step's traffic starts here (admission and prefill included)
         _, failed = self.admit()
         reqs = list(self.running)
         if not reqs:
@@ -392,11 +409,16 @@ class Executor:
         drafter = self.drafter if speculated else None
         t_verify = self.clock.now()
         try:
+            # the contract tensors go to the model's device, the mask is built there and the logits stay there:
+            # verification runs beside them and only the accepted path comes back
+            max_tokens = int((ctx + packed.generation_lengths.cpu().long()).max())
+            on_device = self._send(packed)
+            batch = tree_batch(on_device, self.link.send("context lengths", ctx), self.link.send("slots", slots),
+                               max_tokens)
             with self.clock.forward("target", int(packed.total_nodes)):
-                logits, features = self._target_forward(tree_batch(packed, ctx, slots))
-                logits = logits.cpu()  # (N_tot, V)
+                logits, features = self._target_forward(batch)  # (N_tot, V) on the device
             t_verified = self.clock.now()
-            result = self._verify(reqs, packed, logits)
+            result = self._verify(reqs, on_device, logits, int(drafted.selected.depths.max()) + 1)
         except Exception:  # noqa: BLE001 - a failing target fails the requests of this step, the engine goes on
             self._contain("target forward", reqs)
             return StepReport(b, 0, 0, 0, reqs + failed, reqs + failed, positions=positions)
@@ -445,7 +467,7 @@ class Executor:
         return StepReport(b, int(packed.total_nodes), emitted, int(drafted.candidates.total_nodes) - b, finished,
                           reqs + failed, speculated, timings, drafted, result, [r.request_id for r in reqs],
                           positions, kept_counts, draft_failed=planned and not speculated and self.drafter is not None,
-                          context=float(ctx.max()))
+                          context=float(ctx.max()), traffic=self.link.take())
 
     def _draft(self, reqs: list[Request], roots: torch.Tensor, ctx: torch.Tensor, speculate: bool):
         """The step's Super-Tree and its packed batch: (DraftResult, PackedVerifyBatch, speculated). Falls back to
@@ -453,7 +475,7 @@ class Executor:
         failed = False
         if speculate and self.drafter is not None:
             try:
-                self.drafter.begin(reqs, self._max_pending(len(reqs)))
+                self.drafter.begin(reqs, self.policy.max_children, self._max_pending(len(reqs)))
                 budget = min(self.config.k_max, self.max_num_tokens) if self.policy.shares_budget else None
                 levels = self.tracker.depth_limit(len(reqs)) if self.tracker is not None else None
                 drafted = draft_tree(self.policy, roots, self.drafter.draft_fn, budget, levels, float(ctx.max()))
@@ -468,7 +490,7 @@ class Executor:
     def _observe(self, reqs: list[Request], ctx: torch.Tensor, result, keep: list[bool], features) -> None:
         """Hand the drafter the verification forward's features of each kept request's accepted path (root and
         accepted drafts: the tokens ctx, ctx + 1, ... the target has now committed)."""
-        rows = features[result.accepted_node_ids.to(features.device)]
+        rows = features[self.link.send("accepted path", result.accepted_node_ids)]
         parts = rows.split(torch.diff(result.cu_accepted).tolist())
         kept = [i for i, k in enumerate(keep) if k]
         self.drafter.observe([reqs[i] for i in kept], [int(ctx[i]) for i in kept], [parts[i] for i in kept])
@@ -491,7 +513,7 @@ class Executor:
         (echo_trtllm.kernels) and its small result comes back to the host control plane; otherwise the core."""
         dev = self.target.device
         if dev.type == "cuda" and kernels.backend_for(dev) == "cuda":
-            return kernels.pack(selected.to(dev), ctx.to(dev)).to("cpu")
+            return kernels.pack(selected.to(dev), ctx.to(dev))  # stays on the device for the target
         return pack(selected, ctx)
 
     def _commit(self, reqs: list[Request], result, keep: list[bool]) -> None:

@@ -5,7 +5,8 @@ an explicit list of further positions (its chain predecessors or its tree ancest
 query rows see position 0 only, so no SDPA row is fully masked; their outputs are never read.
 
 Example: one request with 3 committed tokens, a tree [r, a, b] (parents [-1, 0, 0]) written at positions 3, 4, 5:
-rows see {0,1,2} plus r: {3}; a: {3, 4}; b: {3, 5}.
+rows see {0,1,2} plus r: {3}; a: {3, 4}; b: {3, 5}. For the verification tree those sets come from the packed
+mask's bits (r: 0b001, a: 0b011, b: 0b101), the only input the target reads about the tree's shape.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from echo_trtllm.core.pack import PackedVerifyBatch
+from echo_trtllm.core.pack import PackedVerifyBatch, unpack_mask
 from echo_trtllm.models.llama import ForwardBatch
 
 __all__ = ["make_batch", "chain_batch", "tree_batch"]
@@ -69,15 +70,38 @@ def chain_batch(chains: list[Tensor], starts: Tensor, slots: Tensor, logits: str
     return make_batch(ids, req, pos, pos, slots, starts.to(dev).long(), visible, index[logits])
 
 
-def tree_batch(packed: PackedVerifyBatch, context_lengths: Tensor, slots: Tensor) -> ForwardBatch:
-    """The packed Super-Tree, written after each request's context (node j of request b at ctx_b + j)."""
+def tree_batch(packed: PackedVerifyBatch, context_lengths: Tensor, slots: Tensor,
+               max_tokens: int | None = None) -> ForwardBatch:
+    """The packed Super-Tree as the target sees it, built from TensorRT-LLM's contract tensors alone:
+    spec_decoding_generation_lengths (N_b), spec_decoding_position_offsets (depths, any stride >= max N_b),
+    spec_decoding_packed_mask (row r, bit c: attends node c of its own request) and the context lengths.
+
+    Node j of request b is written at cache position ctx_b + j with RoPE position ctx_b + offset; it sees the
+    context p < ctx_b and position ctx_b + c for every set bit c. Everything runs on the slots' device.
+    max_tokens: max_b (ctx_b + N_b), the keys attention reads, when the caller knows it on the host; with it no
+    value is read back from the device (None: computed from the tensors).
+    """
     dev = slots.device
-    ctx = context_lengths.to(dev).long()
-    req = packed.request_ids.to(dev)
-    local = torch.arange(packed.total_nodes, device=dev) - packed.cu_num_nodes.to(dev).long()[:-1][req]
+    ctx = context_lengths.to(dev).long()  # (B,)
+    gen = packed.generation_lengths.to(dev).long()  # (B,)
+    offsets = packed.position_offsets.to(dev).long()  # (B, S): S = the stride
+    b, stride = offsets.shape
+    bits = unpack_mask(packed.packed_mask.to(dev), stride)  # (N_tot, S)
+    n_tot = packed.input_ids.numel()
+    req = torch.repeat_interleave(torch.arange(b, device=dev), gen, output_size=n_tot)  # (N_tot,)
+    local = torch.arange(n_tot, device=dev) - (torch.cumsum(gen, 0) - gen)[req]
+    n_max = max(stride, 1)  # query rows per request: the stride (rows past N_b are padding)
+    if max_tokens is None:
+        max_tokens = int((ctx + gen).max()) if b else 1
+    l_max = max(max_tokens, 1)
+    tree = torch.zeros(b, n_max, stride, dtype=torch.bool, device=dev)  # (B, N_max, S) per-request bits
+    tree[req, local] = bits
+    rel = torch.arange(l_max, device=dev)[None, :] - ctx[:, None]  # (B, L): tree column of each cache position
+    in_tree = (rel >= 0) & (rel < gen[:, None])
+    index = rel.clamp(0, stride - 1)[:, None, :].expand(b, n_max, l_max)
+    mask = (torch.gather(tree, 2, index) & in_tree[:, None, :]) | (rel < 0)[:, None, :]
+    padded = torch.arange(n_max, device=dev)[None, :] >= gen[:, None]  # (B, N_max)
+    mask[padded] = False
+    mask[..., 0] |= padded
     write = ctx[req] + local
-    path = packed.path_nodes().to(dev)  # (N_tot, D+1) flat ancestors
-    starts = packed.cu_num_nodes.to(dev).long()[:-1][req]
-    visible = torch.where(path >= 0, ctx[req][:, None] + path - starts[:, None], torch.full_like(path, -1))
-    return make_batch(packed.input_ids.to(dev), req, ctx[req] + packed.node_depths.to(dev).long(), write, slots, ctx,
-                      visible)
+    return ForwardBatch(packed.input_ids.to(dev), ctx[req] + offsets[req, local], slots, req, local, write, mask)

@@ -39,10 +39,11 @@ inline int ok() {
 
 inline int check_gate_scalars(const void* probs, const void* req, const void* active, int32_t m, int32_t b, float tau,
                               const void* conf, const void* passed) {
-  ECHO_REQUIRE(b >= 1, "gate: batch_size must be >= 1, got %d", b);
+  ECHO_REQUIRE(b >= 0, "gate: batch_size must be >= 0, got %d", b);
   ECHO_REQUIRE(m >= 0, "gate: num_level_nodes must be >= 0, got %d", m);
+  ECHO_REQUIRE(b > 0 || m == 0, "gate: a batch of 0 requests has no level nodes, got num_level_nodes = %d", m);
   ECHO_REQUIRE(!std::isnan(tau) && tau >= 0.0f && tau <= 1.0f, "gate: tau must be in [0, 1], got %g", tau);
-  ECHO_REQUIRE(active && conf && passed && (m == 0 || (probs && req)),
+  ECHO_REQUIRE(b == 0 || (active && conf && passed && (m == 0 || (probs && req))),
                "gate: a required array is NULL (path_probs, request_ids, active, confidence, passed)");
   return ECHO_OK;
 }
@@ -56,8 +57,11 @@ inline int check_gate_data(const float* probs, const int32_t* req, int32_t m, in
   return ECHO_OK;
 }
 
+// A batch of 0 requests (TensorRT-LLM's generation inputs allow it) has 0 nodes: the entry points then write
+// their trivial outputs (cu_out = [0], order_len = 0) and launch nothing.
 inline int check_tree_scalars(const char* fn, int32_t b, int32_t n) {
-  ECHO_REQUIRE(b >= 1, "%s: batch_size must be >= 1, got %d", fn, b);
+  ECHO_REQUIRE(b >= 0, "%s: batch_size must be >= 0, got %d", fn, b);
+  ECHO_REQUIRE(b > 0 || n == 0, "%s: a batch of 0 requests has 0 nodes, got num_nodes = %d", fn, n);
   ECHO_REQUIRE(n >= b, "%s: num_nodes (%d) must be >= batch_size (%d): every request has its root", fn, n, b);
   return ECHO_OK;
 }

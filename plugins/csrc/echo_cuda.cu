@@ -32,6 +32,7 @@ int echo_gate_cuda(const float* path_probs, const int32_t* request_ids, const ui
   if (int rc = abi::check_gate_scalars(path_probs, request_ids, active, num_level_nodes, batch_size, tau, confidence,
                                        passed))
     return rc;
+  if (batch_size == 0) return abi::ok();
   return cuda_status(echo::cuda::gate({path_probs, request_ids, active, num_level_nodes, batch_size, tau, confidence,
                                        passed},
                                       static_cast<cudaStream_t>(stream)),
@@ -41,6 +42,10 @@ int echo_gate_cuda(const float* path_probs, const int32_t* request_ids, const ui
 int echo_allocate_budget_workspace_bytes(int32_t num_nodes, int32_t batch_size, size_t* bytes) {
   if (int rc = abi::check_tree_scalars("allocate_budget_workspace_bytes", batch_size, num_nodes)) return rc;
   ECHO_REQUIRE(bytes, "allocate_budget_workspace_bytes: bytes is NULL");
+  if (batch_size == 0) {
+    *bytes = 0;
+    return abi::ok();
+  }
   return cuda_status(echo::cuda::allocation_workspace_bytes(num_nodes, batch_size, bytes), "allocate_budget");
 }
 
@@ -50,6 +55,11 @@ int echo_allocate_budget_cuda(const float* path_probs, const int32_t* depths, co
                               int32_t* num_nodes_out, int32_t* order, int32_t* order_len, void* workspace,
                               size_t workspace_bytes, void* stream) {
   if (int rc = abi::check_tree_scalars("allocate_budget", batch_size, num_nodes)) return rc;
+  if (batch_size == 0) {  // nothing to allocate: order_len = 0, written on the stream like every output
+    ECHO_REQUIRE(order_len, "allocate_budget: order_len is NULL");
+    return cuda_status(cudaMemsetAsync(order_len, 0, sizeof(int32_t), static_cast<cudaStream_t>(stream)),
+                       "allocate_budget");
+  }
   ECHO_REQUIRE(path_probs && depths && parents && cu && spine_depth && selected && phase && num_nodes_out &&
                    order_len && workspace && (order || num_nodes == batch_size),
                "allocate_budget: a required array (or the workspace) is NULL");
@@ -71,7 +81,11 @@ int echo_allocate_budget_cuda(const float* path_probs, const int32_t* depths, co
 }
 
 int echo_pack_workspace_bytes(int32_t num_nodes, size_t* bytes) {
-  ECHO_REQUIRE(num_nodes >= 1 && bytes, "pack_workspace_bytes: num_nodes must be >= 1 and bytes non-NULL");
+  ECHO_REQUIRE(num_nodes >= 0 && bytes, "pack_workspace_bytes: num_nodes must be >= 0 and bytes non-NULL");
+  if (num_nodes == 0) {
+    *bytes = 0;
+    return abi::ok();
+  }
   size_t inner = 0;
   if (int rc = cuda_status(echo::cuda::pack_workspace_bytes(num_nodes, &inner), "pack")) return rc;
   *bytes = align_up(static_cast<size_t>(num_nodes) * sizeof(index_t)) + inner;
@@ -84,6 +98,10 @@ int echo_pack_cuda(const int32_t* parents, const int32_t* cu, const uint8_t* sel
                    int32_t* position_ids, int32_t* position_offsets, int32_t* packed_mask, void* workspace,
                    size_t workspace_bytes, void* stream) {
   if (int rc = abi::check_tree_scalars("pack", batch_size, num_nodes)) return rc;
+  if (batch_size == 0) {  // cu_out = [0], written on the stream
+    ECHO_REQUIRE(cu_out && num_selected == 0, "pack: a batch of 0 requests needs cu_out (1 entry) and num_selected 0");
+    return cuda_status(cudaMemsetAsync(cu_out, 0, sizeof(int32_t), static_cast<cudaStream_t>(stream)), "pack");
+  }
   ECHO_REQUIRE(parents && cu && cu_out && generation_lengths && src_index && parents_out && depths_out &&
                    position_ids && position_offsets && packed_mask && workspace,
                "pack: a required array (or the workspace) is NULL");

@@ -25,6 +25,7 @@ int echo_gate_host(const float* path_probs, const int32_t* request_ids, const ui
   if (int rc = abi::check_gate_scalars(path_probs, request_ids, active, num_level_nodes, batch_size, tau, confidence,
                                        passed))
     return rc;
+  if (batch_size == 0) return abi::ok();
   if (int rc = abi::check_gate_data(path_probs, request_ids, num_level_nodes, batch_size)) return rc;
   echo::host::gate({path_probs, request_ids, active, num_level_nodes, batch_size, tau, confidence, passed});
   return abi::ok();
@@ -35,6 +36,11 @@ int echo_allocate_budget_host(const float* path_probs, const int32_t* depths, co
                               int32_t budget, int32_t max_nodes_per_request, uint8_t* selected, int8_t* phase,
                               int32_t* num_nodes_out, int32_t* order, int32_t* order_len) {
   if (int rc = abi::check_tree_scalars("allocate_budget", batch_size, num_nodes)) return rc;
+  if (batch_size == 0) {
+    ECHO_REQUIRE(order_len, "allocate_budget: order_len is NULL");
+    *order_len = 0;
+    return abi::ok();
+  }
   ECHO_REQUIRE(path_probs && depths && parents && cu && spine_depth && selected && phase && num_nodes_out &&
                    order_len && (order || num_nodes == batch_size),
                "allocate_budget: a required array is NULL");
@@ -61,6 +67,11 @@ int echo_pack_host(const int32_t* parents, const int32_t* cu, const uint8_t* sel
                    int32_t* generation_lengths, int32_t* src_index, int32_t* parents_out, int32_t* depths_out,
                    int32_t* position_ids, int32_t* position_offsets, int32_t* packed_mask) {
   if (int rc = abi::check_tree_scalars("pack", batch_size, num_nodes)) return rc;
+  if (batch_size == 0) {
+    ECHO_REQUIRE(cu_out && num_selected == 0, "pack: a batch of 0 requests needs cu_out (1 entry) and num_selected 0");
+    cu_out[0] = 0;
+    return abi::ok();
+  }
   ECHO_REQUIRE(parents && cu && cu_out && generation_lengths && src_index && parents_out && depths_out &&
                    position_ids && position_offsets && packed_mask,
                "pack: a required array is NULL");

@@ -27,10 +27,11 @@ int32_t words_per_row(int32_t m) { return (m + 31) / 32; }
 struct Layout {
   size_t selected, phase, num_nodes, order, order_len, cu_out, parents_out, depths_out, alloc_ws, pack_ws, total;
   size_t alloc_bytes = 0, pack_bytes = 0;
+  bool ok = true;  // both workspace queries succeeded (a failed query must not size a workspace)
 
   Layout(int32_t n, int32_t b) {
-    echo_allocate_budget_workspace_bytes(n, b, &alloc_bytes);
-    echo_pack_workspace_bytes(n, &pack_bytes);
+    ok = echo_allocate_budget_workspace_bytes(n, b, &alloc_bytes) == ECHO_OK &&
+         echo_pack_workspace_bytes(n, &pack_bytes) == ECHO_OK;
     size_t at = 0;
     auto take = [&at](size_t bytes) {
       size_t here = at;
@@ -159,7 +160,8 @@ size_t EchoTreePlugin::getWorkspaceSize(DynamicPluginTensorDesc const* inputs, i
                                         int32_t) const noexcept {
   auto n = static_cast<int32_t>(inputs[0].max.d[0]);
   auto b = static_cast<int32_t>(inputs[3].max.d[0] - 1);
-  return Layout(std::max(n, 1), std::max(b, 1)).total;
+  const Layout L(std::max(n, 1), std::max(b, 1));
+  return L.ok ? L.total : 0;  // a failed query: enqueue sees it again and fails
 }
 
 int32_t EchoTreePlugin::onShapeChange(PluginTensorDesc const*, int32_t nbInputs, PluginTensorDesc const*,
@@ -172,14 +174,17 @@ int32_t EchoTreePlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorD
   const auto n = static_cast<int32_t>(inputDesc[0].dims.d[0]);
   const auto b = static_cast<int32_t>(inputDesc[3].dims.d[0] - 1);
   const int32_t m = mParams.max_nodes_per_request, k_max = mParams.k_max;
-  if (b < 1 || n < b || k_max < b) return -1;  // every request needs its root within K_max
+  auto* num_selected_out = static_cast<int32_t*>(outputs[5]);
+  if (b == 0)  // no generation requests this step (TensorRT-LLM allows it): K = 0, nothing else to write
+    return cudaMemsetAsync(num_selected_out, 0, sizeof(int32_t), stream) == cudaSuccess ? 0 : -1;
+  if (b < 0 || n < b || k_max < b) return -1;  // every request needs its root within K_max
   const Layout L(n, b);
+  if (!L.ok) return -1;
   auto* gen_lengths = static_cast<int32_t*>(outputs[0]);
   auto* offsets = static_cast<int32_t*>(outputs[1]);
   auto* mask = static_cast<int32_t*>(outputs[2]);
   auto* src_index = static_cast<int32_t*>(outputs[3]);
   auto* position_ids = static_cast<int32_t*>(outputs[4]);
-  auto* num_selected = static_cast<int32_t*>(outputs[5]);
   // Rows past K stay zero (src_index -1): the attention plugin reads generation_lengths rows only.
   if (cudaMemsetAsync(mask, 0, sizeof(int32_t) * size_t(k_max) * words_per_row(m), stream) != cudaSuccess ||
       cudaMemsetAsync(src_index, 0xFF, sizeof(int32_t) * size_t(k_max), stream) != cudaSuccess ||
@@ -199,7 +204,7 @@ int32_t EchoTreePlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorD
                       src_index, at<int32_t>(workspace, L.parents_out), at<int32_t>(workspace, L.depths_out),
                       position_ids, offsets, mask, at<void>(workspace, L.pack_ws), L.pack_bytes, stream);
   if (rc != ECHO_OK) return -1;
-  return cudaMemcpyAsync(num_selected, cu_out + b, sizeof(int32_t), cudaMemcpyDeviceToDevice, stream) == cudaSuccess
+  return cudaMemcpyAsync(num_selected_out, cu_out + b, sizeof(int32_t), cudaMemcpyDeviceToDevice, stream) == cudaSuccess
              ? 0
              : -1;
 }
@@ -260,3 +265,14 @@ REGISTER_TENSORRT_PLUGIN(EchoTreePluginCreator);
 
 }  // namespace trt
 }  // namespace echo
+
+// Dynamic loading (IPluginRegistry::loadLibrary, trtexec --dynamicPlugins): the library's creators and the hook
+// through which TensorRT hands it a logger (the plugin reports failures through return codes and does not log).
+extern "C" void setLoggerFinder(nvinfer1::ILoggerFinder*) {}
+
+extern "C" nvinfer1::IPluginCreatorInterface* const* getCreators(int32_t& nbCreators) {
+  static echo::trt::EchoTreePluginCreator creator;
+  static nvinfer1::IPluginCreatorInterface* const creators[] = {&creator};
+  nbCreators = 1;
+  return creators;
+}

@@ -1,7 +1,9 @@
 // Host test binary: the C ABI on fixed cases with known answers (DESIGN.md section 4's tree, a budget example,
 // the gate) plus invariants on pseudo-random trees. The exhaustive comparison with the Python core runs in
 // tests/plugins (pytest); this binary needs no Python.
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <cstdlib>
 #include <random>
 #include <vector>
@@ -88,12 +90,53 @@ static void random_invariants() {
   }
 }
 
+// A step with no generation requests (TensorRT-LLM allows B = 0): every entry point succeeds and writes its
+// trivial outputs; a batch of 0 requests with nodes is refused.
+static void empty_batch() {
+  int32_t cu[] = {0}, cu_out[] = {-1}, order_len = -1;
+  EXPECT(echo_gate_host(nullptr, nullptr, nullptr, 0, 0, 0.5f, nullptr, nullptr) == ECHO_OK);
+  EXPECT(echo_allocate_budget_host(nullptr, nullptr, nullptr, cu, 0, 0, nullptr, 0, 0, nullptr, nullptr, nullptr,
+                                   nullptr, &order_len) == ECHO_OK && order_len == 0);
+  EXPECT(echo_pack_host(nullptr, cu, nullptr, nullptr, 0, 0, 0, 1, cu_out, nullptr, nullptr, nullptr, nullptr, nullptr,
+                        nullptr, nullptr) == ECHO_OK && cu_out[0] == 0);
+  EXPECT(echo_pack_host(nullptr, cu, nullptr, nullptr, 0, 3, 0, 1, cu_out, nullptr, nullptr, nullptr, nullptr, nullptr,
+                        nullptr, nullptr) == ECHO_INVALID_ARGUMENT);
+}
+
+// -0.0 is a probability equal to +0.0 (the core's sort and max treat them alike); NaN is refused by name.
+static void signed_zero_and_nan() {
+  const float probs[] = {1.f, -0.0f, 0.0f, 1.f, 0.0f, -0.0f};
+  const int32_t depths[] = {0, 1, 1, 0, 1, 1}, parents[] = {-1, 0, 0, -1, 0, 0}, cu[] = {0, 3, 6}, spine[] = {0, 0};
+  uint8_t sel[6];
+  int8_t phase[6];
+  int32_t k[2], order[4], order_len = -1;
+  // budget 4: both roots, then the two best zeros in priority order: ties -> depth, then index (nodes 1 and 2)
+  EXPECT(echo_allocate_budget_host(probs, depths, parents, cu, 2, 6, spine, 4, 0, sel, phase, k, order, &order_len) ==
+         ECHO_OK);
+  EXPECT(order_len == 2 && order[0] == 1 && order[1] == 2);
+  const float level[] = {-0.0f, 0.0f};
+  const int32_t req[] = {0, 1};
+  const uint8_t active[] = {1, 1};
+  float conf[2] = {-1.f, -1.f};
+  uint8_t passed[2];
+  EXPECT(echo_gate_host(level, req, active, 2, 2, 0.0f, conf, passed) == ECHO_OK);
+  EXPECT(conf[0] == 0.0f && !std::signbit(conf[0]) && conf[1] == 0.0f && passed[0] == 0 && passed[1] == 0);
+  const float nan_probs[] = {1.f, std::nanf(""), 0.5f, 1.f, 0.5f, 0.5f};
+  EXPECT(echo_allocate_budget_host(nan_probs, depths, parents, cu, 2, 6, spine, 4, 0, sel, phase, k, order,
+                                   &order_len) == ECHO_INVALID_ARGUMENT);
+  EXPECT(std::strstr(echo_last_error(), "path_probs[1]") != nullptr);
+  const float nan_level[] = {std::nanf(""), 0.5f};
+  EXPECT(echo_gate_host(nan_level, req, active, 2, 2, 0.0f, conf, passed) == ECHO_INVALID_ARGUMENT);
+}
+
 int main() {
   std::printf("echo plugin host test (ABI %d, CUDA %s)\n", echo_abi_version(), echo_has_cuda() ? "yes" : "no");
   design_example();
   budget_example();
   gate_example();
   random_invariants();
+  empty_batch();
+  signed_zero_and_nan();
   std::printf(failures ? "%d FAILED\n" : "all passed\n", failures);
   return failures ? EXIT_FAILURE : EXIT_SUCCESS;
 }

@@ -79,6 +79,38 @@ def test_allocation_equals_core_on_random_trees(backend, batch_size, max_nodes, 
             assert_same_allocation(got, want)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_allocation_equals_core_on_20k_nodes_with_signed_zeros(backend, seed):
+    """N ~ 20k (past CUB's single-pass sort sizes on the device), probabilities with exact zeros of both signs
+    (a path through an underflowed draft probability): the same selection and order as the core."""
+    gen = torch.Generator().manual_seed(seed)
+    tree = random_tree(256, 160, gen)
+    assert tree.total_nodes > 15_000
+    zero = (torch.rand(tree.total_nodes, generator=gen) < 0.05).tolist()
+    sign = (torch.rand(tree.total_nodes, generator=gen) < 0.5).tolist()
+    probs, gp = tree.path_probs.tolist(), tree.global_parents.tolist()
+    for i in range(tree.total_nodes):  # a zero's descendants are zeros too (parents precede children)
+        if gp[i] >= 0 and (zero[i] or probs[gp[i]] == 0.0):
+            probs[i] = -0.0 if sign[i] else 0.0
+    tree.path_probs = torch.tensor(probs)
+    assert bool((tree.path_probs == 0).any()) and bool(torch.signbit(tree.path_probs).any())
+    spine = torch.randint(0, 4, (256,), generator=gen)
+    for budget, cap in ((256 + tree.total_nodes // 3, None), (2048, 16)):
+        want = allocate_budget(tree, spine, budget, cap)
+        got = kernels.allocate_budget(tree.to(dev(backend)), spine, budget, cap, backend=backend)
+        assert_same_allocation(got, want)
+
+
+def test_gate_orders_signed_zeros_as_the_core(backend):
+    probs = torch.tensor([-0.0, 0.0, 0.0, -0.0, 0.3])
+    req = torch.tensor([0, 0, 1, 1, 2])
+    active = torch.ones(3, dtype=torch.bool)
+    d = dev(backend)
+    got = kernels.gate(probs.to(d), req.to(d), 3, active.to(d), 0.0, backend=backend)
+    want = kernels.gate(probs, req, 3, active, 0.0, backend="torch")
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
 @pytest.mark.parametrize("batch_size", [1, 5, 64, 257])
 def test_allocation_equals_core_on_drafted_trees(backend, batch_size):
     drafted = drafted_tree(batch_size, seed=batch_size)

@@ -101,13 +101,13 @@ def test_the_heads_drafts_equal_a_dense_recomputation_every_step(fp32_pair, prom
                 continue  # a one-token prompt at its first step: nothing to read the root with
             r = d._requests[b]
             if level.depth == 0:
-                records.append([list(r.all_token_ids), r.draft_offset, [], [probs[row]]])
+                records.append([list(r.all_token_ids), r.draft_offset, [], [(probs.probs[row], probs.tokens[row])]])
                 d._record = getattr(d, "_record", {})
                 d._record[b] = records[-1]
             else:
                 rec = d._record[b]
                 rec[2].append(int(level.token_ids[node]))
-                rec[3].append(probs[row])
+                rec[3].append((probs.probs[row], probs.tokens[row]))
         return probs
 
     ex.drafter.draft_fn = spy
@@ -127,7 +127,11 @@ def test_the_heads_drafts_equal_a_dense_recomputation_every_step(fp32_pair, prom
     for tokens, offset, chain, got in records:
         want = dense_reference(target, head, tokens, offset, chain)
         for d, (g, w) in enumerate(zip(got, want)):
-            torch.testing.assert_close(g, w, rtol=0, atol=2e-4, msg=lambda m: f"level {d} of {tokens}: {m}")
+            # the drafter hands back its top-k: the reference's probabilities at those tokens, and its own top-k
+            top_p, top_ids = g
+            assert top_ids.numel() == ex.policy.max_children
+            torch.testing.assert_close(top_p, w[top_ids], rtol=0, atol=2e-4, msg=lambda m: f"level {d} of {tokens}: {m}")
+            torch.testing.assert_close(top_p, torch.topk(w, top_ids.numel()).values, rtol=0, atol=2e-4)
 
 
 def test_the_llm_api_and_an_engine_directory_carry_the_head(tmp_path, prompts):

@@ -32,11 +32,17 @@ ECHO_HD uint32_t float_bits(float x) {
 #endif
 }
 
+// Ordering bits of a probability: the float's bits for p > 0, else 0. -0.0 orders as +0.0 (as the core's torch
+// sort and max treat them), and a NaN or a negative value, which the host entry points reject, orders as 0 on
+// the device (whose arrays are not read back to check) instead of above every probability, as its raw bits would.
+// Host and device use this one function, so they order every input identically.
+ECHO_HD uint32_t prob_bits(float p) { return p > 0.0f ? float_bits(p) : 0u; }
+
 // Priority of a candidate: path probability descending, then depth ascending; a stable sort of this key
 // also orders equal keys by node index ascending. A child never outranks its parent (its probability is a
 // product of factors <= 1, and on ties the shallower node wins), so every prefix is ancestor-closed.
 ECHO_HD uint64_t priority_key(float path_prob, index_t depth) {
-  return (static_cast<uint64_t>(kLargestFiniteFloatBits - float_bits(path_prob)) << 16) |
+  return (static_cast<uint64_t>(kLargestFiniteFloatBits - prob_bits(path_prob)) << 16) |
          static_cast<uint64_t>(depth & 0xFFFF);
 }
 
@@ -59,7 +65,8 @@ ECHO_HD index_t node_depth(const index_t* parents, index_t local) {
 
 // Is (prob_a, a) a better spine end than (prob_b, b)? Higher probability, then lower index.
 ECHO_HD bool better_node(float prob_a, index_t a, float prob_b, index_t b) {
-  return prob_a > prob_b || (prob_a == prob_b && a < b);
+  const uint32_t x = prob_bits(prob_a), y = prob_bits(prob_b);  // -0.0 ties with +0.0, NaN never wins
+  return x > y || (x == y && a < b);
 }
 
 // One 32-bit word of node `local`'s packed-mask row: bit (n - 32 * word) set for every n in {local and

@@ -27,7 +27,7 @@ inline void gate(const GateArgs& a) {
   for (index_t i = 0; i < a.batch_size; ++i) a.confidence[i] = 0.0f;
   for (index_t m = 0; m < a.num_level_nodes; ++m) {
     float& c = a.confidence[a.request_ids[m]];
-    if (a.path_probs[m] > c) c = a.path_probs[m];
+    if (prob_bits(a.path_probs[m]) > prob_bits(c)) c = a.path_probs[m];  // the device's max, on the same bits
   }
   for (index_t i = 0; i < a.batch_size; ++i) gate_decide(a, i);
 }
@@ -42,11 +42,12 @@ __global__ void gate_zero_kernel(GateArgs a) {
   if (i < a.batch_size) a.confidence[i] = 0.0f;
 }
 
-// Probabilities are >= 0, so their bit patterns order like their values: an unsigned atomicMax is a float max.
+// prob_bits of probabilities order like their values: an unsigned atomicMax on them is a float max (-0.0 and NaN
+// map to the bits of +0.0, as on the host).
 __global__ void gate_max_kernel(GateArgs a) {
   index_t m = blockIdx.x * blockDim.x + threadIdx.x;
   if (m < a.num_level_nodes) {
-    atomicMax(reinterpret_cast<unsigned int*>(a.confidence) + a.request_ids[m], float_bits(a.path_probs[m]));
+    atomicMax(reinterpret_cast<unsigned int*>(a.confidence) + a.request_ids[m], prob_bits(a.path_probs[m]));
   }
 }
 

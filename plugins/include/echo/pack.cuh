@@ -41,6 +41,7 @@ ECHO_HD void select_node(const PackArgs& a, index_t i) {
   if (!is_selected(a, i)) return;
   const index_t r = request_of(a.cu, a.batch_size, i);
   const index_t k = a.new_index[i];
+  if (k >= a.num_selected) return;  // capacity mode: more rows than the caller made room for; cu_out[B] says K
   const index_t p = a.parents[i];
   a.src_index[k] = i;
   a.parents_out[k] = p < 0 ? -1 : a.new_index[a.cu[r] + p] - a.new_index[a.cu[r]];
@@ -74,7 +75,8 @@ ECHO_HD void mask_row_word(const PackArgs& a, index_t k, index_t w) {
 
 ECHO_HD void offset_entry(const PackArgs& a, index_t r, index_t j) {
   const index_t len = a.cu_out[r + 1] - a.cu_out[r];
-  a.position_offsets[static_cast<int64_t>(r) * a.n_max + j] = j < len ? a.depths_out[a.cu_out[r] + j] : 0;
+  const bool written = j < len && a.cu_out[r] + j < a.num_selected;  // rows past the capacity were not written
+  a.position_offsets[static_cast<int64_t>(r) * a.n_max + j] = written ? a.depths_out[a.cu_out[r] + j] : 0;
 }
 
 namespace host {

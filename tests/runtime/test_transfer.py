@@ -1,0 +1,42 @@
+"""Host <-> device traffic of a step (runtime.transfer.HostLink), counted on the path the executor runs: drafting
+hands back each level's top-k, verification runs beside the logits and one read brings the accepted path back;
+no vocabulary-sized row ever crosses."""
+
+import pytest
+import torch
+
+from echo_trtllm import EchoConfig, SamplingParams
+from echo_trtllm.runtime.transfer import HostLink
+
+
+def test_host_link_counts_reads_as_syncs_and_bytes():
+    link = HostLink("cpu")
+    a, b = torch.zeros(3, 4), torch.zeros(5, dtype=torch.long)
+    link.read("x", a, b)
+    link.read("x", a)
+    link.send("y", b)
+    t = link.take()
+    assert (t.syncs, t.to_host_bytes, t.to_device_bytes, t.largest_read_bytes) == (2, 48 + 40 + 48, 40, 88)
+    assert t.reads == {"x": [2, 136]} and t.sends == {"y": [1, 40]}
+    assert link.take().syncs == 0, "take starts a new count"
+
+
+@pytest.mark.parametrize("policy, temperature", [("echo", 0.0), ("eagle2", 0.0), ("echo", 0.8)])
+def test_a_step_reads_one_top_k_per_level_and_the_accepted_path_once(pair_llm, prompts, policy, temperature):
+    config = EchoConfig(policy=policy, k_max=64)
+    with pair_llm(speculative_config=config, max_batch_size=4, cost_model=None, iter_stats_max_iterations=200) as llm:
+        llm.generate(prompts[:4], [SamplingParams(max_tokens=10, temperature=temperature, seed=i, ignore_eos=True)
+                                   for i in range(4)], use_tqdm=False)
+        reports = llm.get_stats()
+        vocab = llm.executor.target.config.vocab_size
+        k = llm.executor.policy.max_children
+    spec = [r for r in reports if r.speculated]
+    assert len(spec) >= 3
+    for r in spec:
+        t = r.traffic
+        levels = len(r.draft.state.frontier_sizes)
+        frontier = sum(r.draft.state.frontier_sizes)
+        assert t.reads["draft top-k"] == [levels, frontier * k * (4 + 8)]  # float32 probs + int64 ids
+        assert t.reads["accepted path"][0] == 1
+        assert t.syncs == levels + 1, t.reads  # nothing else is read back
+        assert t.largest_read_bytes < 4 * vocab, "a vocabulary-sized row came back to the host"

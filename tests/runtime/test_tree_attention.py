@@ -1,0 +1,93 @@
+"""The target verifies a packed Super-Tree through TensorRT-LLM's contract tensors (runtime.inputs.tree_batch), the
+path every verification step runs: against plain causal forwards of each node's root path, in both mask layouts,
+and with one bit of spec_decoding_packed_mask flipped."""
+
+import pytest
+import torch
+
+from echo_trtllm.core.pack import pack, words_per_row
+from echo_trtllm.core.tree import SuperTree
+from echo_trtllm.runtime.inputs import chain_batch, tree_batch
+from tests.helpers import naive_ancestors, random_parents
+
+
+def _setup(target, batch_size: int, seed: int):
+    """Random trees over random contexts; the contexts prefilled into slots 0..B-1 of a fresh cache."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = target.config.vocab_size
+    parents = [random_parents(int(torch.randint(1, 40, (1,), generator=gen)), gen) for _ in range(batch_size)]
+    tree = SuperTree.from_parents(parents, [torch.randint(0, vocab, (p.numel(),), generator=gen) for p in parents])
+    ctx = torch.randint(1, 12, (batch_size,), generator=gen)
+    contexts = [torch.randint(0, vocab, (int(c),), generator=gen) for c in ctx]
+    cache = target.allocate_cache(batch_size, 64)
+    target(chain_batch(contexts, torch.zeros(batch_size, dtype=torch.long), torch.arange(batch_size), "none"), cache)
+    return parents, tree, ctx, contexts, cache
+
+
+def _verify(target, packed, ctx, cache):
+    return target(tree_batch(packed, ctx, torch.arange(ctx.numel())), cache)
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_tree_verification_equals_causal_forward_of_each_root_path(default_pair, batch_size):
+    target = default_pair[0]
+    parents, tree, ctx, contexts, cache = _setup(target, batch_size, 10 + batch_size)
+    packed = pack(tree, ctx)
+    logits = _verify(target, packed, ctx, cache)  # (N_tot, V)
+    assert logits.shape == (tree.total_nodes, target.config.vocab_size)
+    ref_cache = target.allocate_cache(1, 64)
+    for node in range(tree.total_nodes):
+        i = int(tree.request_ids[node])
+        start = int(tree.cu_num_nodes[i])
+        path = [start + a for a in naive_ancestors(parents[i].tolist(), node - start)]
+        chain = torch.cat([contexts[i], tree.token_ids[path]])
+        ref = target(chain_batch([chain], torch.tensor([0]), torch.tensor([0])), ref_cache)[0]
+        torch.testing.assert_close(logits[node], ref, rtol=1e-4, atol=1e-4, msg=f"node {node} of request {i}")
+
+
+def test_fixed_stride_layout_gives_the_same_logits(default_pair):
+    """pack(max_generation_length=S): position_offsets (B, S) and packed_mask (N_tot, ceil(S/32)), as an engine
+    built with max_draft_len = S - 1 expects them; the target reads either layout the same way."""
+    target = default_pair[0]
+    _, tree, ctx, _, cache = _setup(target, 3, 7)
+    compact = pack(tree, ctx)
+    stride = 70
+    padded = pack(tree, ctx, max_generation_length=stride)
+    assert padded.position_offsets.shape == (3, stride)
+    assert padded.packed_mask.shape == (tree.total_nodes, words_per_row(stride))
+    n = compact.max_nodes
+    assert torch.equal(padded.position_offsets[:, :n], compact.position_offsets)
+    assert not padded.position_offsets[:, n:].any()
+    assert torch.equal(padded.packed_mask[:, : compact.packed_mask.shape[1]], compact.packed_mask)
+    assert not padded.packed_mask[:, compact.packed_mask.shape[1]:].any()
+    torch.testing.assert_close(_verify(target, padded, ctx, cache), _verify(target, compact, ctx, cache), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="max_generation_length"):
+        pack(tree, ctx, max_generation_length=n - 1)
+
+
+def test_flipping_one_packed_mask_bit_changes_that_row_and_its_descendants_only(default_pair):
+    target = default_pair[0]
+    torch.manual_seed(0)
+    parents = [torch.tensor([-1, 0, 0, 1, 1, 2]), torch.tensor([-1, 0, 1])]
+    tree = SuperTree.from_parents(parents, [torch.randint(0, target.config.vocab_size, (p.numel(),)) for p in parents])
+    ctx = torch.tensor([5, 3])
+    cache = target.allocate_cache(2, 32)
+    contexts = [torch.randint(0, target.config.vocab_size, (int(c),)) for c in ctx]
+    target(chain_batch(contexts, torch.zeros(2, dtype=torch.long), torch.arange(2), "none"), cache)
+    packed = pack(tree, ctx)
+    before = _verify(target, packed, ctx, cache)
+    # node 3 of request 0 (parent 1) is made to see its parent's sibling, node 2: bit 2 of row 3
+    packed.packed_mask[3, 0] |= 1 << 2
+    after = _verify(target, packed, ctx, cache)
+    changed = (after - before).abs().amax(dim=1) > 1e-4
+    assert changed.tolist() == [False, False, False, True, False, False, False, False, False]
+    # clearing an ancestor bit instead: node 5 (parent 2) stops seeing node 2, as does nothing else
+    packed = pack(tree, ctx)
+    packed.packed_mask[5, 0] &= ~(1 << 2)
+    changed = (_verify(target, packed, ctx, cache) - before).abs().amax(dim=1) > 1e-4
+    assert changed.tolist() == [False, False, False, False, False, True, False, False, False]
+    # a bit in request 1's row 2 (its depth-2 node stops seeing its parent, node 1): only that row
+    packed = pack(tree, ctx)
+    packed.packed_mask[6 + 2, 0] &= ~(1 << 1)
+    changed = (_verify(target, packed, ctx, cache) - before).abs().amax(dim=1) > 1e-4
+    assert changed.tolist() == [False] * 8 + [True]
