@@ -411,7 +411,7 @@ class Executor:
         try:
             # the contract tensors go to the model's device, the mask is built there and the logits stay there:
             # verification runs beside them and only the accepted path comes back
-            max_tokens = int((ctx + packed.generation_lengths.cpu().long()).max())
+            max_tokens = int((ctx + drafted.selected.num_nodes.cpu()).max())  # host values: no device read
             on_device = self._send(packed)
             batch = tree_batch(on_device, self.link.send("context lengths", ctx), self.link.send("slots", slots),
                                max_tokens)
