@@ -50,12 +50,14 @@ if [ ! -f "$OUT/$NAME-tune-trace.json" ]; then
     --prompt-split calibration --max-tokens "$SRC_TOKENS" --rounds 1 --warmup-rounds 0 --calibration "$CAL" --trace "$OUT/$NAME-tune-trace.json" \
     --json "$OUT/$NAME-tune-source.json"
 fi
+# one simulation file per set of batch sizes: a later run for other batch sizes keeps the earlier one
+SIM=$OUT/$NAME-tune-sim$( [ "$BS" = "1 4 16 64" ] || echo "-b$(echo $BS | tr ' ' -)" )
 $PY -m echo_trtllm.cli simulate --trace "$OUT/$NAME-tune-trace.json" --calibration "$CAL" --tree-source "$SRC" \
   --methods "$($PY -m echo_trtllm.bench.tune --grid)" --batch-sizes "$(echo $BS | tr ' ' ,)" --steps 40 \
   --context "$CONTEXT" \
-  --json "$OUT/$NAME-tune-sim.json" > "$OUT/$NAME-tune-sim.md"
+  --json "$SIM.json" > "$SIM.md"
 for B in $BS; do
-  M=$($PY -m echo_trtllm.bench.tune --simulation "$OUT/$NAME-tune-sim.json" --batch-size "$B")
+  M=$($PY -m echo_trtllm.bench.tune --simulation "$SIM.json" --batch-size "$B")
   E=$(echo "$M" | tr , '\n' | grep '^echo')
   echo "B=$B tuned: $M" >&2
   # AR listed too: its row (and the warning when its own spread over rounds exceeds 10 %) is in the table
