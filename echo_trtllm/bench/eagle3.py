@@ -21,7 +21,7 @@ import json
 
 import torch
 
-from echo_trtllm.core import EchoConfig
+from echo_trtllm.core import DraftTopK, EchoConfig
 from echo_trtllm.models.eagle3 import Eagle3Head
 from echo_trtllm.models.llama import CausalLM
 from echo_trtllm.runtime.calibrate import fastest_seconds
@@ -78,7 +78,11 @@ def level_cost(target: CausalLM, head: Eagle3Head, batch_size: int, context: int
     h = fastest_seconds(head_level, repeats, dev)
     # as the drafter runs a level: the head's forward, its top-k (k = the default top_k) mapped to target ids,
     # and those F x k values copied to the host
-    h2 = fastest_seconds(lambda: [x.cpu() for x in head.top_k(head_level(), EchoConfig().top_k)], repeats, dev)
+    def head_level_top_k():
+        top = DraftTopK.of(torch.softmax(head_level().float(), dim=-1), EchoConfig().top_k)
+        return top.probs.cpu(), head.to_target_ids(top.tokens).cpu()
+
+    h2 = fastest_seconds(head_level_top_k, repeats, dev)
     return {"batch_size": b, "context": context, "target_step_ms": round(t * 1e3, 3),
             "head_level_ms": round(h * 1e3, 3), "head_level_with_top_k_ms": round(h2 * 1e3, 3),
             "head_share": round(h / t, 4), "head_share_with_top_k": round(h2 / t, 4)}

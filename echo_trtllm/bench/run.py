@@ -53,8 +53,8 @@ from echo_trtllm.runtime.request import SamplingParams
 
 from .trace import TraceRecorder
 
-__all__ = ["BenchConfig", "run_cell", "bench", "markdown_table", "profile_table", "traffic_profile", "plot", "machine_info", "report_meta", "cpu_flags",
-           "METRICS"]
+__all__ = ["BenchConfig", "run_cell", "bench", "markdown_table", "profile_table", "traffic_profile", "plot",
+           "machine_info", "report_meta", "cpu_flags", "METRICS"]
 
 METRICS = ("tokens_per_s", "e2e_tokens_per_s", "mat", "verified_per_step", "acceptance_rate", "latency_p50_s",
            "latency_p99_s", "control_share", "draft_share", "speculated_share", "mat_vs_oracle", "mat_vs_own_oracle",

@@ -217,9 +217,6 @@ class DraftTopK(NamedTuple):
         values, tokens = torch.topk(probs.float(), min(k, probs.shape[-1]), dim=-1)
         return cls(values, tokens)
 
-    def to(self, device: torch.device | str) -> "DraftTopK":
-        return DraftTopK(self.probs.to(device), self.tokens.to(device))
-
 
 def expand_level(prev: DraftLevel, frontier: Tensor, child_probs: Tensor | DraftTopK,
                  num_children: int) -> DraftLevel:

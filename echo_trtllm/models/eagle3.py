@@ -119,12 +119,6 @@ class Eagle3Head(nn.Module):
         """Target vocabulary ids of draft-vocabulary ids."""
         return draft_ids + self.d2t[draft_ids]
 
-    def top_k(self, logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """(probs (S, k') float32 descending, target ids (S, k')), k' = min(k, draft vocabulary): the best tokens
-        of the draft-vocabulary softmax of `logits`, on their device (no target-vocabulary row is built)."""
-        probs, ids = torch.topk(torch.softmax(logits.float(), dim=-1), min(k, logits.shape[-1]), dim=-1)
-        return probs, self.to_target_ids(ids)
-
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache, features: Tensor) -> tuple[Tensor, Tensor]:
         """(draft logits (S, draft_vocab) float32 of the rows in batch.logits_index, next features (T, h)).

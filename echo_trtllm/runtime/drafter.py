@@ -370,7 +370,8 @@ class Eagle3Drafter(Drafter):
 
     def _top_k(self, logits: Tensor) -> DraftTopK:
         """Top-k over the draft vocabulary, mapped to target ids (no target-vocabulary row is built)."""
-        return DraftTopK(*self.model.top_k(logits, self.top_k))
+        top = super()._top_k(logits)
+        return top._replace(tokens=self.model.to_target_ids(top.tokens))
 
     def _forward_chains(self, reqs: list[int], chains: list[Tensor], starts: Tensor) -> Tensor:
         """Level 0: each request's pending chain with the target features of the tokens before it. A request whose

@@ -20,6 +20,13 @@ from echo_trtllm.models.llama import ForwardBatch
 __all__ = ["make_batch", "chain_batch", "tree_batch"]
 
 
+def _pad_rows(mask: Tensor, counts: Tensor) -> None:
+    """Padded query rows (index >= their request's count) see cache position 0 only (module docstring)."""
+    padded = torch.arange(mask.shape[1], device=mask.device)[None, :] >= counts[:, None]  # (B, N_max)
+    mask[padded] = False
+    mask[..., 0] |= padded
+
+
 def make_batch(
     input_ids: Tensor,
     token_request: Tensor,
@@ -41,9 +48,7 @@ def make_batch(
     valid = visible >= 0
     rows = torch.arange(input_ids.numel(), device=dev)[:, None].expand_as(visible)[valid]
     mask[token_request[rows], token_local[rows], visible[valid]] = True
-    padded = torch.arange(n_max, device=dev)[None, :] >= counts[:, None]  # (B, N_max)
-    mask[padded] = False
-    mask[..., 0] |= padded
+    _pad_rows(mask, counts)
     return ForwardBatch(input_ids, position_ids, slots, token_request, token_local, write_pos, mask, logits_index)
 
 
@@ -100,8 +105,6 @@ def tree_batch(packed: PackedVerifyBatch, context_lengths: Tensor, slots: Tensor
     in_tree = (rel >= 0) & (rel < gen[:, None])
     index = rel.clamp(0, stride - 1)[:, None, :].expand(b, n_max, l_max)
     mask = (torch.gather(tree, 2, index) & in_tree[:, None, :]) | (rel < 0)[:, None, :]
-    padded = torch.arange(n_max, device=dev)[None, :] >= gen[:, None]  # (B, N_max)
-    mask[padded] = False
-    mask[..., 0] |= padded
+    _pad_rows(mask, gen)
     write = ctx[req] + local
     return ForwardBatch(packed.input_ids.to(dev), ctx[req] + offsets[req, local], slots, req, local, write, mask)

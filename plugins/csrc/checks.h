@@ -66,6 +66,17 @@ inline int check_tree_scalars(const char* fn, int32_t b, int32_t n) {
   return ECHO_OK;
 }
 
+// What a batch of 0 requests must still pass: the one output each entry point writes.
+inline int check_empty_allocation(const void* order_len) {
+  ECHO_REQUIRE(order_len, "allocate_budget: order_len is NULL");
+  return ECHO_OK;
+}
+
+inline int check_empty_pack(const void* cu_out, int32_t num_selected) {
+  ECHO_REQUIRE(cu_out && num_selected == 0, "pack: a batch of 0 requests needs cu_out (1 entry) and num_selected 0");
+  return ECHO_OK;
+}
+
 // cu[0] = 0, cu[B] = N, every request non-empty with its root first, parents within the request and before
 // the child, depths (if given) consistent with the parents and below 65536.
 inline int check_tree_data(const char* fn, const int32_t* cu, const int32_t* parents, const int32_t* depths, int32_t b,

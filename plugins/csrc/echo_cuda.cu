@@ -56,7 +56,7 @@ int echo_allocate_budget_cuda(const float* path_probs, const int32_t* depths, co
                               size_t workspace_bytes, void* stream) {
   if (int rc = abi::check_tree_scalars("allocate_budget", batch_size, num_nodes)) return rc;
   if (batch_size == 0) {  // nothing to allocate: order_len = 0, written on the stream like every output
-    ECHO_REQUIRE(order_len, "allocate_budget: order_len is NULL");
+    if (int rc = abi::check_empty_allocation(order_len)) return rc;
     return cuda_status(cudaMemsetAsync(order_len, 0, sizeof(int32_t), static_cast<cudaStream_t>(stream)),
                        "allocate_budget");
   }
@@ -99,7 +99,7 @@ int echo_pack_cuda(const int32_t* parents, const int32_t* cu, const uint8_t* sel
                    size_t workspace_bytes, void* stream) {
   if (int rc = abi::check_tree_scalars("pack", batch_size, num_nodes)) return rc;
   if (batch_size == 0) {  // cu_out = [0], written on the stream
-    ECHO_REQUIRE(cu_out && num_selected == 0, "pack: a batch of 0 requests needs cu_out (1 entry) and num_selected 0");
+    if (int rc = abi::check_empty_pack(cu_out, num_selected)) return rc;
     return cuda_status(cudaMemsetAsync(cu_out, 0, sizeof(int32_t), static_cast<cudaStream_t>(stream)), "pack");
   }
   ECHO_REQUIRE(parents && cu && cu_out && generation_lengths && src_index && parents_out && depths_out &&

@@ -37,7 +37,7 @@ int echo_allocate_budget_host(const float* path_probs, const int32_t* depths, co
                               int32_t* num_nodes_out, int32_t* order, int32_t* order_len) {
   if (int rc = abi::check_tree_scalars("allocate_budget", batch_size, num_nodes)) return rc;
   if (batch_size == 0) {
-    ECHO_REQUIRE(order_len, "allocate_budget: order_len is NULL");
+    if (int rc = abi::check_empty_allocation(order_len)) return rc;
     *order_len = 0;
     return abi::ok();
   }
@@ -68,7 +68,7 @@ int echo_pack_host(const int32_t* parents, const int32_t* cu, const uint8_t* sel
                    int32_t* position_ids, int32_t* position_offsets, int32_t* packed_mask) {
   if (int rc = abi::check_tree_scalars("pack", batch_size, num_nodes)) return rc;
   if (batch_size == 0) {
-    ECHO_REQUIRE(cu_out && num_selected == 0, "pack: a batch of 0 requests needs cu_out (1 entry) and num_selected 0");
+    if (int rc = abi::check_empty_pack(cu_out, num_selected)) return rc;
     cu_out[0] = 0;
     return abi::ok();
   }
