@@ -27,7 +27,7 @@ everything a calibration holds at construction, once: `make_policy(config, cost_
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, Protocol
 
 import torch
 from torch import Tensor
@@ -46,6 +46,8 @@ __all__ = [
     "POLICIES",
     "make_policy",
     "draft_tree",
+    "draft_tree_batched",
+    "LevelDrafter",
     "top_per_request",
 ]
 
@@ -79,6 +81,9 @@ class DraftState:
     gate: GateConfig | None = None
     # cached tokens per request as the step's attention reads them (the cost grid's context axis; None: unknown)
     context: float | None = None
+    # per drafted level (level-major, like the levels): each node's slot in the fixed-shape frontier it was
+    # expanded from (-1: not expanded). Set by `draft_tree_batched`; the drafter places KV entries by it.
+    frontier_slots: list[Tensor] | None = None
 
 
 @dataclass
@@ -119,6 +124,9 @@ class TreePolicy:
     needs_draft_model: ClassVar[bool] = True
     is_dynamic: ClassVar[bool] = False
     shares_budget: ClassVar[bool] = False
+    # the frontier is the beam rule (the `expand_width` most likely nodes of each active request): the drafting
+    # loop can then run on the drafter's device in fixed shapes (`draft_tree_batched`)
+    beam_frontier: ClassVar[bool] = True
 
     def __init__(self, config: EchoConfig, cost_model: CostModel | None = None,
                  gate_samples: GateSamples | None = None) -> None:
@@ -167,6 +175,12 @@ class TreePolicy:
 
     def num_children(self, depth: int) -> int:
         return self.config.top_k
+
+    def sync_depths(self, state: DraftState) -> frozenset[int]:
+        """Depths after which the batched drafting loop hands the levels drafted so far to the host, so that
+        requests its decisions stopped leave the device's batch (`draft_tree_batched`). None by default: the
+        host decides once, after the last level."""
+        return frozenset()
 
     @property
     def max_children(self) -> int:
@@ -245,6 +259,7 @@ class StaticTreePolicy(TreePolicy):
     """A fixed tree given as Medusa/EAGLE-1 style choices: paths of sibling ranks from the root."""
 
     name = "static"
+    beam_frontier = False  # its frontier follows the choice trie
 
     def __init__(self, config: EchoConfig, cost_model: CostModel | None = None,
                  gate_samples: GateSamples | None = None) -> None:
@@ -332,6 +347,10 @@ class DynamicDepthPolicy(Eagle2Policy):
 
     name = "ddd"
 
+    def sync_depths(self, state: DraftState) -> frozenset[int]:
+        """The first check depth (as the echo family syncs at its first gate)."""
+        return frozenset({self.config.ddd_check_every})
+
     def observe(self, level: DraftLevel, state: DraftState) -> None:
         super().observe(level, state)
         if level.depth % self.config.ddd_check_every:
@@ -387,6 +406,11 @@ class EchoPolicy(TreePolicy):
     def gate_for(self, batch_size: int) -> GateConfig:
         """The gate a step of `batch_size` requests uses."""
         return self.gates.gate_for(batch_size, self.gate_variant)
+
+    def sync_depths(self, state: DraftState) -> frozenset[int]:
+        """The first gate depth: under load most requests stop there, and they stop drafting on the device too.
+        Later gates (and the budget and cost stops) are applied when the host reads the remaining levels."""
+        return frozenset(state.gate.depths[:1])
 
     @property
     def expand_width(self) -> int:
@@ -504,3 +528,129 @@ def draft_tree(
     candidates = SuperTree.from_levels(levels)
     mask = policy.select(candidates, state)
     return DraftResult(candidates, mask, candidates.select(mask), state)
+
+
+class LevelDrafter(Protocol):
+    """What `draft_tree_batched` drives: a drafter that drafts whole levels in fixed shapes on its own device.
+
+    Rows are the requests drafting on the device (R of them, host int64 indices into the batch). Nothing is read
+    back to the host; the top-k it returns stays on the drafter's device."""
+
+    def expand_roots(self, rows: Tensor) -> DraftTopK:
+        """The top-k next tokens after each row's root: (R, k)."""
+
+    def expand_level(self, depth: int, tokens: Tensor, parents: Tensor) -> DraftTopK:
+        """Expand a frontier of W nodes per row at level depth - 1: tokens (R, W) and the frontier slot of each
+        node's parent in the previous call's frontier (R, W); returns the top-k after each node, (R, W, k)."""
+
+    def keep_rows(self, index: Tensor) -> None:
+        """Only rows[index] go on drafting (index: host int64, ascending)."""
+
+
+def draft_tree_batched(
+    policy: TreePolicy, root_token_ids: Tensor, drafter: LevelDrafter, budget: int | None = None,
+    max_levels: int | None = None, context: float | None = None,
+    read: Callable[..., tuple[Tensor, ...]] | None = None, send: Callable[[Tensor], Tensor] | None = None,
+) -> DraftResult:
+    """`draft_tree` with the drafting loop on the drafter's device and one host read per sync point.
+
+    Between sync points (`policy.sync_depths`, then the end of drafting) every request drafting on the device
+    expands a fixed frontier: its `expand_width` most likely nodes of the previous level (ties: lowest index; a
+    request with fewer nodes pads, the padding's children are invalid), chosen on the device. At a sync point
+    the host reads the levels drafted since the last one (`read`, one call) and replays `draft_tree`'s loop on
+    them: the frontier is the device's, restricted to the requests the policy still lets draft; `expand_level`
+    and `policy.observe` run as in `draft_tree`. Requests the replay stopped leave the device's batch. Work the
+    device did for a request after the policy stopped it is dropped, so the result equals `draft_tree` with the
+    same distributions (tests/core/test_batched_drafting.py); what the device drafted beyond it is the cost
+    of deciding less often.
+
+    read(*tensors): the tensors on the host, one synchronisation (default: .cpu()); send(tensor): a host index
+    tensor on the drafter's device (default: .to the device of the drafted levels)."""
+    if not policy.beam_frontier:
+        raise ValueError(f"policy {policy.name!r} does not draft a beam frontier; use draft_tree")
+    read = read or (lambda *tensors: tuple(t.cpu() for t in tensors))
+    levels = [root_level(root_token_ids.cpu())]
+    slots = [torch.zeros(levels[0].num_nodes, dtype=torch.long)]  # each host node's slot in its device level
+    state = policy.start(root_token_ids.numel(), budget)
+    state.context = context
+    state.frontier_slots = []
+    depth_cap = policy.max_depth if max_levels is None else min(policy.max_depth, max_levels)
+    syncs = policy.sync_depths(state)
+    rows = torch.nonzero(state.active, as_tuple=True)[0]
+    pending: list[tuple[int, Tensor, Tensor, Tensor, Tensor, Tensor]] = []
+    replaying = True  # False once the replay met an empty frontier (draft_tree's break)
+    path = tokens = valid = None
+    width, children = policy.expand_width, 1
+    for depth in range(1, depth_cap + 1 if rows.numel() else 1):
+        k = policy.num_children(depth)
+        if depth == 1:
+            top = drafter.expand_roots(rows)  # (R, k')
+            probs, toks = top.probs[:, None, :k], top.tokens[:, None, :k]  # (R, 1, k)
+            dev = probs.device
+            front = torch.zeros(rows.numel(), 1, dtype=torch.long, device=dev)  # the root: slot 0 of level 0
+            fvalid = torch.ones(rows.numel(), 1, dtype=torch.bool, device=dev)
+            parent_path = torch.ones(rows.numel(), 1, device=dev)
+        else:
+            w = min(width, path.shape[1])
+            score = torch.where(valid, path, torch.full_like(path, -1.0))  # padding sorts after every probability
+            best = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :w]
+            front = torch.sort(best, dim=1).values  # (R, w) ascending: the frontier in level order
+            fvalid = valid.gather(1, front)
+            top = drafter.expand_level(depth, tokens.gather(1, front), torch.div(front, children, rounding_mode="floor"))
+            probs, toks = top.probs[..., :k], top.tokens[..., :k]  # (R, w, k)
+            parent_path = path.gather(1, front)
+        path = (parent_path[..., None] * probs.float()).reshape(rows.numel(), -1)  # (R, w * k)
+        tokens = toks.reshape(rows.numel(), -1)
+        valid = fvalid[..., None].expand(-1, -1, k).reshape(rows.numel(), -1)
+        children = k
+        pending.append((depth, rows, front, fvalid, probs, toks))
+        if depth in syncs and depth < depth_cap:
+            replaying = _replay(policy, state, levels, slots, pending, read)
+            pending = []
+            if not replaying or not bool(state.active.any()):
+                break
+            keep = state.active[rows]
+            if not bool(keep.all()):  # stopped requests leave the device's batch
+                index = torch.nonzero(keep, as_tuple=True)[0]
+                drafter.keep_rows(index)
+                on_dev = send(index) if send is not None else index.to(path.device)
+                rows = rows[index]
+                path, tokens, valid = path[on_dev], tokens[on_dev], valid[on_dev]
+    if pending and replaying:
+        _replay(policy, state, levels, slots, pending, read)
+    state.frontier_slots += [torch.full((lv.num_nodes,), -1, dtype=torch.long)
+                             for lv in levels[len(state.frontier_slots):]]
+    candidates = SuperTree.from_levels(levels)
+    mask = policy.select(candidates, state)
+    return DraftResult(candidates, mask, candidates.select(mask), state)
+
+
+def _replay(policy: TreePolicy, state: DraftState, levels: list[DraftLevel], slots: list[Tensor],
+            pending: list, read) -> bool:
+    """draft_tree's loop over levels the device drafted (draft_tree_batched). False at an empty frontier."""
+    flat = read(*[t for rec in pending for t in rec[2:]])  # front, fvalid, probs, tokens of every level
+    for i, (depth, rows, *_) in enumerate(pending):
+        front, fvalid, probs, toks = flat[4 * i: 4 * i + 4]
+        prev = levels[-1]
+        # the frontier slot of each node of the previous level (-1: not in its request's device frontier)
+        row_of = torch.full((state.batch_size,), -1, dtype=torch.long)
+        row_of[rows] = torch.arange(rows.numel())
+        table = torch.full((rows.numel(), int(front.max()) + 1), -1, dtype=torch.long)
+        table.scatter_(1, front, torch.where(fvalid, torch.arange(front.shape[1]).expand_as(front), -1))
+        r = row_of[prev.request_ids]
+        inside = (r >= 0) & (slots[-1] < table.shape[1])
+        w = torch.full_like(r, -1)
+        w[inside] = table[r[inside], slots[-1][inside]]
+        eligible = state.active[prev.request_ids] & (w >= 0)
+        frontier = torch.nonzero(eligible, as_tuple=True)[0]
+        state.frontier_slots.append(torch.where(eligible, w, -1))
+        if frontier.numel() == 0:
+            return False
+        state.frontier_sizes.append(frontier.numel())
+        fr, fw = r[frontier], w[frontier]
+        k = probs.shape[-1]
+        level = expand_level(prev, frontier, DraftTopK(probs[fr, fw], toks[fr, fw]), k)
+        levels.append(level)
+        slots.append((fw[:, None] * k + torch.arange(k)).reshape(-1))
+        policy.observe(level, state)
+    return True

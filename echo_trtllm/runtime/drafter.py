@@ -41,13 +41,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from echo_trtllm.core.tree import DraftLevel, DraftTopK, SuperTree
+from echo_trtllm.core.policies import DraftResult
+from echo_trtllm.core.tree import DraftLevel, DraftTopK
 from echo_trtllm.core.verify import VerifyResult
 from echo_trtllm.models.eagle3 import Eagle3Head
 from echo_trtllm.models.llama import CausalLM, KVCache
 
 from .clock import Clock, WallClock
-from .inputs import chain_batch, make_batch
+from .inputs import chain_batch, level_batch, make_batch
 from .transfer import HostLink
 from .request import Request
 
@@ -257,17 +258,82 @@ class Drafter:
     def _forward_nodes(self, batch, level: DraftLevel, frontier: Tensor) -> Tensor:
         return self._forward(batch)
 
+    # ---------------------------------------------------------------- whole levels (core.draft_tree_batched)
+
+    def expand_roots(self, rows: Tensor) -> DraftTopK:
+        """Level 0 of the batched loop: the rows' pending chains (as `draft_fn` at level 0); the top-k stays on the
+        draft's device."""
+        t0 = self.clock.now()
+        logits = self._expand_roots(rows)
+        self._rows = rows
+        self._row_root = self.link.send("draft rows", self._root_pos[rows])  # (R,) root positions, on the device
+        self._row_slots = self.link.send("draft rows", self._slots[rows])
+        self._max_root = int(self._root_pos[rows].max())
+        self._visible = self._row_root[:, None, None]  # (R, W, d): positions each frontier node sees past the prefix
+        self._scratch = 0  # scratch positions used after the roots
+        self._level_base: list[int] = []  # per expanded level d >= 1: scratch offset of its frontier's first slot
+        top = self._top_k(logits)
+        self.model_seconds += self.clock.now() - t0
+        return top
+
+    def expand_level(self, depth: int, tokens: Tensor, parents: Tensor) -> DraftTopK:
+        """The (R, W) frontier at level depth - 1 in one fixed-shape forward: frontier slot w of row r is written at
+        scratch position root + 1 + base + w and sees its parent's positions and its own."""
+        t0 = self.clock.now()
+        r, w = tokens.shape
+        dev = tokens.device
+        base = self._scratch
+        self._scratch += w
+        self._level_base.append(base)
+        pos = self._row_root[:, None] + (1 + base) + torch.arange(w, device=dev)  # (R, W)
+        e = self._visible.shape[2]
+        visible = torch.cat([self._visible.gather(1, parents[..., None].expand(r, w, e)), pos[..., None]], dim=2)
+        self._visible = visible
+        batch = level_batch(tokens, (self._row_root + depth - 1)[:, None].expand(r, w), pos, self._row_slots,
+                            self._row_root, visible, self._max_root + 1 + self._scratch)
+        top = self._top_k(self._forward_level(batch, parents))
+        self.model_seconds += self.clock.now() - t0
+        return DraftTopK(top.probs.reshape(r, w, -1), top.tokens.reshape(r, w, -1))
+
+    def _forward_level(self, batch, parents: Tensor) -> Tensor:
+        return self._forward(batch)
+
+    def keep_rows(self, index: Tensor) -> None:
+        on_dev = self.link.send("draft rows", index)
+        self._rows = self._rows[index]
+        self._row_root, self._row_slots, self._visible = self._row_root[on_dev], self._row_slots[on_dev], self._visible[on_dev]
+        self._max_root = int(self._root_pos[self._rows].max())
+
+    def _node_positions(self, drafted: DraftResult) -> Tensor:
+        """Draft cache position of every candidate (level-major, as `source_index` counts): where its K/V was
+        written when it was expanded, -1 for nodes never expanded."""
+        state, cand = drafted.state, drafted.candidates
+        n = cand.total_nodes
+        if state.frontier_slots is None:  # drafted level by level (draft_fn)
+            flat = torch.full((n,), -1, dtype=torch.long)
+            seen = torch.cat(self._level_pos) if self._level_pos else flat[:0]
+            flat[: seen.numel()] = seen
+            return flat
+        slot = torch.cat(state.frontier_slots)[cand.source_index]  # request-major
+        offset = torch.zeros(int(cand.depths.max()) + 1, dtype=torch.long)  # depth -> first position past the root
+        for d, base in enumerate(self._level_base, start=1):
+            if d < offset.numel():
+                offset[d] = 1 + base
+        pos = torch.where(slot >= 0, self._root_pos[cand.request_ids] + offset[cand.depths] + slot, -1)
+        flat = torch.full((n,), -1, dtype=torch.long)
+        flat[cand.source_index] = pos
+        return flat
+
     # ---------------------------------------------------------------- after verification
 
-    def commit(self, selected: SuperTree, num_candidates: int, result: VerifyResult, keep: list[bool]) -> None:
+    def commit(self, drafted: DraftResult, result: VerifyResult, keep: list[bool]) -> None:
         """Keep the accepted path's expanded nodes in the draft cache of every request with keep[b].
 
-        num_candidates: nodes drafted this step; the deepest levels were never expanded and hold no position.
-        The requests' draft_ctx moves only once the cache is compacted: if compaction fails, every request keeps
-        its old draft_ctx, whose positions compaction never writes, and the next step catches up from there."""
-        flat_pos = torch.full((num_candidates,), -1, dtype=torch.long)
-        seen = torch.cat(self._level_pos) if self._level_pos else flat_pos[:0]
-        flat_pos[: seen.numel()] = seen
+        The deepest levels were never expanded and hold no position. The requests' draft_ctx moves only once the
+        cache is compacted: if compaction fails, every request keeps its old draft_ctx, whose positions compaction
+        never writes, and the next step catches up from there."""
+        flat_pos = self._node_positions(drafted)
+        selected = drafted.selected
         src, dst, slots, new_ctx = [], [], [], []
         for b, (req, nodes) in enumerate(zip(self._requests, result.node_lists())):
             if not keep[b] or not bool(self._expanded_root[b]):
@@ -399,6 +465,23 @@ class Eagle3Drafter(Drafter):
         return [torch.tensor(self._requests[i].all_token_ids[self._requests[i].draft_offset + self._requests[i].draft_ctx + 1 :])
                 for i in reqs]
 
+    def expand_roots(self, rows: Tensor) -> DraftTopK:
+        top = super().expand_roots(rows)
+        self._y = self._level_y[0][self.link.send("draft rows", rows)][:, None]  # (R, 1, h): the roots' outputs
+        return top
+
+    def _forward_level(self, batch, parents: Tensor) -> Tensor:
+        """Each frontier node reads its parent's head output in place of a target feature."""
+        r, w = parents.shape
+        h = self._y.shape[-1]
+        logits, y = self._forward(batch, self._y.gather(1, parents[..., None].expand(r, w, h)).reshape(r * w, h))
+        self._y = y.reshape(r, w, h)
+        return logits
+
+    def keep_rows(self, index: Tensor) -> None:
+        super().keep_rows(index)
+        self._y = self._y[self.link.send("draft rows", index)]
+
     def _forward_nodes(self, batch, level: DraftLevel, frontier: Tensor) -> Tensor:
         """Level d: each frontier node reads its parent's head output in place of a target feature."""
         parents = level.parent_ids[frontier]
@@ -410,7 +493,7 @@ class Eagle3Drafter(Drafter):
 
     # ---------------------------------------------------------------- after verification
 
-    def commit(self, selected: SuperTree, num_candidates: int, result: VerifyResult, keep: list[bool]) -> None:
+    def commit(self, drafted: DraftResult, result: VerifyResult, keep: list[bool]) -> None:
         """Keep the head's entries up to the root; the accepted drafts and the bonus token are read next step with
         the target's features (module docstring)."""
         for b, req in enumerate(self._requests):

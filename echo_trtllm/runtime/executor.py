@@ -44,7 +44,7 @@ from echo_trtllm import kernels
 from echo_trtllm.core import EchoConfig, SamplingTensors, draft_tree, make_policy, pack, verify
 from echo_trtllm.core.cost import CostModel, SpeculationTracker
 from echo_trtllm.core.gating import GateSamples
-from echo_trtllm.core.policies import DraftResult
+from echo_trtllm.core.policies import DraftResult, draft_tree_batched
 from echo_trtllm.core.verify import VerifyResult
 from echo_trtllm.models.eagle3 import Eagle3Head
 from echo_trtllm.models.llama import CausalLM
@@ -452,7 +452,7 @@ class Executor:
                 if features is not None:  # the target's features of the tokens it has just committed
                     self._observe(reqs, ctx, result, keep, features)
                 if drafter is not None:
-                    drafter.commit(drafted.selected, drafted.candidates.total_nodes, result, keep)
+                    drafter.commit(drafted, result, keep)
             except Exception:  # noqa: BLE001 - draft_ctx stays where it was; the next step catches up
                 self._contain("draft KV commit")
         for req in finished:
@@ -478,7 +478,12 @@ class Executor:
                 self.drafter.begin(reqs, self.policy.max_children, self._max_pending(len(reqs)))
                 budget = min(self.config.k_max, self.max_num_tokens) if self.policy.shares_budget else None
                 levels = self.tracker.depth_limit(len(reqs)) if self.tracker is not None else None
-                drafted = draft_tree(self.policy, roots, self.drafter.draft_fn, budget, levels, float(ctx.max()))
+                if self.policy.beam_frontier:  # the loop on the draft's device, one read per sync point
+                    drafted = draft_tree_batched(self.policy, roots, self.drafter, budget, levels, float(ctx.max()),
+                                                 read=lambda *t: self.link.read("draft levels", *t),
+                                                 send=lambda t: self.link.send("draft rows", t))
+                else:
+                    drafted = draft_tree(self.policy, roots, self.drafter.draft_fn, budget, levels, float(ctx.max()))
                 return drafted, self._pack(drafted.selected, ctx), True
             except Exception:  # noqa: BLE001 - drafting is an optimisation: this step runs as plain AR
                 self._contain("drafting")

@@ -17,7 +17,7 @@ from torch import Tensor
 from echo_trtllm.core.pack import PackedVerifyBatch, unpack_mask
 from echo_trtllm.models.llama import ForwardBatch
 
-__all__ = ["make_batch", "chain_batch", "tree_batch"]
+__all__ = ["make_batch", "chain_batch", "level_batch", "tree_batch"]
 
 
 def _pad_rows(mask: Tensor, counts: Tensor) -> None:
@@ -73,6 +73,22 @@ def chain_batch(chains: list[Tensor], starts: Tensor, slots: Tensor, logits: str
     if logits not in index:
         raise ValueError(f"logits must be 'last', 'all' or 'none', got {logits!r}")
     return make_batch(ids, req, pos, pos, slots, starts.to(dev).long(), visible, index[logits])
+
+
+def level_batch(input_ids: Tensor, position_ids: Tensor, write_pos: Tensor, slots: Tensor, prefix_len: Tensor,
+                visible: Tensor, max_tokens: int) -> ForwardBatch:
+    """A fixed-shape draft level: W new tokens for each of R requests, (R, W) each; token (b, w) sees the positions
+    p < prefix_len[b] and visible[b, w] (R, W, E; -1: none, as `make_batch`). max_tokens: the cache positions
+    attention reads (> every position involved), known on the host: nothing is read back from the device."""
+    r, w = input_ids.shape
+    dev = input_ids.device
+    cols = torch.arange(max_tokens + 1, device=dev)  # the last column takes the -1 entries and is dropped
+    mask = (cols[None, None, :] < prefix_len[:, None, None]).expand(r, w, max_tokens + 1).clone()
+    mask = mask.scatter_(2, torch.where(visible >= 0, visible, max_tokens), True)[..., :max_tokens]  # (R, W, L)
+    token_request = torch.arange(r, device=dev).repeat_interleave(w)
+    token_local = torch.arange(w, device=dev).repeat(r)
+    return ForwardBatch(input_ids.reshape(-1), position_ids.reshape(-1), slots, token_request, token_local,
+                        write_pos.reshape(-1), mask)
 
 
 def tree_batch(packed: PackedVerifyBatch, context_lengths: Tensor, slots: Tensor,

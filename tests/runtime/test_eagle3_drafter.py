@@ -90,27 +90,30 @@ def test_the_heads_drafts_equal_a_dense_recomputation_every_step(fp32_pair, prom
     if max_features < 100:
         ex._draft_prefill = lambda batch_size: False
     records = []  # (tokens, offset, chain so far, probs) per request and level
-    real = ex.drafter.draft_fn
+    d = ex.drafter
+    real_roots, real_level = d.expand_roots, d.expand_level
 
-    def spy(level, frontier):
-        probs = real(level, frontier)
-        d = ex.drafter
-        for row, node in enumerate(frontier.tolist()):
-            b = int(level.request_ids[node])
+    def spy_roots(rows):  # the batched loop's level 0 (what the runtime runs for the chain policy)
+        top = real_roots(rows)
+        d._record = {}
+        for row, b in enumerate(rows.tolist()):
             if not bool(d._read[b]):
                 continue  # a one-token prompt at its first step: nothing to read the root with
             r = d._requests[b]
-            if level.depth == 0:
-                records.append([list(r.all_token_ids), r.draft_offset, [], [(probs.probs[row], probs.tokens[row])]])
-                d._record = getattr(d, "_record", {})
-                d._record[b] = records[-1]
-            else:
-                rec = d._record[b]
-                rec[2].append(int(level.token_ids[node]))
-                rec[3].append((probs.probs[row], probs.tokens[row]))
-        return probs
+            records.append([list(r.all_token_ids), r.draft_offset, [], [(top.probs[row], top.tokens[row])]])
+            d._record[b] = records[-1]
+        return top
 
-    ex.drafter.draft_fn = spy
+    def spy_level(depth, tokens, parents):
+        top = real_level(depth, tokens, parents)
+        for row, b in enumerate(d._rows.tolist()):
+            if b in d._record:
+                rec = d._record[b]
+                rec[2].append(int(tokens[row, 0]))
+                rec[3].append((top.probs[row, 0], top.tokens[row, 0]))
+        return top
+
+    d.expand_roots, d.expand_level = spy_roots, spy_level
     long = ["def _check(value):\n    if not isinstance(value, int):\n        raise TypeError(value)\n    return value\n\n",
             "MACBETH:\nIs this a dagger which I see before me,\nThe handle toward my hand? Come, let me clutch thee.\n"]
     reqs = [ex.make_request(p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
@@ -118,7 +121,6 @@ def test_the_heads_drafts_equal_a_dense_recomputation_every_step(fp32_pair, prom
     for r in reqs:
         ex.submit(r)
     while ex.has_work:
-        ex.drafter._record = {}
         ex.step()
     assert not ex.failures, ex.last_error
     assert len(records) > 30

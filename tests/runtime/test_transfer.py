@@ -21,8 +21,11 @@ def test_host_link_counts_reads_as_syncs_and_bytes():
     assert link.take().syncs == 0, "take starts a new count"
 
 
-@pytest.mark.parametrize("policy, temperature", [("echo", 0.0), ("eagle2", 0.0), ("echo", 0.8)])
-def test_a_step_reads_one_top_k_per_level_and_the_accepted_path_once(pair_llm, prompts, policy, temperature):
+@pytest.mark.parametrize("policy, temperature", [("echo", 0.0), ("eagle2", 0.0), ("echo", 0.8), ("static", 0.0)])
+def test_a_step_reads_its_levels_at_sync_points_and_the_accepted_path_once(pair_llm, prompts, policy, temperature):
+    """Beam policies run the batched drafting loop: one read at the policy's first decision depth (echo: its first
+    gate), one after the last level, one for the accepted path: <= 3 syncs per step. The static tree's frontier is
+    its choice trie, drafted level by level: one read per level."""
     config = EchoConfig(policy=policy, k_max=64)
     with pair_llm(speculative_config=config, max_batch_size=4, cost_model=None, iter_stats_max_iterations=200) as llm:
         llm.generate(prompts[:4], [SamplingParams(max_tokens=10, temperature=temperature, seed=i, ignore_eos=True)
@@ -30,13 +33,21 @@ def test_a_step_reads_one_top_k_per_level_and_the_accepted_path_once(pair_llm, p
         reports = llm.get_stats()
         vocab = llm.executor.target.config.vocab_size
         k = llm.executor.policy.max_children
+        width = llm.executor.policy.expand_width
     spec = [r for r in reports if r.speculated]
     assert len(spec) >= 3
     for r in spec:
         t = r.traffic
         levels = len(r.draft.state.frontier_sizes)
-        frontier = sum(r.draft.state.frontier_sizes)
-        assert t.reads["draft top-k"] == [levels, frontier * k * (4 + 8)]  # float32 probs + int64 ids
         assert t.reads["accepted path"][0] == 1
-        assert t.syncs == levels + 1, t.reads  # nothing else is read back
         assert t.largest_read_bytes < 4 * vocab, "a vocabulary-sized row came back to the host"
+        if policy == "static":
+            frontier = sum(r.draft.state.frontier_sizes)
+            assert t.reads["draft top-k"] == [levels, frontier * k * (4 + 8)]  # float32 probs + int64 ids
+            assert t.syncs == levels + 1, t.reads  # nothing else is read back
+            continue
+        count, size = t.reads["draft levels"]
+        assert 1 <= count <= (2 if policy == "echo" else 1)
+        assert t.syncs == count + 1 <= 3, t.reads  # nothing else is read back
+        # per drafted row and level at most: frontier slots (int64 + bool), then k children (float32 + int64)
+        assert size <= 4 * config.max_depth * width * (9 + k * 12)
