@@ -583,6 +583,7 @@ def draft_tree_batched(
     width, children = policy.expand_width, 1
     for depth in range(1, depth_cap + 1 if rows.numel() else 1):
         k = policy.num_children(depth)
+        width_prev = 1 if depth == 1 else path.shape[1]  # slots per row of the previous level
         if depth == 1:
             top = drafter.expand_roots(rows)  # (R, k')
             probs, toks = top.probs[:, None, :k], top.tokens[:, None, :k]  # (R, 1, k)
@@ -603,7 +604,7 @@ def draft_tree_batched(
         tokens = toks.reshape(rows.numel(), -1)
         valid = fvalid[..., None].expand(-1, -1, k).reshape(rows.numel(), -1)
         children = k
-        pending.append((depth, rows, front, fvalid, probs, toks))
+        pending.append((depth, rows, width_prev, front, fvalid, probs, toks))
         if depth in syncs and depth < depth_cap:
             replaying = _replay(policy, state, levels, slots, pending, read)
             pending = []
@@ -628,22 +629,22 @@ def draft_tree_batched(
 def _replay(policy: TreePolicy, state: DraftState, levels: list[DraftLevel], slots: list[Tensor],
             pending: list, read) -> bool:
     """draft_tree's loop over levels the device drafted (draft_tree_batched). False at an empty frontier."""
-    flat = read(*[t for rec in pending for t in rec[2:]])  # front, fvalid, probs, tokens of every level
-    for i, (depth, rows, *_) in enumerate(pending):
+    flat = read(*[t for rec in pending for t in rec[3:]])  # front, fvalid, probs, tokens of every level
+    rows = pending[0][1]  # the same rows for every pending level: they change only after a replay
+    row_of = torch.full((state.batch_size,), -1, dtype=torch.long)
+    row_of[rows] = torch.arange(rows.numel())
+    for i, (depth, _, width, *_) in enumerate(pending):
         front, fvalid, probs, toks = flat[4 * i: 4 * i + 4]
         prev = levels[-1]
         # the frontier slot of each node of the previous level (-1: not in its request's device frontier)
-        row_of = torch.full((state.batch_size,), -1, dtype=torch.long)
-        row_of[rows] = torch.arange(rows.numel())
-        table = torch.full((rows.numel(), int(front.max()) + 1), -1, dtype=torch.long)
-        table.scatter_(1, front, torch.where(fvalid, torch.arange(front.shape[1]).expand_as(front), -1))
+        table = torch.full((rows.numel(), width), -1, dtype=torch.long)
+        table.scatter_(1, front, torch.where(fvalid, torch.arange(front.shape[1]), -1))
         r = row_of[prev.request_ids]
-        inside = (r >= 0) & (slots[-1] < table.shape[1])
-        w = torch.full_like(r, -1)
-        w[inside] = table[r[inside], slots[-1][inside]]
+        w = torch.where(r >= 0, table[r.clamp(min=0), slots[-1]], -1)
         eligible = state.active[prev.request_ids] & (w >= 0)
+        w = torch.where(eligible, w, -1)
+        state.frontier_slots.append(w)
         frontier = torch.nonzero(eligible, as_tuple=True)[0]
-        state.frontier_slots.append(torch.where(eligible, w, -1))
         if frontier.numel() == 0:
             return False
         state.frontier_sizes.append(frontier.numel())

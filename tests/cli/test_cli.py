@@ -13,7 +13,8 @@ def test_bench_control_smoke_writes_json(tmp_path, capsys):
     assert "skipped: K_max below the batch size" in text
     rows = json.loads(out.read_text())["results"]
     assert {(r["batch_size"], r["k_max"]) for r in rows} == {(1, 2), (1, 16), (4, 16)}
-    assert all(r["verified"] <= r["k_max"] and r["control_ms_median"] > 0 for r in rows)
+    assert all(r["verified"] <= r["k_max"] and r["control_ms_median"] > 0 and r["levels_ms_median"] > 0 for r in rows)
+    assert all(r["device_nodes"] >= r["candidates"] for r in rows)  # the batched loop drafts at least the tree
 
 
 def test_unknown_command_is_a_clear_error(capsys):

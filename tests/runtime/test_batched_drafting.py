@@ -55,3 +55,15 @@ def test_batched_drafting_equals_level_by_level_drafting(fp32_models, prompts, k
     assert steps >= 5
     if config.policy == "echo":
         assert compacted >= 1, "no step dropped rows at the first gate"
+
+
+def test_the_loops_benchmark_runs_both_loops_to_the_same_tokens(tmp_path):
+    import json
+
+    from echo_trtllm.bench.loops import main
+
+    out = tmp_path / "loops.json"
+    assert main(["--batch-sizes", "2", "--requests", "4", "--max-tokens", "6", "--rounds", "1", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["results"][0]
+    assert row["batch_size"] == 2 and row["batched_over_levels"] > 0
+    assert row["batched"]["syncs_per_speculative_step"] <= 3 < row["levels"]["syncs_per_speculative_step"]
