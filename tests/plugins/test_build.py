@@ -46,3 +46,9 @@ def test_host_test_binary_passes(build_dir):
 def test_host_library_reports_no_cuda(build_dir):
     lib = ctypes.CDLL(str(build_dir / "libecho_host.so"))
     assert lib.echo_abi_version() == 1 and lib.echo_has_cuda() == 0
+
+
+def test_cuda_driver_is_built_and_explains_its_usage(build_dir):
+    """The C ABI's CUDA driver (scripts/gpu_check.sh runs it under compute-sanitizer on a GPU) builds in CI."""
+    run = subprocess.run([str(build_dir / "echo_cuda_driver")], capture_output=True, text=True)
+    assert run.returncode == 2 and "check [--small] | bench" in run.stderr, run.stdout + run.stderr

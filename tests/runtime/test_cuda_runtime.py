@@ -1,6 +1,8 @@
 """The runtime on a CUDA device (skipped without one; scripts/gpu_check.sh runs it on a GPU): ECHO's greedy
 outputs equal plain AR's on the same device, with the plugin's CUDA pack kernel in the step when it is built."""
 
+import os
+
 import pytest
 import torch
 
@@ -31,6 +33,8 @@ def test_echo_on_cuda_is_lossless(prompts):
     target, tok = load_model(DEFAULT_TARGET, device="cuda")
     draft, _ = load_model(DEFAULT_DRAFT, device="cuda", with_tokenizer=False)
     print("pack backend:", kernels.backend_for(target.device))
+    if os.environ.get("ECHO_PLUGIN_LIB"):  # scripts/gpu_check.sh built the plugin: the step must use its kernel
+        assert kernels.backend_for(target.device) == "cuda"
     ar, ar_steps = run(target, None, tok, prompts[:8], "ar")
     for policy in ("echo", "chain", "eagle2"):
         out, steps = run(target, draft, tok, prompts[:8], policy)
