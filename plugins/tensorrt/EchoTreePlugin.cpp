@@ -4,7 +4,6 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 
 #include "echo/echo_abi.h"
@@ -17,7 +16,7 @@ using namespace nvinfer1;
 namespace {
 
 constexpr char const* kName = "EchoTreePlugin";
-constexpr char const* kVersion = "1";
+constexpr char const* kVersion = "2";  // 2: only the fields enqueue reads (k_max, max_nodes_per_request)
 
 size_t align_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
@@ -61,16 +60,7 @@ T* at(void* base, size_t offset) {
 
 std::string validate(EchoTreeParams const& p) {
   if (p.k_max < 1) return "k_max must be >= 1";
-  if (p.max_depth < 1) return "max_depth must be >= 1";
-  if (p.max_width < 1) return "max_width must be >= 1";
   if (p.max_nodes_per_request < 1) return "max_nodes_per_request must be >= 1 (root included)";
-  if (p.gate_depths.size() != p.gate_thresholds.size()) return "gate_depths and gate_thresholds must have equal length";
-  for (size_t i = 0; i < p.gate_depths.size(); ++i) {
-    if (p.gate_depths[i] < 1 || p.gate_depths[i] > p.max_depth) return "gate_depths must lie in [1, max_depth]";
-    if (i && p.gate_depths[i] <= p.gate_depths[i - 1]) return "gate_depths must be strictly increasing";
-    float t = p.gate_thresholds[i];
-    if (std::isnan(t) || t < 0.f || t > 1.f) return "gate_thresholds must lie in [0, 1]";
-  }
   return "";
 }
 
@@ -79,13 +69,7 @@ EchoTreePlugin::EchoTreePlugin(EchoTreeParams params) : mParams(std::move(params
 void EchoTreePlugin::refreshFields() noexcept {
   mFields = {
       PluginField("k_max", &mParams.k_max, PluginFieldType::kINT32, 1),
-      PluginField("max_depth", &mParams.max_depth, PluginFieldType::kINT32, 1),
-      PluginField("max_width", &mParams.max_width, PluginFieldType::kINT32, 1),
       PluginField("max_nodes_per_request", &mParams.max_nodes_per_request, PluginFieldType::kINT32, 1),
-      PluginField("gate_depths", mParams.gate_depths.data(), PluginFieldType::kINT32,
-                  static_cast<int32_t>(mParams.gate_depths.size())),
-      PluginField("gate_thresholds", mParams.gate_thresholds.data(), PluginFieldType::kFLOAT32,
-                  static_cast<int32_t>(mParams.gate_thresholds.size())),
   };
   mFieldCollection.nbFields = static_cast<int32_t>(mFields.size());
   mFieldCollection.fields = mFields.data();
@@ -221,11 +205,7 @@ PluginFieldCollection const* EchoTreePlugin::getFieldsToSerialize() noexcept {
 EchoTreePluginCreator::EchoTreePluginCreator() {
   mFieldNames = {
       PluginField("k_max", nullptr, PluginFieldType::kINT32, 1),
-      PluginField("max_depth", nullptr, PluginFieldType::kINT32, 1),
-      PluginField("max_width", nullptr, PluginFieldType::kINT32, 1),
       PluginField("max_nodes_per_request", nullptr, PluginFieldType::kINT32, 1),
-      PluginField("gate_depths", nullptr, PluginFieldType::kINT32, 0),
-      PluginField("gate_thresholds", nullptr, PluginFieldType::kFLOAT32, 0),
   };
   mFieldCollection.nbFields = static_cast<int32_t>(mFieldNames.size());
   mFieldCollection.fields = mFieldNames.data();
@@ -236,19 +216,11 @@ IPluginV3* EchoTreePluginCreator::createPlugin(char const*, PluginFieldCollectio
   for (int32_t i = 0; fc && i < fc->nbFields; ++i) {
     PluginField const& f = fc->fields[i];
     if (!f.name || !f.data) continue;
-    const bool is_int = f.type == PluginFieldType::kINT32, is_float = f.type == PluginFieldType::kFLOAT32;
+    const bool is_int = f.type == PluginFieldType::kINT32 && f.length == 1;
     auto const* ints = static_cast<int32_t const*>(f.data);
     if (!std::strcmp(f.name, "k_max") && is_int) p.k_max = ints[0];
-    else if (!std::strcmp(f.name, "max_depth") && is_int) p.max_depth = ints[0];
-    else if (!std::strcmp(f.name, "max_width") && is_int) p.max_width = ints[0];
     else if (!std::strcmp(f.name, "max_nodes_per_request") && is_int) p.max_nodes_per_request = ints[0];
-    else if (!std::strcmp(f.name, "gate_depths") && is_int) p.gate_depths.assign(ints, ints + f.length);
-    else if (!std::strcmp(f.name, "gate_thresholds") && is_float) {
-      auto const* floats = static_cast<float const*>(f.data);
-      p.gate_thresholds.assign(floats, floats + f.length);
-    } else {
-      return nullptr;  // unknown field or wrong type: TensorRT reports the failed creation
-    }
+    else return nullptr;  // unknown field (e.g. version 1's gate fields) or wrong type: the creation fails
   }
   if (!validate(p).empty()) return nullptr;
   auto* plugin = new (std::nothrow) EchoTreePlugin(std::move(p));

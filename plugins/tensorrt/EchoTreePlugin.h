@@ -8,10 +8,13 @@
 //   3 cu_num_nodes    [B+1] int32                     3 src_index          [K_max]          tree node of each verified row
 //   4 spine_depth     [B]   int32                     4 position_ids       [K_max]          context length + depth
 //   5 context_lengths [B]   int32                     5 num_selected       [1]              K = sum of generation_lengths
-// with M = max_nodes_per_request. Rows past K are zero (src_index -1). The drafting loop (which applies the
-// sparse gate at `gate_depths` with `gate_thresholds`, the fields this plugin serialises for it) produces the
-// candidate tree and each request's spine depth; the plugin allocates the K_max budget (priority 1 depth,
-// priority 2 width) and flattens & packs the verified nodes in one enqueue, with no host synchronisation.
+// with M = max_nodes_per_request. Rows past K are zero (src_index -1). The drafting loop produces the candidate
+// tree and each request's spine depth (its sparse gate's result: the gate is calibrated per batch size, so it
+// stays with the loop instead of being a build-time field); the plugin allocates the K_max budget (priority 1
+// depth, priority 2 width) and flattens & packs the verified nodes in one enqueue, with no host synchronisation.
+// K reaches the host by reading `num_selected` (4 bytes) after the enqueue, or never: the attention plugin reads
+// generation_lengths on the device. Fields: k_max, max_nodes_per_request (version 2; version 1 also serialised
+// gate and beam fields that enqueue never read).
 #pragma once
 
 #include <NvInferRuntime.h>
@@ -23,12 +26,8 @@ namespace echo {
 namespace trt {
 
 struct EchoTreeParams {
-  int32_t k_max = 512;
-  int32_t max_depth = 6;
-  int32_t max_width = 4;  // beam width of the drafting loop
-  int32_t max_nodes_per_request = 64;
-  std::vector<int32_t> gate_depths;
-  std::vector<float> gate_thresholds;
+  int32_t k_max = 512;                 // the global verification budget: rows of the packed outputs
+  int32_t max_nodes_per_request = 64;  // M: the per-request cap and the stride of position_offsets
 };
 
 class EchoTreePlugin : public nvinfer1::IPluginV3,
