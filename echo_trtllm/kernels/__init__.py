@@ -128,8 +128,10 @@ def gate(path_probs: Tensor, request_ids: Tensor, batch_size: int, active: Tenso
 # ---------------------------------------------------------------------------------------------------- budget
 
 def allocate_budget(tree: SuperTree, spine_depth: Tensor, budget: int, max_nodes_per_request: int | None = None,
-                    backend: str | None = None) -> BudgetAllocation:
-    """echo_trtllm.core.budget.allocate_budget, on the chosen backend (equal results)."""
+                    backend: str | None = None, with_order: bool = True) -> BudgetAllocation:
+    """echo_trtllm.core.budget.allocate_budget, on the chosen backend (equal results). with_order=False: the
+    plugin's fused allocation (N <= 16384), which does not produce the taken order: `order` comes back empty and
+    the other fields equal the core's."""
     backend = _resolve(backend, tree.path_probs.device)
     if backend == "torch":
         return core_budget.allocate_budget(tree, spine_depth, budget, max_nodes_per_request)
@@ -144,16 +146,16 @@ def allocate_budget(tree: SuperTree, spine_depth: Tensor, budget: int, max_nodes
     selected = torch.empty(n, dtype=torch.uint8, device=dev)
     phase = torch.empty(n, dtype=torch.int8, device=dev)
     num_nodes = torch.empty(b, dtype=torch.int32, device=dev)
-    order = torch.empty(max(n - b, 1), dtype=torch.int32, device=dev)
+    order = torch.empty(max(n - b, 1) if with_order else 0, dtype=torch.int32, device=dev)
     order_len = torch.zeros(1, dtype=torch.int32, device=dev)
     args = [*map(_ptr, ins), _i32(b), _i32(n), _ptr(spine), _i32(budget), _i32(max_nodes_per_request or 0),
-            _ptr(selected), _ptr(phase), _ptr(num_nodes), _ptr(order), _ptr(order_len)]
+            _ptr(selected), _ptr(phase), _ptr(num_nodes), _ptr(order if with_order else None), _ptr(order_len)]
     if backend == "host":
         _check(lib, lib.echo_allocate_budget_host(*args))
     else:
         ws, nbytes = _workspace(lib, "echo_allocate_budget_workspace_bytes", n, b, device=dev)
         _check(lib, lib.echo_allocate_budget_cuda(*args, _ptr(ws), ctypes.c_size_t(nbytes), _stream(dev)))
-    taken = order[: int(order_len.item())].long()
+    taken = order[: int(order_len.item())].long() if with_order else order.long()
     return BudgetAllocation(selected.bool(), phase, num_nodes.long(), taken)
 
 

@@ -173,6 +173,7 @@ class Drafter:
         # positions it attends beyond the prefix (root .. itself), (M, D+1).
         self._level_pos: list[Tensor] = []
         self._level_visible: list[Tensor] = []
+        self._level_base: list[int] = []  # the batched loop's scratch offsets (expand_roots starts them)
 
     def _window_start(self, r: Request, max_pending: int | None) -> int | None:
         """Where r's draft restarts from (its new draft_offset), or None to go on from its draft_ctx."""

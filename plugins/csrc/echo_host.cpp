@@ -41,8 +41,7 @@ int echo_allocate_budget_host(const float* path_probs, const int32_t* depths, co
     *order_len = 0;
     return abi::ok();
   }
-  ECHO_REQUIRE(path_probs && depths && parents && cu && spine_depth && selected && phase && num_nodes_out &&
-                   order_len && (order || num_nodes == batch_size),
+  ECHO_REQUIRE(path_probs && depths && parents && cu && spine_depth && selected && phase && num_nodes_out && order_len,
                "allocate_budget: a required array is NULL");
   ECHO_REQUIRE(budget >= batch_size,
                "allocate_budget: budget K_max = %d is below the batch size %d: every request needs its root", budget,
@@ -53,12 +52,20 @@ int echo_allocate_budget_host(const float* path_probs, const int32_t* depths, co
                  "allocate_budget: path_probs[%d] = %g is not a probability in [0, 1]", i, path_probs[i]);
   for (int32_t r = 0; r < batch_size; ++r)
     ECHO_REQUIRE(spine_depth[r] >= 0, "allocate_budget: spine_depth[%d] = %d must be >= 0", r, spine_depth[r]);
+  std::vector<int32_t> scratch_order;  // the multi-pass path writes the order even when the caller wants none
+  if (!order && num_nodes > echo::kFusedMaxNodes) {
+    scratch_order.resize(num_nodes);
+    order = scratch_order.data();
+  }
   echo::AllocationArgs a{{path_probs, depths, parents, cu, batch_size, num_nodes},
                          spine_depth,
                          budget,
                          max_nodes_per_request,
                          {selected, phase, num_nodes_out, order, order_len}};
-  echo::host::allocate_budget(a);
+  if (order)
+    echo::host::allocate_budget(a);
+  else
+    echo::host::allocate_budget_fused(a);
   return abi::ok();
 }
 

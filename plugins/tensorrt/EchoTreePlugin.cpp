@@ -179,7 +179,9 @@ int32_t EchoTreePlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorD
       static_cast<float const*>(inputs[0]), static_cast<int32_t const*>(inputs[1]),
       static_cast<int32_t const*>(inputs[2]), static_cast<int32_t const*>(inputs[3]), b, n,
       static_cast<int32_t const*>(inputs[4]), k_max, m, selected, at<int8_t>(workspace, L.phase),
-      at<int32_t>(workspace, L.num_nodes), at<int32_t>(workspace, L.order), at<int32_t>(workspace, L.order_len),
+      at<int32_t>(workspace, L.num_nodes),
+      n <= ECHO_FUSED_ALLOCATION_MAX_NODES ? nullptr : at<int32_t>(workspace, L.order),  // no order: fused
+      at<int32_t>(workspace, L.order_len),
       at<void>(workspace, L.alloc_ws), L.alloc_bytes, stream);
   if (rc != ECHO_OK) return -1;
   auto* cu_out = at<int32_t>(workspace, L.cu_out);

@@ -175,6 +175,23 @@ void check_allocation_and_pack(const Tree& t, int32_t budget, int32_t cap, std::
     auto got = to_host(d_order, order_len);
     EXPECT(std::equal(got.begin(), got.end(), order.begin()), "allocation: order");
   }
+  if (n <= ECHO_FUSED_ALLOCATION_MAX_NODES) {  // the fused path (no order): the same selection on both sides
+    std::vector<uint8_t> sel_f(n);
+    std::vector<int8_t> phase_f(n);
+    std::vector<int32_t> k_f(b);
+    int32_t len_f = -1;
+    CHECK_ABI(echo_allocate_budget_host(t.probs.data(), t.depths.data(), t.parents.data(), t.cu.data(), b, n,
+                                        spine.data(), budget, cap, sel_f.data(), phase_f.data(), k_f.data(), nullptr,
+                                        &len_f));
+    EXPECT(sel_f == sel && phase_f == phase && k_f == k && len_f == order_len, "fused host == multi-pass host");
+    CHECK_ABI(echo_allocate_budget_cuda(d_probs, d_depths, d_parents, d_cu, b, n, d_spine, budget, cap, d_sel, d_phase,
+                                        d_k, nullptr, d_order_len, ws, ws_bytes, nullptr));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    EXPECT(to_host(d_sel, n) == sel, "fused allocation: selected");
+    EXPECT(to_host(d_phase, n) == phase, "fused allocation: phase");
+    EXPECT(to_host(d_k, b) == k, "fused allocation: K_i");
+    EXPECT(to_host(d_order_len, 1)[0] == order_len, "fused allocation: order length");
+  }
   // pack the selection; n_max = the largest K_i
   const int32_t total = [&] { int32_t s = 0; for (int32_t x : k) s += x; return s; }();
   const int32_t n_max = *std::max_element(k.begin(), k.end());
@@ -232,6 +249,7 @@ int run_checks(bool small) {
 
 struct StepBuffers {
   int32_t b = 0, n = 0, k_max = 0, n_max = 0, cap = 0;
+  bool fused = false;  // allocate without the taken order (the fused path)
   std::vector<int32_t> gate_counts;  // level nodes per gate depth
   float* probs;
   int32_t *depths, *parents, *cu, *spine, *ctx;
@@ -298,7 +316,8 @@ void enqueue_step(const StepBuffers& s, cudaStream_t stream) {
     CHECK_ABI(echo_gate_cuda(s.level_probs[g], s.level_req[g], s.active, s.gate_counts[g], s.b, 0.1f, s.conf, s.passed,
                              stream));
   CHECK_ABI(echo_allocate_budget_cuda(s.probs, s.depths, s.parents, s.cu, s.b, s.n, s.spine, s.k_max, s.cap, s.sel,
-                                      s.phase, s.k, s.order, s.order_len, s.alloc_ws, s.alloc_bytes, stream));
+                                      s.phase, s.k, s.fused ? nullptr : s.order, s.order_len, s.alloc_ws,
+                                      s.alloc_bytes, stream));
   CHECK_ABI(echo_pack_cuda(s.parents, s.cu, s.sel, s.ctx, s.b, s.n, std::min(s.k_max, s.n), s.n_max, s.cu_out, s.len,
                            s.src, s.par, s.dep, s.pos, s.off, s.mask, s.pack_ws, s.pack_bytes, stream));
 }
@@ -351,16 +370,21 @@ int run_bench(int iters) {
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreate(&stream));
   for (int32_t b : {16, 64, 256}) {
-    const Tree t = random_tree(b, 127, rng);  // ~64 nodes per request on average: N ~ 16k at B = 256
+    const Tree t = random_tree(b, 120, rng);  // ~60 nodes per request on average: N ~ 15.5k at B = 256
     for (int32_t k_max : {512, 2048}) {
       if (k_max < b) continue;
-      const StepBuffers s = make_step(t, k_max, 64);
-      int graph_nodes = 0;
-      const float plain = time_plain(s, stream, iters);
-      const float graph = time_graph(s, stream, iters, &graph_nodes);
-      std::printf("{\"batch_size\": %d, \"k_max\": %d, \"nodes\": %d, \"us_per_step_plain\": %.2f, "
-                  "\"us_per_step_graph\": %.2f, \"graph_nodes\": %d, \"iters\": %d}\n",
-                  b, k_max, s.n, plain, graph, graph_nodes, iters);
+      StepBuffers s = make_step(t, k_max, 64);
+      for (bool fused : {true, false}) {
+        if (fused && s.n > ECHO_FUSED_ALLOCATION_MAX_NODES) continue;
+        s.fused = fused;
+        int graph_nodes = 0;
+        const float plain = time_plain(s, stream, iters);
+        const float graph = time_graph(s, stream, iters, &graph_nodes);
+        std::printf("{\"batch_size\": %d, \"k_max\": %d, \"nodes\": %d, \"allocation\": \"%s\", "
+                    "\"us_per_step_plain\": %.2f, \"us_per_step_graph\": %.2f, \"graph_nodes\": %d, "
+                    "\"iters\": %d}\n",
+                    b, k_max, s.n, fused ? "fused" : "multi-pass", plain, graph, graph_nodes, iters);
+      }
     }
   }
   CHECK_CUDA(cudaStreamDestroy(stream));

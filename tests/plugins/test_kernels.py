@@ -41,11 +41,23 @@ def drafted_tree(batch_size: int, seed: int):
     return draft_tree(policy, roots, markov_draft_fn(32, seed), budget=4 * batch_size)
 
 
-def assert_same_allocation(got, want):
+def assert_same_allocation(got, want, with_order=True):
     assert torch.equal(got.selected.cpu(), want.selected)
     assert torch.equal(got.phase.cpu(), want.phase)
     assert torch.equal(got.num_nodes.cpu(), want.num_nodes)
-    assert torch.equal(got.order.cpu(), want.order)
+    if with_order:
+        assert torch.equal(got.order.cpu(), want.order)
+    else:  # the fused allocation: no taken order
+        assert got.order.numel() == 0
+
+
+def allocations_equal_core(tree, spine, budget, cap, backend):
+    """Both plugin paths against the core: the multi-pass allocation (with the taken order) and the fused one
+    (without; N <= 16384)."""
+    want = allocate_budget(tree, spine, budget, cap)
+    for with_order in (True, False) if tree.total_nodes <= 16384 else (True,):
+        got = kernels.allocate_budget(tree.to(dev(backend)), spine, budget, cap, backend=backend, with_order=with_order)
+        assert_same_allocation(got, want, with_order)
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 16, 64, 257])
@@ -74,9 +86,7 @@ def test_allocation_equals_core_on_random_trees(backend, batch_size, max_nodes, 
     total = tree.total_nodes
     for budget in (batch_size, batch_size + 1, (batch_size + total) // 2, total + 5):
         for cap in (None, 1, 3, max_nodes):
-            want = allocate_budget(tree, spine, budget, cap)
-            got = kernels.allocate_budget(tree.to(dev(backend)), spine, budget, cap, backend=backend)
-            assert_same_allocation(got, want)
+            allocations_equal_core(tree, spine, budget, cap, backend)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -99,6 +109,22 @@ def test_allocation_equals_core_on_20k_nodes_with_signed_zeros(backend, seed):
         want = allocate_budget(tree, spine, budget, cap)
         got = kernels.allocate_budget(tree.to(dev(backend)), spine, budget, cap, backend=backend)
         assert_same_allocation(got, want)
+        if backend == "host":  # no order wanted past the fused path's 16384 nodes: the multi-pass path runs
+            got = kernels.allocate_budget(tree, spine, budget, cap, backend=backend, with_order=False)
+            assert_same_allocation(got, want, with_order=False)
+
+
+@pytest.mark.parametrize("batch_size, max_nodes", [(256, 120), (1, 6000), (3, 5000)])
+def test_fused_allocation_at_its_size_limits(backend, batch_size, max_nodes):
+    """The fused allocation near its 16384-node limit and with requests too large for a shared-memory sort (the
+    CUDA kernel then sorts in global memory): equal to the core."""
+    gen = torch.Generator().manual_seed(max_nodes)
+    tree = random_tree(batch_size, max_nodes, gen)
+    while tree.total_nodes > 16384:
+        tree = random_tree(batch_size, max_nodes, gen)
+    spine = torch.randint(0, 6, (batch_size,), generator=gen)
+    for budget, cap in ((batch_size + tree.total_nodes // 3, None), (batch_size + 2048, 16), (batch_size + 7, 3)):
+        allocations_equal_core(tree, spine, budget, cap, backend)
 
 
 def test_gate_orders_signed_zeros_as_the_core(backend):
@@ -116,9 +142,7 @@ def test_allocation_equals_core_on_drafted_trees(backend, batch_size):
     drafted = drafted_tree(batch_size, seed=batch_size)
     tree, state = drafted.candidates, drafted.state
     for budget in (batch_size, 2 * batch_size, 4 * batch_size, tree.total_nodes):
-        want = allocate_budget(tree, state.spine_depth, budget, 24)
-        got = kernels.allocate_budget(tree.to(dev(backend)), state.spine_depth, budget, 24, backend=backend)
-        assert_same_allocation(got, want)
+        allocations_equal_core(tree, state.spine_depth, budget, 24, backend)
 
 
 def assert_same_pack(got, want):

@@ -67,3 +67,15 @@ def test_the_loops_benchmark_runs_both_loops_to_the_same_tokens(tmp_path):
     row = json.loads(out.read_text())["results"][0]
     assert row["batch_size"] == 2 and row["batched_over_levels"] > 0
     assert row["batched"]["syncs_per_speculative_step"] <= 3 < row["levels"]["syncs_per_speculative_step"]
+
+
+def test_a_step_with_no_budget_beyond_the_roots_drafts_nothing_and_fails_nothing(fp32_models, prompts):
+    """K_max = B: nobody drafts, so the batched loop never calls the drafter; the step still commits cleanly."""
+    target, drafts, tok = fp32_models
+    ex = Executor(target, drafts["model"], tok, EchoConfig(policy="echo", k_max=4), max_batch_size=4, max_seq_len=256)
+    for p in prompts[:4]:
+        ex.submit(ex.make_request(p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)))
+    while ex.has_work:
+        report = ex.step()
+        assert report.verified_tokens == report.batch_size  # roots only
+    assert not ex.failures, ex.last_error

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "echo/common.cuh"
+#include "echo/echo_abi.h"
 
 namespace echo {
 
@@ -78,9 +79,8 @@ ECHO_HD void init_node(const AllocationArgs& a, const AllocationScratch& s, inde
   s.request[i] = request_of(a.tree.cu, a.tree.batch_size, i);
 }
 
-ECHO_HD void init_request(const AllocationArgs& a, const AllocationScratch& s, index_t r) {
-  s.cap[r] = a.max_nodes_per_request > 0 ? a.max_nodes_per_request - 1 : kNoCap;
-  a.out.num_nodes[r] = 1;
+// Request r's spine end: its best node at depth spine_depth[r] (-1: none, or no spine).
+ECHO_HD index_t find_spine_end(const AllocationArgs& a, index_t r) {
   index_t best = -1;
   const index_t want = a.spine_depth[r];
   if (want > 0) {
@@ -89,7 +89,17 @@ ECHO_HD void init_request(const AllocationArgs& a, const AllocationScratch& s, i
         best = n;
     }
   }
-  s.spine_end[r] = best;
+  return best;
+}
+
+ECHO_HD index_t request_cap(const AllocationArgs& a) {
+  return a.max_nodes_per_request > 0 ? a.max_nodes_per_request - 1 : kNoCap;
+}
+
+ECHO_HD void init_request(const AllocationArgs& a, const AllocationScratch& s, index_t r) {
+  s.cap[r] = request_cap(a);
+  a.out.num_nodes[r] = 1;
+  s.spine_end[r] = find_spine_end(a, r);
 }
 
 ECHO_HD void mark_spine(const AllocationArgs& a, const AllocationScratch& s, index_t r) {
@@ -226,7 +236,177 @@ inline void allocate_budget(const AllocationArgs& a) {
 }  // namespace host
 }  // namespace echo
 
+namespace echo {
+
+// ---- fused allocation -------------------------------------------------------------------------------------
+// The same selection, phases, K_i and order_len (not the taken order) in three data-parallel steps, three kernels
+// on the device, for N <= kFusedMaxNodes (a node's index then fits the low 16 bits of its composite key):
+//   1. per request: roots and outputs initialised; the spine (its end and ancestors) sorted by key, each spine
+//      node's rank among them, the ones ranked below the cap compacted in ascending key order at ekey1[cu[r] ..];
+//      the request's nodes sorted by key (rsorted, the request's priority order)
+//   2. the global cuts (one block on the device): T1 = the R-th smallest phase-1 eligible key (R = budget - B),
+//      t1[r] = request r's eligible keys <= T1; phase-2 candidates (non-root, not taken in phase 1) ranked within
+//      their request in priority order, those below cap - t1 compacted at ekey2; T2 = the R2-th smallest (R2 = R
+//      minus phase 1's take), t2[r]
+//   3. per node: taken in phase p iff phase-p eligible and its key <= T_p; K_i = 1 + t1 + t2.
+// Taking "eligible candidates in priority order while the budget lasts" is taking the R smallest eligible keys;
+// composite keys are unique (the node index breaks ties), so each phase's cut is one threshold: a radix select
+// on the device, nth_element on the host.
+
+constexpr index_t kFusedMaxNodes = ECHO_FUSED_ALLOCATION_MAX_NODES;  // echo_abi.h
+constexpr uint64_t kNoKey = ~uint64_t(0);
+
+// Priority order as one unique 64-bit key: priority_key (48 bits) then the node index (16 bits).
+ECHO_HD uint64_t composite_key(const TreeView& t, index_t node) {
+  return (priority_key(t.path_probs[node], t.depths[node]) << 16) | static_cast<uint64_t>(node & 0xFFFF);
+}
+
+ECHO_HD index_t key_node(uint64_t key) { return static_cast<index_t>(key & 0xFFFF); }
+
+struct FusedScratch {
+  uint64_t* sort;     // 2N: per-request sort buffers, request r's at 2 * cu[r] (a power of two >= its size)
+  uint64_t* ekey1;    // N: phase-1 eligible keys of request r at cu[r] .., ascending, then kNoKey
+  uint64_t* ekey2;    // N: the same for phase 2
+  index_t* rsorted;   // N: the request-major priority order (node ids)
+  index_t* rreq;      // N: request of each rsorted position
+  index_t* rank1;     // N: node -> rank among its request's spine nodes (-1: not a spine node)
+  index_t* rank2;     // N: node -> rank among its request's phase-2 candidates (-1: not a candidate)
+  index_t* escan;     // N: exclusive scan of phase-2 candidate flags over rsorted positions
+  index_t* cap;       // B
+  index_t* t1;        // B: taken in phase 1
+  index_t* t2;        // B: taken in phase 2
+  uint64_t* cut;      // 2: T1, T2
+};
+
+ECHO_HD void fused_init_node(const AllocationArgs& a, const FusedScratch& s, index_t i) {
+  const bool root = a.tree.depths[i] == 0;
+  a.out.selected[i] = root ? 1 : 0;
+  a.out.phase[i] = root ? 0 : -1;
+  s.ekey1[i] = kNoKey;
+  s.ekey2[i] = kNoKey;
+  s.rank1[i] = -1;
+  s.rank2[i] = -1;
+}
+
+// One thread per request, after fused_init_node of its nodes: the spine's keys sorted at ekey1[cu[r] ..] (a spine
+// has at most depth nodes: insertion sort), ranks recorded, keys ranked at or past the cap dropped.
+ECHO_HD void fused_spine(const AllocationArgs& a, const FusedScratch& s, index_t r) {
+  const index_t base = a.tree.cu[r];
+  s.cap[r] = request_cap(a);
+  index_t count = 0;
+  for (index_t n = find_spine_end(a, r); n >= 0 && a.tree.depths[n] > 0;) {
+    uint64_t key = composite_key(a.tree, n);
+    index_t j = count++;
+    for (; j > 0 && s.ekey1[base + j - 1] > key; --j) s.ekey1[base + j] = s.ekey1[base + j - 1];
+    s.ekey1[base + j] = key;
+    n = a.tree.parents[n] >= 0 ? base + a.tree.parents[n] : -1;
+  }
+  for (index_t j = 0; j < count; ++j) {
+    s.rank1[key_node(s.ekey1[base + j])] = j;
+    if (j >= s.cap[r]) s.ekey1[base + j] = kNoKey;
+  }
+}
+
+ECHO_HD bool taken_in_phase1(const AllocationArgs& a, const FusedScratch& s, index_t node, index_t r, uint64_t t1) {
+  const index_t k = s.rank1[node];
+  return k >= 0 && k < s.cap[r] && composite_key(a.tree, node) <= t1;
+}
+
+ECHO_HD bool is_phase2_candidate(const AllocationArgs& a, const FusedScratch& s, index_t node, index_t r,
+                                 uint64_t t1) {
+  return a.tree.depths[node] > 0 && !taken_in_phase1(a, s, node, r, t1);
+}
+
+// Keys of request r in ekey (ascending, kNoKey-padded) that are <= cut.
+ECHO_HD index_t count_at_most(const uint64_t* ekey, index_t lo, index_t hi, uint64_t cut) {
+  while (lo < hi) {  // first position whose key exceeds the cut
+    const index_t mid = lo + (hi - lo) / 2;
+    if (ekey[mid] <= cut && ekey[mid] != kNoKey) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+// Rsorted position j, after escan: its node's phase-2 rank and, when eligible, its key at ekey2.
+ECHO_HD void fused_rank2(const AllocationArgs& a, const FusedScratch& s, index_t j, uint64_t t1) {
+  const index_t node = s.rsorted[j], r = s.rreq[j], lo = a.tree.cu[r];
+  if (!is_phase2_candidate(a, s, node, r, t1)) return;
+  const index_t k = s.escan[j] - s.escan[lo];
+  s.rank2[node] = k;
+  if (k < s.cap[r] - s.t1[r]) s.ekey2[lo + k] = composite_key(a.tree, node);
+}
+
+ECHO_HD void fused_take(const AllocationArgs& a, const FusedScratch& s, index_t i) {
+  const index_t r = request_of(a.tree.cu, a.tree.batch_size, i);
+  if (taken_in_phase1(a, s, i, r, s.cut[0])) {
+    a.out.selected[i] = 1;
+    a.out.phase[i] = 1;
+  } else if (s.rank2[i] >= 0 && s.rank2[i] < s.cap[r] - s.t1[r] && composite_key(a.tree, i) <= s.cut[1]) {
+    a.out.selected[i] = 1;
+    a.out.phase[i] = 2;
+  }
+  if (i < a.tree.batch_size) a.out.num_nodes[i] = 1 + s.t1[i] + s.t2[i];
+}
+
+namespace host {
+
+// The want smallest keys of ekey[0, n) (kNoKey entries ignored): the largest of them (kNoKey: all are taken,
+// 0: none). Sets *valid to the number of real keys.
+inline uint64_t select_cut(const uint64_t* ekey, index_t n, index_t want, index_t* valid) {
+  std::vector<uint64_t> keys;
+  for (index_t i = 0; i < n; ++i)
+    if (ekey[i] != kNoKey) keys.push_back(ekey[i]);
+  *valid = static_cast<index_t>(keys.size());
+  if (*valid <= want) return kNoKey;
+  if (want == 0) return 0;
+  std::nth_element(keys.begin(), keys.begin() + (want - 1), keys.end());
+  return keys[want - 1];
+}
+
+inline void allocate_budget_fused(const AllocationArgs& a) {
+  const index_t n = a.tree.num_nodes, b = a.tree.batch_size;
+  std::vector<uint64_t> ekey1(n), ekey2(n);
+  std::vector<index_t> rsorted(n), rreq(n), rank1(n), rank2(n), escan(n), cap(b), t1(b), t2(b);
+  uint64_t cut[2];
+  const FusedScratch s{nullptr, ekey1.data(), ekey2.data(), rsorted.data(), rreq.data(), rank1.data(),
+                       rank2.data(), escan.data(), cap.data(), t1.data(), t2.data(), cut};
+  // 1. per request
+  for (index_t i = 0; i < n; ++i) fused_init_node(a, s, i);
+  for (index_t r = 0; r < b; ++r) {
+    fused_spine(a, s, r);
+    const index_t lo = a.tree.cu[r], hi = a.tree.cu[r + 1];
+    std::vector<uint64_t> keys;
+    for (index_t i = lo; i < hi; ++i) keys.push_back(composite_key(a.tree, i));
+    std::sort(keys.begin(), keys.end());
+    for (index_t j = lo; j < hi; ++j) {
+      s.rsorted[j] = key_node(keys[j - lo]);
+      s.rreq[j] = r;
+    }
+  }
+  // 2. the cuts
+  index_t valid1 = 0, valid2 = 0, acc = 0;
+  const index_t spare = a.budget - b;
+  cut[0] = select_cut(s.ekey1, n, spare, &valid1);
+  for (index_t r = 0; r < b; ++r) t1[r] = count_at_most(s.ekey1, a.tree.cu[r], a.tree.cu[r + 1], cut[0]) - a.tree.cu[r];
+  const index_t took1 = valid1 < spare ? valid1 : spare;
+  for (index_t j = 0; j < n; ++j) {
+    s.escan[j] = acc;
+    acc += is_phase2_candidate(a, s, s.rsorted[j], s.rreq[j], cut[0]) ? 1 : 0;
+  }
+  for (index_t j = 0; j < n; ++j) fused_rank2(a, s, j, cut[0]);
+  cut[1] = select_cut(s.ekey2, n, spare - took1, &valid2);
+  for (index_t r = 0; r < b; ++r) t2[r] = count_at_most(s.ekey2, a.tree.cu[r], a.tree.cu[r + 1], cut[1]) - a.tree.cu[r];
+  const index_t took2 = valid2 < spare - took1 ? valid2 : spare - took1;
+  *a.out.order_len = took1 + took2;
+  // 3. per node
+  for (index_t i = 0; i < n; ++i) fused_take(a, s, i);
+}
+
+}  // namespace host
+
+}  // namespace echo
+
 #if defined(ECHO_DEVICE_BUILD)
+#include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
 
@@ -356,23 +536,190 @@ __global__ void finish_request_kernel(AllocationArgs a, AllocationScratch s) {
   if (r < a.tree.batch_size) finish_request(a, s, r);
 }
 
+// ---- fused path: three kernels --------------------------------------------------------------------------
+
+constexpr int kFusedRequestThreads = 256;
+constexpr int kFusedCutThreads = 1024;
+constexpr index_t kSharedSortKeys = 4096;  // a request of up to this many nodes sorts in shared memory
+
+inline size_t fused_carve(void* workspace, index_t n, index_t b, FusedScratch* s) {
+  Carver c{static_cast<char*>(workspace)};
+  s->sort = c.take<uint64_t>(2 * static_cast<size_t>(n));
+  s->ekey1 = c.take<uint64_t>(n);
+  s->ekey2 = c.take<uint64_t>(n);
+  s->rsorted = c.take<index_t>(n);
+  s->rreq = c.take<index_t>(n);
+  s->rank1 = c.take<index_t>(n);
+  s->rank2 = c.take<index_t>(n);
+  s->escan = c.take<index_t>(n);
+  s->cap = c.take<index_t>(b);
+  s->t1 = c.take<index_t>(b);
+  s->t2 = c.take<index_t>(b);
+  s->cut = c.take<uint64_t>(2);
+  return c.used;
+}
+
+// Ascending bitonic sort of p (a power of two) keys by the whole block.
+__device__ inline void block_bitonic_sort(uint64_t* keys, index_t p) {
+  for (index_t k = 2; k <= p; k <<= 1) {
+    for (index_t j = k >> 1; j > 0; j >>= 1) {
+      for (index_t i = threadIdx.x; i < p; i += blockDim.x) {
+        const index_t l = i ^ j;
+        if (l > i) {
+          const uint64_t x = keys[i], y = keys[l];
+          if ((x > y) == ((i & k) == 0)) {
+            keys[i] = y;
+            keys[l] = x;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// Step 1, one block per request.
+__global__ void fused_request_kernel(AllocationArgs a, FusedScratch s) {
+  __shared__ uint64_t shared_keys[kSharedSortKeys];
+  const index_t r = blockIdx.x, lo = a.tree.cu[r], n = a.tree.cu[r + 1] - lo;
+  for (index_t i = lo + threadIdx.x; i < lo + n; i += blockDim.x) fused_init_node(a, s, i);
+  __syncthreads();
+  if (threadIdx.x == 0) fused_spine(a, s, r);
+  index_t p = 1;
+  while (p < n) p <<= 1;
+  uint64_t* keys = p <= kSharedSortKeys ? shared_keys : s.sort + 2 * static_cast<size_t>(lo);
+  for (index_t i = threadIdx.x; i < p; i += blockDim.x) keys[i] = i < n ? composite_key(a.tree, lo + i) : kNoKey;
+  __syncthreads();
+  block_bitonic_sort(keys, p);
+  for (index_t j = threadIdx.x; j < n; j += blockDim.x) {
+    s.rsorted[lo + j] = key_node(keys[j]);
+    s.rreq[lo + j] = r;
+  }
+}
+
+// The want smallest keys of keys[0, n) (kNoKey ignored), by the whole block: a radix select, 8 bits per pass from
+// the top (keys are unique, so the want-th smallest is one exact key). Returns kNoKey when every real key is
+// taken, 0 when none is; *valid = the number of real keys (all threads).
+__device__ inline uint64_t block_select_cut(const uint64_t* keys, index_t n, index_t want, index_t* valid) {
+  __shared__ index_t hist[256];
+  __shared__ index_t count, rank;
+  __shared__ uint64_t prefix;
+  if (threadIdx.x == 0) count = 0;
+  __syncthreads();
+  index_t mine = 0;
+  for (index_t i = threadIdx.x; i < n; i += blockDim.x) mine += keys[i] != kNoKey;
+  atomicAdd(&count, mine);
+  __syncthreads();
+  *valid = count;
+  if (count <= want) return kNoKey;
+  if (want == 0) return 0;
+  if (threadIdx.x == 0) {
+    rank = want - 1;
+    prefix = 0;
+  }
+  for (int shift = 56; shift >= 0; shift -= 8) {
+    for (int d = threadIdx.x; d < 256; d += blockDim.x) hist[d] = 0;
+    __syncthreads();
+    const uint64_t high = shift == 56 ? 0 : ~((uint64_t(1) << (shift + 8)) - 1);  // digits already fixed
+    const uint64_t fixed = prefix;
+    for (index_t i = threadIdx.x; i < n; i += blockDim.x) {
+      const uint64_t k = keys[i];
+      if (k != kNoKey && (k & high) == fixed) atomicAdd(&hist[(k >> shift) & 0xFF], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      index_t below = 0;
+      for (int d = 0; d < 256; ++d) {
+        if (rank < below + hist[d]) {
+          prefix |= static_cast<uint64_t>(d) << shift;
+          rank -= below;
+          break;
+        }
+        below += hist[d];
+      }
+    }
+    __syncthreads();
+  }
+  return prefix;
+}
+
+// Step 2, one block: both cuts and the phase-2 ranks between them.
+__global__ void fused_cut_kernel(AllocationArgs a, FusedScratch s) {
+  using BlockScan = cub::BlockScan<index_t, kFusedCutThreads>;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+  __shared__ index_t carry;
+  const index_t n = a.tree.num_nodes, b = a.tree.batch_size, spare = a.budget - b;
+  index_t valid1 = 0, valid2 = 0;
+  const uint64_t cut1 = block_select_cut(s.ekey1, n, spare, &valid1);
+  for (index_t r = threadIdx.x; r < b; r += blockDim.x)
+    s.t1[r] = count_at_most(s.ekey1, a.tree.cu[r], a.tree.cu[r + 1], cut1) - a.tree.cu[r];
+  const index_t took1 = valid1 < spare ? valid1 : spare;
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  for (index_t base = 0; base < n; base += blockDim.x) {  // exclusive scan of phase-2 candidate flags
+    const index_t j = base + threadIdx.x;
+    const index_t flag = j < n && is_phase2_candidate(a, s, s.rsorted[j], s.rreq[j], cut1) ? 1 : 0;
+    index_t before = 0, total = 0;
+    BlockScan(scan_storage).ExclusiveSum(flag, before, total);
+    if (j < n) s.escan[j] = carry + before;
+    __syncthreads();
+    if (threadIdx.x == 0) carry += total;
+    __syncthreads();
+  }
+  for (index_t j = threadIdx.x; j < n; j += blockDim.x) fused_rank2(a, s, j, cut1);
+  __syncthreads();
+  const uint64_t cut2 = block_select_cut(s.ekey2, n, spare - took1, &valid2);
+  for (index_t r = threadIdx.x; r < b; r += blockDim.x)
+    s.t2[r] = count_at_most(s.ekey2, a.tree.cu[r], a.tree.cu[r + 1], cut2) - a.tree.cu[r];
+  if (threadIdx.x == 0) {
+    s.cut[0] = cut1;
+    s.cut[1] = cut2;
+    const index_t took2 = valid2 < spare - took1 ? valid2 : spare - took1;
+    *a.out.order_len = took1 + took2;
+  }
+}
+
+// Step 3, one thread per node.
+__global__ void fused_take_kernel(AllocationArgs a, FusedScratch s) {
+  const index_t i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < a.tree.num_nodes) fused_take(a, s, i);
+}
+
 }  // namespace detail
 
-// Bytes of device workspace `allocate_budget` needs for n nodes and b requests.
+// Bytes of device workspace `allocate_budget` needs for n nodes and b requests (either path).
 inline cudaError_t allocation_workspace_bytes(index_t n, index_t b, size_t* bytes) {
   detail::DeviceScratch d{};
-  return detail::carve(nullptr, n, b, &d, bytes);
+  cudaError_t err = detail::carve(nullptr, n, b, &d, bytes);
+  FusedScratch f{};
+  const size_t fused = detail::fused_carve(nullptr, n, b, &f);
+  if (fused > *bytes) *bytes = fused;
+  return err;
+}
+
+// The fused path (three kernels, no taken order): for n <= kFusedMaxNodes and a.out.order == nullptr.
+inline cudaError_t allocate_budget_fused(const AllocationArgs& a, void* workspace, cudaStream_t stream) {
+  FusedScratch s{};
+  detail::fused_carve(workspace, a.tree.num_nodes, a.tree.batch_size, &s);
+  detail::fused_request_kernel<<<a.tree.batch_size, detail::kFusedRequestThreads, 0, stream>>>(a, s);
+  detail::fused_cut_kernel<<<1, detail::kFusedCutThreads, 0, stream>>>(a, s);
+  detail::fused_take_kernel<<<(a.tree.num_nodes + 255) / 256, 256, 0, stream>>>(a, s);
+  return cudaGetLastError();
 }
 
 // Asynchronous on `stream`; every pointer is device memory. Arguments are checked by the C ABI.
 inline cudaError_t allocate_budget(const AllocationArgs& a, void* workspace, size_t workspace_bytes,
                                    cudaStream_t stream) {
   const index_t n = a.tree.num_nodes, b = a.tree.batch_size;
+  size_t total = 0;
+  cudaError_t err = allocation_workspace_bytes(n, b, &total);
+  if (err != cudaSuccess) return err;
+  if (workspace_bytes < total) return cudaErrorInvalidValue;
+  if (a.out.order == nullptr && n <= kFusedMaxNodes) return allocate_budget_fused(a, workspace, stream);
   detail::DeviceScratch d{};
   size_t need = 0;
-  cudaError_t err = detail::carve(workspace, n, b, &d, &need);
+  err = detail::carve(workspace, n, b, &d, &need);
   if (err != cudaSuccess) return err;
-  if (workspace_bytes < need) return cudaErrorInvalidValue;
   AllocationScratch s = d.s;
   constexpr int kThreads = 256;
   const int nb = (n + kThreads - 1) / kThreads, bb = (b + kThreads - 1) / kThreads;

@@ -14,6 +14,8 @@ extern "C" {
 #endif
 
 #define ECHO_ABI_VERSION 1
+/* The largest N for which echo_allocate_budget_* may be called with order = NULL on the CUDA path (fused). */
+#define ECHO_FUSED_ALLOCATION_MAX_NODES 16384
 enum { ECHO_OK = 0, ECHO_INVALID_ARGUMENT = 1, ECHO_CUDA_ERROR = 2, ECHO_NOT_BUILT_WITH_CUDA = 3 };
 
 int echo_abi_version(void);
@@ -29,7 +31,11 @@ int echo_gate_cuda(const float* path_probs, const int32_t* request_ids, const ui
                    void* stream);
 
 /* Elastic budget allocation over the request-major Super-Tree (N nodes, B requests, cu[B+1]).
- * max_nodes_per_request <= 0: no per-request cap. order has room for N - B entries; *order_len are valid. */
+ * max_nodes_per_request <= 0: no per-request cap. order has room for N - B entries; *order_len are valid.
+ * order may be NULL when the taken order is not needed (*order_len is still written): for N <=
+ * ECHO_FUSED_ALLOCATION_MAX_NODES the
+ * allocation then runs fused (three kernels on the device: per request, one block for both budget cuts, per
+ * node); the CUDA path requires order for larger N. */
 int echo_allocate_budget_host(const float* path_probs, const int32_t* depths, const int32_t* parents,
                               const int32_t* cu, int32_t batch_size, int32_t num_nodes, const int32_t* spine_depth,
                               int32_t budget, int32_t max_nodes_per_request, uint8_t* selected, int8_t* phase,
