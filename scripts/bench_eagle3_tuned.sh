@@ -12,7 +12,9 @@
 #      each policy through the runtime's drafting loop) and pick each method's fastest shape per batch size;
 #   4. per batch size, one bench on held-out prompts: AR, every method pure with its tuned shape, ECHO also
 #      with the AR fallback.
-# Environment: BS (batch sizes), MAXTOK, ROUNDS, WARMUP, OUT (default docs/bench), PY; SRC_B, SRC_TOKENS, CONTEXT (tuning).
+# Environment: BS (batch sizes), MAXTOK, ROUNDS, WARMUP, OUT (default docs/bench), PY; SRC_B, SRC_TOKENS, CONTEXT (tuning);
+# MAXSEQ (context per request, default 1024: the bench holds one engine per method at once, so at B = 64 the Qwen
+# pair's float32 KV caches need MAXSEQ=448 to fit 24 GiB; HumanEval's longest eval prompt is 391 tokens).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -21,6 +23,7 @@ OUT=${OUT:-docs/bench}
 BS=${BS:-"1 4 16 64"}
 MAXTOK=${MAXTOK:-16}
 ROUNDS=${ROUNDS:-2}
+MAXSEQ=${MAXSEQ:-1024}
 WARMUP=${WARMUP:-1}  # untimed rounds first: without one, the first timed round's first cell (AR) pays the cold start
 # the tree source: eagle2 drafts its full tree (top-4 frontier, 6 levels: 84 nodes per request) whatever it
 # verifies, and traces record every drafted node, so a cheap 8-node verification gives the whole tree
@@ -62,6 +65,6 @@ for B in $BS; do
   echo "B=$B tuned: $M" >&2
   # AR listed too: its row (and the warning when its own spread over rounds exceeds 10 %) is in the table
   $PY -m echo_trtllm.cli bench "${COMMON[@]}" --methods "ar,$M,$E:fallback=on" --batch-sizes "$B" --fallback off \
-    --max-tokens "$MAXTOK" --rounds "$ROUNDS" --warmup-rounds "$WARMUP" --calibration "$CAL" \
+    --max-tokens "$MAXTOK" --max-seq-len "$MAXSEQ" --rounds "$ROUNDS" --warmup-rounds "$WARMUP" --calibration "$CAL" \
     --json "$OUT/$NAME-b$B.json" --markdown "$OUT/$NAME-b$B.md" --trace "$OUT/$NAME-b$B-trace.json"
 done

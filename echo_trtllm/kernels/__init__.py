@@ -143,11 +143,12 @@ def allocate_budget(tree: SuperTree, spine_depth: Tensor, budget: int, max_nodes
     ins = [tree.path_probs.float().contiguous(), tree.depths.to(torch.int32).contiguous(),
            tree.parents.to(torch.int32).contiguous(), tree.cu_num_nodes.to(torch.int32).contiguous()]
     spine = spine_depth.to(device=dev, dtype=torch.int32).contiguous()
-    selected = torch.empty(n, dtype=torch.uint8, device=dev)
-    phase = torch.empty(n, dtype=torch.int8, device=dev)
-    num_nodes = torch.empty(b, dtype=torch.int32, device=dev)
+    # sentinels, not empty memory: an output a path fails to write cannot pass for another call's result
+    selected = torch.full((n,), 2, dtype=torch.uint8, device=dev)
+    phase = torch.full((n,), 9, dtype=torch.int8, device=dev)
+    num_nodes = torch.full((b,), -1, dtype=torch.int32, device=dev)
     order = torch.empty(max(n - b, 1) if with_order else 0, dtype=torch.int32, device=dev)
-    order_len = torch.zeros(1, dtype=torch.int32, device=dev)
+    order_len = torch.full((1,), -1, dtype=torch.int32, device=dev)
     args = [*map(_ptr, ins), _i32(b), _i32(n), _ptr(spine), _i32(budget), _i32(max_nodes_per_request or 0),
             _ptr(selected), _ptr(phase), _ptr(num_nodes), _ptr(order if with_order else None), _ptr(order_len)]
     if backend == "host":
@@ -155,6 +156,8 @@ def allocate_budget(tree: SuperTree, spine_depth: Tensor, budget: int, max_nodes
     else:
         ws, nbytes = _workspace(lib, "echo_allocate_budget_workspace_bytes", n, b, device=dev)
         _check(lib, lib.echo_allocate_budget_cuda(*args, _ptr(ws), ctypes.c_size_t(nbytes), _stream(dev)))
+    if bool((selected > 1).any() | (phase == 9).any() | (num_nodes < 0).any()) or int(order_len.item()) < 0:
+        raise PluginError("allocate_budget: the plugin left an output unwritten")
     taken = order[: int(order_len.item())].long() if with_order else order.long()
     return BudgetAllocation(selected.bool(), phase, num_nodes.long(), taken)
 

@@ -63,8 +63,8 @@ int echo_allocate_budget_cuda(const float* path_probs, const int32_t* depths, co
   ECHO_REQUIRE(path_probs && depths && parents && cu && spine_depth && selected && phase && num_nodes_out &&
                    order_len && workspace,
                "allocate_budget: a required array (or the workspace) is NULL");
-  ECHO_REQUIRE(order || num_nodes <= echo::kFusedMaxNodes,
-               "allocate_budget: order may be NULL (the fused path) only for num_nodes <= %d, got %d",
+  ECHO_REQUIRE(order || num_nodes <= echo::kFusedMaxNodes || num_nodes == batch_size,
+               "allocate_budget: order may be NULL (the fused path) only for num_nodes <= %d (or roots only), got %d",
                echo::kFusedMaxNodes, num_nodes);
   ECHO_REQUIRE(budget >= batch_size,
                "allocate_budget: budget K_max = %d is below the batch size %d: every request needs its root", budget,

@@ -184,6 +184,11 @@ void check_allocation_and_pack(const Tree& t, int32_t budget, int32_t cap, std::
                                         spine.data(), budget, cap, sel_f.data(), phase_f.data(), k_f.data(), nullptr,
                                         &len_f));
     EXPECT(sel_f == sel && phase_f == phase && k_f == k && len_f == order_len, "fused host == multi-pass host");
+    // sentinels: an output the fused path forgot to write shows instead of the multi-pass path's value
+    CHECK_CUDA(cudaMemset(d_sel, 0xFF, n));
+    CHECK_CUDA(cudaMemset(d_phase, 0x7F, n));
+    CHECK_CUDA(cudaMemset(d_k, 0xFF, b * sizeof(int32_t)));
+    CHECK_CUDA(cudaMemset(d_order_len, 0xFF, sizeof(int32_t)));
     CHECK_ABI(echo_allocate_budget_cuda(d_probs, d_depths, d_parents, d_cu, b, n, d_spine, budget, cap, d_sel, d_phase,
                                         d_k, nullptr, d_order_len, ws, ws_bytes, nullptr));
     CHECK_CUDA(cudaDeviceSynchronize());

@@ -579,7 +579,7 @@ __device__ inline void block_bitonic_sort(uint64_t* keys, index_t p) {
 }
 
 // Step 1, one block per request.
-__global__ void fused_request_kernel(AllocationArgs a, FusedScratch s) {
+__global__ void __launch_bounds__(kFusedRequestThreads) fused_request_kernel(AllocationArgs a, FusedScratch s) {
   __shared__ uint64_t shared_keys[kSharedSortKeys];
   const index_t r = blockIdx.x, lo = a.tree.cu[r], n = a.tree.cu[r + 1] - lo;
   for (index_t i = lo + threadIdx.x; i < lo + n; i += blockDim.x) fused_init_node(a, s, i);
@@ -644,7 +644,7 @@ __device__ inline uint64_t block_select_cut(const uint64_t* keys, index_t n, ind
 }
 
 // Step 2, one block: both cuts and the phase-2 ranks between them.
-__global__ void fused_cut_kernel(AllocationArgs a, FusedScratch s) {
+__global__ void __launch_bounds__(kFusedCutThreads) fused_cut_kernel(AllocationArgs a, FusedScratch s) {
   using BlockScan = cub::BlockScan<index_t, kFusedCutThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
   __shared__ index_t carry;
