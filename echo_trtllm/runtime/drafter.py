@@ -302,8 +302,12 @@ class Drafter:
     def keep_rows(self, index: Tensor) -> None:
         on_dev = self.link.send("draft rows", index)
         self._rows = self._rows[index]
-        self._row_root, self._row_slots, self._visible = self._row_root[on_dev], self._row_slots[on_dev], self._visible[on_dev]
         self._max_root = int(self._root_pos[self._rows].max())
+        self._keep_rows_on_device(on_dev)
+
+    def _keep_rows_on_device(self, index: Tensor) -> None:
+        """Per-row device state for the rows kept (index on the draft's device)."""
+        self._row_root, self._row_slots, self._visible = self._row_root[index], self._row_slots[index], self._visible[index]
 
     def _node_positions(self, drafted: DraftResult) -> Tensor:
         """Draft cache position of every candidate (level-major, as `source_index` counts): where its K/V was
@@ -479,9 +483,9 @@ class Eagle3Drafter(Drafter):
         self._y = y.reshape(r, w, h)
         return logits
 
-    def keep_rows(self, index: Tensor) -> None:
-        super().keep_rows(index)
-        self._y = self._y[self.link.send("draft rows", index)]
+    def _keep_rows_on_device(self, index: Tensor) -> None:
+        super()._keep_rows_on_device(index)
+        self._y = self._y[index]
 
     def _forward_nodes(self, batch, level: DraftLevel, frontier: Tensor) -> Tensor:
         """Level d: each frontier node reads its parent's head output in place of a target feature."""

@@ -163,15 +163,24 @@ void check_allocation_and_pack(const Tree& t, int32_t budget, int32_t cap, std::
   size_t ws_bytes = 0;
   CHECK_ABI(echo_allocate_budget_workspace_bytes(n, b, &ws_bytes));
   void* ws = device_bytes(ws_bytes);
-  CHECK_ABI(echo_allocate_budget_cuda(d_probs, d_depths, d_parents, d_cu, b, n, d_spine, budget, cap, d_sel, d_phase,
-                                      d_k, d_order, d_order_len, ws, ws_bytes, nullptr));
-  CHECK_CUDA(cudaDeviceSynchronize());
-  EXPECT(to_host(d_sel, n) == sel, "allocation: selected");
-  EXPECT(to_host(d_phase, n) == phase, "allocation: phase");
-  EXPECT(to_host(d_k, b) == k, "allocation: K_i");
-  const int32_t got_len = to_host(d_order_len, 1)[0];
-  EXPECT(got_len == order_len, "allocation: order length");
-  if (got_len == order_len) {
+  // One CUDA allocation (order NULL: the fused path) against the host's outputs. The outputs are filled with
+  // sentinels first: an output a path forgot to write shows instead of an earlier call's value.
+  auto check_cuda_allocation = [&](int32_t* d_order_or_null, const char* what) {
+    CHECK_CUDA(cudaMemset(d_sel, 0xFF, n));
+    CHECK_CUDA(cudaMemset(d_phase, 0x7F, n));
+    CHECK_CUDA(cudaMemset(d_k, 0xFF, b * sizeof(int32_t)));
+    CHECK_CUDA(cudaMemset(d_order_len, 0xFF, sizeof(int32_t)));
+    CHECK_ABI(echo_allocate_budget_cuda(d_probs, d_depths, d_parents, d_cu, b, n, d_spine, budget, cap, d_sel, d_phase,
+                                        d_k, d_order_or_null, d_order_len, ws, ws_bytes, nullptr));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    const std::string label(what);
+    EXPECT(to_host(d_sel, n) == sel, (label + ": selected").c_str());
+    EXPECT(to_host(d_phase, n) == phase, (label + ": phase").c_str());
+    EXPECT(to_host(d_k, b) == k, (label + ": K_i").c_str());
+    EXPECT(to_host(d_order_len, 1)[0] == order_len, (label + ": order length").c_str());
+  };
+  check_cuda_allocation(d_order, "allocation");
+  if (to_host(d_order_len, 1)[0] == order_len) {
     auto got = to_host(d_order, order_len);
     EXPECT(std::equal(got.begin(), got.end(), order.begin()), "allocation: order");
   }
@@ -184,18 +193,7 @@ void check_allocation_and_pack(const Tree& t, int32_t budget, int32_t cap, std::
                                         spine.data(), budget, cap, sel_f.data(), phase_f.data(), k_f.data(), nullptr,
                                         &len_f));
     EXPECT(sel_f == sel && phase_f == phase && k_f == k && len_f == order_len, "fused host == multi-pass host");
-    // sentinels: an output the fused path forgot to write shows instead of the multi-pass path's value
-    CHECK_CUDA(cudaMemset(d_sel, 0xFF, n));
-    CHECK_CUDA(cudaMemset(d_phase, 0x7F, n));
-    CHECK_CUDA(cudaMemset(d_k, 0xFF, b * sizeof(int32_t)));
-    CHECK_CUDA(cudaMemset(d_order_len, 0xFF, sizeof(int32_t)));
-    CHECK_ABI(echo_allocate_budget_cuda(d_probs, d_depths, d_parents, d_cu, b, n, d_spine, budget, cap, d_sel, d_phase,
-                                        d_k, nullptr, d_order_len, ws, ws_bytes, nullptr));
-    CHECK_CUDA(cudaDeviceSynchronize());
-    EXPECT(to_host(d_sel, n) == sel, "fused allocation: selected");
-    EXPECT(to_host(d_phase, n) == phase, "fused allocation: phase");
-    EXPECT(to_host(d_k, b) == k, "fused allocation: K_i");
-    EXPECT(to_host(d_order_len, 1)[0] == order_len, "fused allocation: order length");
+    check_cuda_allocation(nullptr, "fused allocation");
   }
   // pack the selection; n_max = the largest K_i
   const int32_t total = [&] { int32_t s = 0; for (int32_t x : k) s += x; return s; }();
