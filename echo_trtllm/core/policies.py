@@ -579,30 +579,31 @@ def draft_tree_batched(
     rows = torch.nonzero(state.active, as_tuple=True)[0]
     pending: list[tuple[int, Tensor, Tensor, Tensor, Tensor, Tensor]] = []
     replaying = True  # False once the replay met an empty frontier (draft_tree's break)
-    path = tokens = valid = None
+    score = tokens = None  # the previous level on the device: path probabilities (padding: -1) and tokens
     width, children = policy.expand_width, 1
     for depth in range(1, depth_cap + 1 if rows.numel() else 1):
         k = policy.num_children(depth)
-        width_prev = 1 if depth == 1 else path.shape[1]  # slots per row of the previous level
+        width_prev = 1 if depth == 1 else score.shape[1]  # slots per row of the previous level
         if depth == 1:
             top = drafter.expand_roots(rows)  # (R, k')
-            probs, toks = top.probs[:, None, :k], top.tokens[:, None, :k]  # (R, 1, k)
+            probs, toks = top.probs[:, None], top.tokens[:, None]  # (R, 1, k')
             dev = probs.device
             front = torch.zeros(rows.numel(), 1, dtype=torch.long, device=dev)  # the root: slot 0 of level 0
             fvalid = torch.ones(rows.numel(), 1, dtype=torch.bool, device=dev)
             parent_path = torch.ones(rows.numel(), 1, device=dev)
         else:
-            w = min(width, path.shape[1])
-            score = torch.where(valid, path, torch.full_like(path, -1.0))  # padding sorts after every probability
+            w = min(width, score.shape[1])
+            # padding (-1) sorts after every probability; ties: lowest slot (stable)
             best = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :w]
             front = torch.sort(best, dim=1).values  # (R, w) ascending: the frontier in level order
-            fvalid = valid.gather(1, front)
+            parent_path = score.gather(1, front)
+            fvalid = parent_path >= 0
             top = drafter.expand_level(depth, tokens.gather(1, front), torch.div(front, children, rounding_mode="floor"))
-            probs, toks = top.probs[..., :k], top.tokens[..., :k]  # (R, w, k)
-            parent_path = path.gather(1, front)
-        path = (parent_path[..., None] * probs.float()).reshape(rows.numel(), -1)  # (R, w * k)
+            probs, toks = top.probs, top.tokens  # (R, w, k')
+        if probs.shape[-1] != k:
+            probs, toks = probs[..., :k], toks[..., :k]
+        score = torch.where(fvalid[..., None], parent_path[..., None] * probs.float(), -1.0).reshape(rows.numel(), -1)
         tokens = toks.reshape(rows.numel(), -1)
-        valid = fvalid[..., None].expand(-1, -1, k).reshape(rows.numel(), -1)
         children = k
         pending.append((depth, rows, width_prev, front, fvalid, probs, toks))
         if depth in syncs and depth < depth_cap:
@@ -614,9 +615,9 @@ def draft_tree_batched(
             if not bool(keep.all()):  # stopped requests leave the device's batch
                 index = torch.nonzero(keep, as_tuple=True)[0]
                 drafter.keep_rows(index)
-                on_dev = send(index) if send is not None else index.to(path.device)
+                on_dev = send(index) if send is not None else index.to(score.device)
                 rows = rows[index]
-                path, tokens, valid = path[on_dev], tokens[on_dev], valid[on_dev]
+                score, tokens = score[on_dev], tokens[on_dev]
     if pending and replaying:
         _replay(policy, state, levels, slots, pending, read)
     state.frontier_slots += [torch.full((lv.num_nodes,), -1, dtype=torch.long)
@@ -631,16 +632,17 @@ def _replay(policy: TreePolicy, state: DraftState, levels: list[DraftLevel], slo
     """draft_tree's loop over levels the device drafted (draft_tree_batched). False at an empty frontier."""
     flat = read(*[t for rec in pending for t in rec[3:]])  # front, fvalid, probs, tokens of every level
     rows = pending[0][1]  # the same rows for every pending level: they change only after a replay
-    row_of = torch.full((state.batch_size,), -1, dtype=torch.long)
-    row_of[rows] = torch.arange(rows.numel())
+    pad = rows.numel()  # requests off the device read the all -1 padding row of each frontier table
+    row_of = torch.full((state.batch_size,), pad, dtype=torch.long)
+    row_of[rows] = torch.arange(pad)
     for i, (depth, _, width, *_) in enumerate(pending):
         front, fvalid, probs, toks = flat[4 * i: 4 * i + 4]
         prev = levels[-1]
         # the frontier slot of each node of the previous level (-1: not in its request's device frontier)
-        table = torch.full((rows.numel(), width), -1, dtype=torch.long)
-        table.scatter_(1, front, torch.where(fvalid, torch.arange(front.shape[1]), -1))
+        table = torch.full((pad + 1, width), -1, dtype=torch.long)
+        table[:pad].scatter_(1, front, torch.where(fvalid, torch.arange(front.shape[1]), -1))
         r = row_of[prev.request_ids]
-        w = torch.where(r >= 0, table[r.clamp(min=0), slots[-1]], -1)
+        w = table[r, slots[-1]]
         eligible = state.active[prev.request_ids] & (w >= 0)
         w = torch.where(eligible, w, -1)
         state.frontier_slots.append(w)
