@@ -590,19 +590,23 @@ def draft_tree_batched(
             dev = probs.device
             front = torch.zeros(rows.numel(), 1, dtype=torch.long, device=dev)  # the root: slot 0 of level 0
             fvalid = torch.ones(rows.numel(), 1, dtype=torch.bool, device=dev)
-            parent_path = torch.ones(rows.numel(), 1, device=dev)
         else:
-            w = min(width, score.shape[1])
-            # padding (-1) sorts after every probability; ties: lowest slot (stable)
-            best = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :w]
-            front = torch.sort(best, dim=1).values  # (R, w) ascending: the frontier in level order
+            if width >= score.shape[1]:  # every slot is expanded: no choice to make
+                front = torch.arange(score.shape[1], device=score.device).expand(rows.numel(), -1)
+            else:
+                # padding (-1) sorts after every probability; ties: lowest slot (stable)
+                best = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :width]
+                front = torch.sort(best, dim=1).values  # (R, w) ascending: the frontier in level order
             parent_path = score.gather(1, front)
             fvalid = parent_path >= 0
             top = drafter.expand_level(depth, tokens.gather(1, front), torch.div(front, children, rounding_mode="floor"))
             probs, toks = top.probs, top.tokens  # (R, w, k')
         if probs.shape[-1] != k:
             probs, toks = probs[..., :k], toks[..., :k]
-        score = torch.where(fvalid[..., None], parent_path[..., None] * probs.float(), -1.0).reshape(rows.numel(), -1)
+        if depth == 1:
+            score = probs.float().reshape(rows.numel(), -1)
+        else:
+            score = torch.where(fvalid[..., None], parent_path[..., None] * probs.float(), -1.0).reshape(rows.numel(), -1)
         tokens = toks.reshape(rows.numel(), -1)
         children = k
         pending.append((depth, rows, width_prev, front, fvalid, probs, toks))
