@@ -278,6 +278,16 @@ class LLM:
         """Per-step reports since the last call (needs iter_stats_max_iterations > 0)."""
         return self._loop.get_stats()
 
+    def add_step_listener(self, listener) -> None:
+        """Call `listener(report: StepReport)` on the engine thread after every step (quick, must not raise)."""
+        self._loop.add_listener(listener)
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) requests in the executor now (a snapshot from another thread)."""
+        ex = self.executor
+        return len(ex.running), len(ex.waiting)
+
     def shutdown(self) -> None:
         self._loop.shutdown()
 

@@ -11,9 +11,11 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "build": ("echo_trtllm.cli.build", "build an engine directory from a target + draft pair"),
     "generate": ("echo_trtllm.cli.generate", "generate text with speculative decoding and print stats"),
+    "serve": ("echo_trtllm.cli.serve", "serve the models over an OpenAI-compatible HTTP API (/v1/completions, ...)"),
     "calibrate": ("echo_trtllm.cli.calibrate", "measure the cost curve and calibrate the gate (writes calibration.json)"),
     "bench": ("echo_trtllm.cli.bench", "benchmark methods x batch sizes side by side (JSON, markdown, plots)"),
     "simulate": ("echo_trtllm.cli.simulate", "predict throughput vs batch size from recorded traces (simulation)"),
+    "bench-serve": ("echo_trtllm.cli.bench_serve", "load an OpenAI-compatible server: throughput, TTFT, ITL p50/p99"),
     "bench-control": ("echo_trtllm.cli.bench_control", "time ECHO's control plane (gate + schedule + pack) per step"),
     "bench-kernels": ("echo_trtllm.cli.bench_kernels", "time the plugin's control kernels per step, by backend"),
     "bench-dtype": ("echo_trtllm.cli.bench_dtype", "time a model's forward by tokens in each dtype; what auto picks"),

@@ -173,6 +173,11 @@ class GenerationHandle:
         with self._cond:
             return bool(self._records) and self._records[-1].finish_reason is not None
 
+    def latest(self) -> RequestOutput | None:
+        """The newest published snapshot (the final one once finished), or None before the first."""
+        with self._cond:
+            return self._output(len(self._records) - 1) if self._records else None
+
     def abort(self) -> None:
         """Cancel the request (finish_reason "abort"; what was generated so far is kept). No-op once finished."""
         if not self.done:
@@ -267,6 +272,7 @@ class EngineLoop:
         self._stop = False
         self._stats: deque[StepReport] = deque(maxlen=max(iter_stats_max_iterations, 1))
         self._keep_stats = iter_stats_max_iterations > 0
+        self._listeners: list = []  # called on the engine thread with each step's report (add_listener)
         self.last_error: str | None = None
         self._thread = threading.Thread(target=self._run, name="echo-trtllm-executor", daemon=True)
         # Interpreter exit runs this before daemon threads are stopped: the loop finishes its step, aborts what
@@ -294,6 +300,17 @@ class EngineLoop:
         with self._cond:
             self._inbox.append(("abort", request_id))
             self._cond.notify()
+
+    def add_listener(self, listener) -> None:
+        """Call `listener(report)` on the engine thread after every step that ran a batch (servers' metrics). It must
+        be quick and must not raise; an exception it raises is logged in `last_error` and the loop goes on."""
+        with self._cond:
+            self._listeners = self._listeners + [listener]
+
+    @property
+    def alive(self) -> bool:
+        """The engine thread runs and takes work."""
+        return self._thread.is_alive() and not self._stop
 
     def get_stats(self) -> list[StepReport]:
         """The step reports kept since the last call (oldest first)."""
@@ -359,6 +376,12 @@ class EngineLoop:
                 if self._keep_stats and report.batch_size:
                     with self._cond:
                         self._stats.append(report)
+                if report.batch_size:
+                    for listener in self._listeners:
+                        try:
+                            listener(report)
+                        except Exception:  # noqa: BLE001 - a metrics hook never stops the engine
+                            self.last_error = traceback.format_exc()
             except Exception as exc:  # noqa: BLE001 - last resort: the executor contains failures by phase
                 self.last_error = traceback.format_exc()
                 for rid in list(self._handles):

@@ -1,3 +1,5 @@
+"""Fixtures every test directory shares: the embedded default pair, loaded once per session, and prompts."""
+
 import pytest
 import torch
 

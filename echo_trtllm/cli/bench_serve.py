@@ -1,0 +1,118 @@
+"""echo-trtllm bench-serve: load an OpenAI-compatible server with streaming requests; throughput, TTFT, ITL p50/p99.
+
+    echo-trtllm bench-serve --base-url http://127.0.0.1:8000 --concurrency 1,16,64 --num-prompts 64
+    echo-trtllm bench-serve --methods ar,echo --concurrency 1,16,64 [--model ... --draft-model ...] --json out.json
+
+With --methods each method's server is launched here (`echo-trtllm serve --policy METHOD` plus the model and
+runtime flags given), measured at every concurrency, and stopped before the next; docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import time
+
+from . import options
+
+PROG = "echo-trtllm bench-serve"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    g = ap.add_argument_group("target server")
+    g.add_argument("--base-url", help="a running server (instead of --methods)")
+    g.add_argument("--served-model-name", default="echo-bench", help="the model id to send (default: echo-bench)")
+    g.add_argument("--methods", help="comma-separated policies to launch and compare, e.g. ar,echo")
+    options.add_model_options(ap)
+    g = ap.add_argument_group("launched servers")
+    g.add_argument("--max-batch-size", type=int, default=64, help="each launched server's batch (default: 64)")
+    g.add_argument("--max-seq-len", type=int, default=1024)
+    g.add_argument("--threads", type=int, help="torch threads of each launched server")
+    g.add_argument("--serve-arg", action="append", default=[],
+                   help="one more flag for every launched server (repeat), e.g. --serve-arg=--fallback=off")
+    g = ap.add_argument_group("load")
+    g.add_argument("--concurrency", default="1,16,64", help="comma-separated maximum concurrencies (default: 1,16,64)")
+    g.add_argument("--request-rate", type=float, help="Poisson arrivals per second (default: all at once)")
+    g.add_argument("--num-prompts", type=int, default=64, help="requests per cell (default: 64)")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens per request (ignore_eos; default: 64)")
+    g.add_argument("--prompts", default="mixed", help="prompt set (bench/prompts.py; default: mixed)")
+    g.add_argument("--json", help="write every cell here")
+    return ap
+
+
+def _table(cells: list[dict]) -> str:
+    head = (f"{'method':>8} {'conc':>5} {'req':>4} {'fail':>4} {'out tok/s':>9} {'req/s':>6} {'TTFT p50':>9} "
+            f"{'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'TPOT p50':>9}")
+    rows = [head]
+    for c in cells:
+        rows.append(f"{c['method']:>8} {c['concurrency'] or '-':>5} {c['requests']:>4} {c['failed']:>4} "
+                    f"{c['output_tokens_per_s']:>9.1f} {c['requests_per_s']:>6.2f} {c['ttft_ms']['p50']:>9.1f} "
+                    f"{c['ttft_ms']['p99']:>9.1f} {c['itl_ms']['p50']:>8.1f} {c['itl_ms']['p99']:>8.1f} "
+                    f"{c['tpot_ms']['p50']:>9.1f}")
+    return "\n".join(rows) + "\n(times in ms)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        import openai  # noqa: F401
+
+        from echo_trtllm.bench.prompts import load_prompts
+        from echo_trtllm.bench.run import report_meta
+        from echo_trtllm.bench.serve import launch_server, run_load, summarise
+    except ImportError as e:
+        return options.fail(PROG, f"{e.name} is missing: install the serve extra (pip install 'echo-trtllm[serve]')")
+    try:
+        if bool(args.base_url) == bool(args.methods):
+            raise ValueError("give exactly one of --base-url (a running server) or --methods (launch each)")
+        concurrency = options.int_list(args.concurrency, "--concurrency")
+        if args.num_prompts < 1 or args.max_tokens < 1:
+            raise ValueError("--num-prompts and --max-tokens must be >= 1")
+        if args.request_rate is not None and args.request_rate <= 0:
+            raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
+        prompts = load_prompts(args.prompts)
+        methods = args.methods.split(",") if args.methods else ["server"]
+        from echo_trtllm.core.config import POLICY_NAMES
+
+        bad = [m for m in methods if args.methods and m not in POLICY_NAMES]
+        if bad:
+            raise ValueError(f"--methods: unknown policy {bad[0]!r}; choose from {', '.join(POLICY_NAMES)}")
+    except options.USAGE_ERRORS as e:
+        return options.fail(PROG, e)
+    cells = []
+    for method in methods:
+        proc, url = None, args.base_url
+        if args.methods:
+            serve = ["--policy", method, "--served-model-name", args.served_model_name, "--log-level", "warning",
+                     "--max-batch-size", str(args.max_batch_size), "--max-seq-len", str(args.max_seq_len),
+                     *(["--model", args.model] if args.model else []),
+                     *(["--draft-model", args.draft_model] if args.draft_model else []),
+                     *(["--engine-dir", args.engine_dir] if getattr(args, "engine_dir", None) else []),
+                     *(["--threads", str(args.threads)] if args.threads else []), *args.serve_arg]
+            proc, url = launch_server(serve)
+        try:
+            for c in concurrency:
+                timings, wall = asyncio.run(run_load(url, args.served_model_name, prompts, args.num_prompts,
+                                                     args.max_tokens, c, args.request_rate))
+                cell = summarise(method, timings, wall, c, args.request_rate).as_dict()
+                errors = sorted({t.error for t in timings if t.error})
+                cell["errors"] = errors[:5]
+                cells.append(cell)
+                print(_table([cell]).splitlines()[1], flush=True)
+        finally:
+            if proc is not None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(60)
+                except Exception:  # noqa: BLE001
+                    proc.kill()
+            time.sleep(0.5)
+    print(_table(cells))
+    if args.json:
+        meta = report_meta("echo_trtllm.cli bench-serve", argv)
+        with open(args.json, "w") as f:
+            json.dump({"cells": cells, "args": {k: v for k, v in vars(args).items()}, **meta}, f, indent=2)
+    return 0 if all(c["failed"] == 0 for c in cells) else 1

@@ -1,0 +1,69 @@
+"""echo-trtllm serve: an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health,
+/metrics) over the same models and engine options as `generate`. Needs the `serve` extra.
+
+    echo-trtllm serve [--model PATH --draft-model PATH | --engine-dir DIR] [--policy echo] [--host 127.0.0.1]
+                      [--port 8000] [--max-batch-size 64] [--max-queue-size 1024]
+
+Sampling is per request (the OpenAI body's fields); SIGINT / SIGTERM stop taking connections, let in-flight requests
+finish for up to --drain-timeout seconds, then stop. docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from . import options
+
+PROG = "echo-trtllm serve"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    options.add_model_options(ap)
+    options.add_runtime_options(ap, batch=False)
+    ap.add_argument("--max-batch-size", type=int, default=64, help="requests in the engine's batch (default: 64)")
+    options.add_speculation_options(ap)
+    options.add_calibration_options(ap)
+    options.add_fallback_option(ap)
+    g = ap.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 = any free port)")
+    g.add_argument("--served-model-name", help="the model id clients send (default: the model's directory name)")
+    g.add_argument("--max-queue-size", type=int, default=1024,
+                   help="requests accepted beyond the batch before answering 429 (default: 1024)")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM (default: 30)")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        from echo_trtllm.serve.openai_server import OpenAIServer, default_model_name, listen, uvicorn_server
+    except ImportError as e:
+        return options.fail(PROG, f"{e.name} is missing: install the serve extra (pip install 'echo-trtllm[serve]')")
+    try:
+        if not 0 <= args.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+        if args.max_batch_size < 1:
+            raise ValueError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+        if args.drain_timeout < 0:
+            raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+        options.apply_threads(args)
+        config = options.echo_config(args)
+        llm = options.make_llm(args, config, args.max_batch_size)
+        name = args.served_model_name or default_model_name(args.model, getattr(args, "engine_dir", None))
+        server = OpenAIServer(llm, name, max_queue_size=args.max_queue_size)
+    except options.USAGE_ERRORS as e:
+        return options.fail(PROG, e)
+    try:
+        sock = listen(args.host, args.port)
+    except OSError as e:
+        llm.shutdown()
+        return options.fail(PROG, f"cannot listen on {args.host}:{args.port}: {e.strerror}")
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"{PROG}: listening on http://{shown}:{port} (model {name!r})", flush=True)
+    uvicorn_server(server, args.host, port, args.drain_timeout, args.log_level).run(sockets=[sock])
+    return 0

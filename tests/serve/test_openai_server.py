@@ -1,0 +1,279 @@
+"""The OpenAI-compatible server, started for real on a loopback port and driven by the official `openai` client.
+
+References: the in-process `LLM` API on the same models (same prompt, same SamplingParams), and for the load
+test plain AR decoding of each prompt alone."""
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from echo_trtllm import LLM, EchoConfig, SamplingParams
+from echo_trtllm.serve.protocol import chat_prompt_ids
+
+from .conftest import RunningServer
+
+MODEL = "echo-test"
+
+
+def _reference(llm, prompt, **params):
+    return llm.generate(prompt, SamplingParams(**params), use_tqdm=False)
+
+
+def test_completion_equals_llm_api(served):
+    c = served.client()
+    prompt = "ROMEO:\nBut soft, what light"
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+    ref = _reference(served.llm, prompt, max_tokens=20, temperature=0)
+    assert r.choices[0].text == ref.text
+    assert r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == len(ref.token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
+
+
+def test_streamed_completion_equals_llm_api_and_ends_with_usage(served):
+    c = served.client()
+    prompt = "def main():\n    "
+    chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}))
+    ref = _reference(served.llm, prompt, max_tokens=24, temperature=0)
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == ref.text
+    finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finals == [ref.finish_reason]
+    assert len([ch for ch in chunks if ch.choices]) > 2, "the answer must arrive in several events"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+
+
+def test_batched_prompts_and_token_id_prompts(served):
+    c = served.client()
+    prompts = ["To be, or not to be", "import os\nimport sys\n\n"]
+    r = c.completions.create(model=MODEL, prompt=prompts, max_tokens=10, temperature=0)
+    assert [ch.index for ch in r.choices] == [0, 1]
+    for ch, p in zip(r.choices, prompts):
+        assert ch.text == _reference(served.llm, p, max_tokens=10, temperature=0).text
+    ids = served.llm.tokenizer.encode(prompts[0])
+    r = c.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0)
+    assert r.choices[0].text == _reference(served.llm, ids, max_tokens=10, temperature=0).text
+    echoed = c.completions.create(model=MODEL, prompt=prompts[0], max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text.startswith(prompts[0])
+
+
+def test_chat_equals_llm_api_on_the_rendered_conversation(served):
+    c = served.client()
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "A parser, please."}]
+    ids = chat_prompt_ids([(m["role"], m["content"]) for m in messages], served.llm.tokenizer)
+    ref = _reference(served.llm, ids, max_tokens=16, temperature=0)
+    r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == ref.text
+    assert r.usage.prompt_tokens == len(ids) and r.object == "chat.completion"
+    chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                            stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+
+
+def test_sampling_fields_reach_the_engine(served):
+    """seed + temperature + top_p + top_k + stop: the same answer as the LLM API with the same SamplingParams."""
+    c = served.client()
+    prompt = "HAMLET:\n"
+    fields = dict(max_tokens=24, temperature=0.8, top_p=0.9, seed=1234, stop=["\n\n"])
+    r = c.completions.create(model=MODEL, prompt=prompt, extra_body={"top_k": 20}, **fields)
+    ref = _reference(served.llm, prompt, top_k=20, **fields)
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
+    r2 = c.completions.create(model=MODEL, prompt=prompt, extra_body={"top_k": 20, "ignore_eos": True}, **fields)
+    assert r2.choices[0].text == r.choices[0].text  # the stop string came first either way
+
+
+def test_models_health_and_metrics(served):
+    c = served.client()
+    models = c.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    with urllib.request.urlopen(served.url + "/health") as r:
+        assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
+    before = _metrics(served.url)
+    r = c.completions.create(model=MODEL, prompt="O", max_tokens=8, temperature=0)
+    after = _metrics(served.url)
+    assert after["echo_trtllm_requests_total"][("length",)] - before["echo_trtllm_requests_total"].get(("length",), 0) \
+        + after["echo_trtllm_requests_total"].get(("stop",), 0) - before["echo_trtllm_requests_total"].get(("stop",), 0) == 1
+    gen = after["echo_trtllm_generation_tokens_total"][()] - before["echo_trtllm_generation_tokens_total"][()]
+    assert gen == r.usage.completion_tokens
+    steps, verified = after["echo_trtllm_steps_total"][()], after["echo_trtllm_verified_tokens_total"][()]
+    assert steps > 0
+    assert after["echo_trtllm_mean_verified_tokens_per_step"][()] == pytest.approx(verified / steps)
+    assert 0 <= after["echo_trtllm_speculative_step_share"][()] <= 1
+    assert after["echo_trtllm_requests_running"][()] == 0 and after["echo_trtllm_requests_waiting"][()] == 0
+
+
+def _metrics(url: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics") as r:
+        text = r.read().decode()
+    out: dict = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, {})[tuple(s.labels.values())] = s.value
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- under load
+
+N_STREAMS, N_DISCONNECT, MAX_TOKENS = 256, 32, 12
+
+
+@pytest.fixture(scope="module")
+def load_prompts(prompts):
+    return [f"{i}. {prompts[i % len(prompts)]}" for i in range(N_STREAMS)]
+
+
+@pytest.fixture(scope="module")
+def ar_single(default_pair, load_prompts):
+    """Each prompt decoded alone by plain AR through the LLM API."""
+    target, _, tok = default_pair
+    with LLM(target, None, tokenizer=tok, speculative_config=EchoConfig(policy="ar"), max_batch_size=1,
+             max_seq_len=256) as llm:
+        return [llm.generate(p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0), use_tqdm=False)
+                for p in load_prompts]
+
+
+async def _stream_one(client, i: int, prompt: str, leave_after: int | None):
+    stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                             stream=True, extra_body={"request_tag": i})
+    text, finish, events = "", None, 0
+    async for ch in stream:
+        events += 1
+        text += ch.choices[0].text
+        finish = ch.choices[0].finish_reason or finish
+        if leave_after is not None and events >= leave_after:
+            await stream.close()  # the client goes away mid-stream
+            return i, text, "left"
+    return i, text, finish
+
+
+def _run_streams(server: RunningServer, prompts: list[str], leave: set[int]):
+    async def main():
+        client = server.async_client(timeout=600)
+        try:
+            return await asyncio.gather(*(_stream_one(client, i, p, 2 if i in leave else None)
+                                          for i, p in enumerate(prompts)))
+        finally:
+            await client.close()
+
+    return asyncio.run(main())
+
+
+def test_256_concurrent_streams_equal_single_request_ar(served, load_prompts, ar_single):
+    before = _metrics(served.url)
+    results = _run_streams(served, load_prompts, leave=set())
+    assert sorted(i for i, _, _ in results) == list(range(N_STREAMS)), "a stream was lost or duplicated"
+    for i, text, finish in results:
+        ref = ar_single[i]
+        assert text == ref.text, f"stream {i} ({load_prompts[i]!r}) differs from its single-request AR reference"
+        assert finish == ref.finish_reason
+    assert served.idle(), f"not idle after the streams: {served.server.inflight} in flight, " \
+                          f"{len(served.llm.executor.free_slots)} free slots"
+    after = _metrics(served.url)
+    steps = after["echo_trtllm_steps_total"][()] - before["echo_trtllm_steps_total"][()]
+    spec = after["echo_trtllm_speculative_steps_total"][()] - before["echo_trtllm_speculative_steps_total"][()]
+    assert spec > 0.5 * steps, "the load test must exercise speculative steps"
+    emitted = after["echo_trtllm_emitted_tokens_total"][()] - before["echo_trtllm_emitted_tokens_total"][()]
+    assert emitted == sum(len(r.token_ids) for r in ar_single)
+
+
+def test_32_clients_leaving_midway_free_their_slots(served, load_prompts, ar_single):
+    leave = set(random.Random(0).sample(range(N_STREAMS), N_DISCONNECT))
+    before = _metrics(served.url)["echo_trtllm_requests_total"].get(("abort",), 0)
+    results = _run_streams(served, load_prompts, leave)
+    assert sorted(i for i, _, _ in results) == list(range(N_STREAMS))
+    for i, text, finish in results:
+        ref = ar_single[i]
+        if i in leave:
+            assert finish == "left" and ref.text.startswith(text)
+        else:
+            assert text == ref.text and finish == ref.finish_reason
+    assert served.idle(), "a slot leaked after clients disconnected"
+    aborted = _metrics(served.url)["echo_trtllm_requests_total"].get(("abort",), 0) - before
+    assert 0 < aborted <= N_DISCONNECT  # a client may leave after its last token but before the final event
+    # and the server still answers exactly
+    r = served.client().completions.create(model=MODEL, prompt=load_prompts[0], max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].text == ar_single[0].text
+
+
+def test_non_streamed_request_whose_client_leaves_is_aborted(served):
+    c = served.client(timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):
+        c.completions.create(model=MODEL, prompt="To be", max_tokens=200, temperature=0,
+                             extra_body={"ignore_eos": True})
+    assert served.idle(), "the abandoned request kept its slot"
+
+
+# ----------------------------------------------------------------------------------------------- limits
+
+def test_full_queue_answers_429_with_retry_after(pair_llm):
+    llm = pair_llm(max_batch_size=1, max_seq_len=512)
+    srv = RunningServer(llm, max_queue_size=0)
+    try:
+        c = srv.client()
+        stream = c.completions.create(model=MODEL, prompt="ROMEO:\n", max_tokens=400, temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})
+        next(iter(stream))  # in flight: the one place is taken
+        with pytest.raises(openai.RateLimitError) as e:
+            c.completions.create(model=MODEL, prompt="HAMLET:\n", max_tokens=4)
+        assert e.value.response.headers["retry-after"] == "1"
+        assert "capacity" in e.value.body["message"]
+        stream.close()
+        assert srv.idle()
+        r = c.completions.create(model=MODEL, prompt="HAMLET:\n", max_tokens=4, temperature=0)
+        assert r.choices[0].finish_reason in ("length", "stop")
+    finally:
+        srv.stop()
+
+
+def test_sigterm_drains_in_flight_streams_then_exits(tmp_path):
+    """A real `echo-trtllm serve` process: SIGTERM while 4 streams run; each still ends with its final event and
+    [DONE], then the process ends by the signal it was sent (uvicorn re-raises it after draining, the exit status
+    supervisors expect) instead of being killed mid-request."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "echo_trtllm.cli", "serve", "--port", "0", "--max-batch-size", "4",
+                             "--served-model-name", MODEL, "--drain-timeout", "60", "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        url = None
+        deadline = time.monotonic() + 120
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if "listening on " in line:
+                url = line.split("listening on ")[1].split()[0]
+        assert url, "the server did not start"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        streams = [client.completions.create(model=MODEL, prompt=p, max_tokens=48, temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True})
+                   for p in ("ROMEO:\n", "HAMLET:\n", "def f(", "import os\n")]
+        iters = [iter(s) for s in streams]
+        for it in iters:
+            next(it)
+        proc.send_signal(signal.SIGTERM)
+        for it in iters:
+            rest = list(it)
+            assert rest and rest[-1].choices[0].finish_reason == "length"
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+        with pytest.raises(openai.APIConnectionError):  # and it takes no new work
+            client.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
