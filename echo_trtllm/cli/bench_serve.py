@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-prompts", type=int, default=64, help="requests per cell (default: 64)")
     g.add_argument("--max-tokens", type=int, default=64, help="tokens per request (ignore_eos; default: 64)")
     g.add_argument("--prompts", default="mixed", help="prompt set (bench/prompts.py; default: mixed)")
+    g.add_argument("--rounds", type=int, default=1,
+                   help="repeat the whole comparison; methods alternate order each round (ABBA), medians and spreads "
+                        "are reported (default: 1)")
     g.add_argument("--json", help="write every cell here")
     return ap
 
@@ -55,11 +58,73 @@ def _table(cells: list[dict]) -> str:
     return "\n".join(rows) + "\n(times in ms)"
 
 
+def _measure(args, method, rnd, concurrency, prompts, launch_server, run_load, summarise) -> list[dict]:
+    """One method at every concurrency (its server launched for it when --methods)."""
+    cells = []
+    proc, url = None, args.base_url
+    if args.methods:
+        serve = ["--policy", method, "--served-model-name", args.served_model_name, "--log-level", "warning",
+                 "--max-batch-size", str(args.max_batch_size), "--max-seq-len", str(args.max_seq_len),
+                 *(["--model", args.model] if args.model else []),
+                 *(["--draft-model", args.draft_model] if args.draft_model else []),
+                 *(["--engine-dir", args.engine_dir] if getattr(args, "engine_dir", None) else []),
+                 *(["--threads", str(args.threads)] if args.threads else []), *args.serve_arg]
+        proc, url = launch_server(serve)
+    try:
+        for c in concurrency:
+            timings, wall = asyncio.run(run_load(url, args.served_model_name, prompts, args.num_prompts,
+                                                 args.max_tokens, c, args.request_rate))
+            cell = summarise(method, timings, wall, c, args.request_rate).as_dict()
+            cell["round"] = rnd
+            cell["errors"] = sorted({t.error for t in timings if t.error})[:5]
+            cells.append(cell)
+            print(_table([cell]).splitlines()[1], flush=True)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except Exception:  # noqa: BLE001
+                proc.kill()
+        time.sleep(0.5)
+    return cells
+
+
+def _summary(cells: list[dict], methods: list[str], concurrency: list[int]) -> list[dict]:
+    """Per method and concurrency over rounds: median / min / max output tok/s, median TTFT / ITL p50 and p99,
+    and the median tok/s relative to the first method's at the same concurrency."""
+    import statistics
+
+    out = []
+    for c in concurrency:
+        base = None
+        for m in methods:
+            got = [x for x in cells if x["method"] == m and x["concurrency"] == c]
+            tps = [x["output_tokens_per_s"] for x in got]
+            med = lambda key, q: statistics.median(x[key][q] for x in got)  # noqa: E731
+            row = {"method": m, "concurrency": c, "rounds": len(got), "tok_s_median": statistics.median(tps),
+                   "tok_s_min": min(tps), "tok_s_max": max(tps), "ttft_p50_ms": med("ttft_ms", "p50"),
+                   "ttft_p99_ms": med("ttft_ms", "p99"), "itl_p50_ms": med("itl_ms", "p50"),
+                   "itl_p99_ms": med("itl_ms", "p99")}
+            base = base or row["tok_s_median"]
+            row["vs_first_method"] = row["tok_s_median"] / base if base else 0.0
+            out.append(row)
+    return out
+
+
+def _summary_table(summary: list[dict]) -> str:
+    rows = [f"{'method':>8} {'conc':>5} {'tok/s median [min-max]':>26} {'x first':>7} {'TTFT p50/p99':>14} "
+            f"{'ITL p50/p99':>12}"]
+    for r in summary:
+        spread = f"{r['tok_s_median']:.1f} [{r['tok_s_min']:.1f}-{r['tok_s_max']:.1f}]"
+        rows.append(f"{r['method']:>8} {r['concurrency']:>5} {spread:>26} {r['vs_first_method']:>7.3f} "
+                    f"{r['ttft_p50_ms']:>6.1f}/{r['ttft_p99_ms']:<7.1f} {r['itl_p50_ms']:>5.1f}/{r['itl_p99_ms']:<6.1f}")
+    return "\n".join(rows) + "\n(medians over rounds; ms)"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        import openai  # noqa: F401
-
         from echo_trtllm.bench.prompts import load_prompts
         from echo_trtllm.bench.run import report_meta
         from echo_trtllm.bench.serve import launch_server, run_load, summarise
@@ -69,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         if bool(args.base_url) == bool(args.methods):
             raise ValueError("give exactly one of --base-url (a running server) or --methods (launch each)")
         concurrency = options.int_list(args.concurrency, "--concurrency")
-        if args.num_prompts < 1 or args.max_tokens < 1:
-            raise ValueError("--num-prompts and --max-tokens must be >= 1")
+        if args.num_prompts < 1 or args.max_tokens < 1 or args.rounds < 1:
+            raise ValueError("--num-prompts, --max-tokens and --rounds must be >= 1")
         if args.request_rate is not None and args.request_rate <= 0:
             raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
         prompts = load_prompts(args.prompts)
@@ -83,36 +148,15 @@ def main(argv: list[str] | None = None) -> int:
     except options.USAGE_ERRORS as e:
         return options.fail(PROG, e)
     cells = []
-    for method in methods:
-        proc, url = None, args.base_url
-        if args.methods:
-            serve = ["--policy", method, "--served-model-name", args.served_model_name, "--log-level", "warning",
-                     "--max-batch-size", str(args.max_batch_size), "--max-seq-len", str(args.max_seq_len),
-                     *(["--model", args.model] if args.model else []),
-                     *(["--draft-model", args.draft_model] if args.draft_model else []),
-                     *(["--engine-dir", args.engine_dir] if getattr(args, "engine_dir", None) else []),
-                     *(["--threads", str(args.threads)] if args.threads else []), *args.serve_arg]
-            proc, url = launch_server(serve)
-        try:
-            for c in concurrency:
-                timings, wall = asyncio.run(run_load(url, args.served_model_name, prompts, args.num_prompts,
-                                                     args.max_tokens, c, args.request_rate))
-                cell = summarise(method, timings, wall, c, args.request_rate).as_dict()
-                errors = sorted({t.error for t in timings if t.error})
-                cell["errors"] = errors[:5]
-                cells.append(cell)
-                print(_table([cell]).splitlines()[1], flush=True)
-        finally:
-            if proc is not None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(60)
-                except Exception:  # noqa: BLE001
-                    proc.kill()
-            time.sleep(0.5)
+    for rnd in range(args.rounds):
+        for method in (methods if rnd % 2 == 0 else methods[::-1]):
+            cells += _measure(args, method, rnd, concurrency, prompts, launch_server, run_load, summarise)
     print(_table(cells))
+    summary = _summary(cells, methods, concurrency)
+    print(_summary_table(summary))
     if args.json:
         meta = report_meta("echo_trtllm.cli bench-serve", argv)
         with open(args.json, "w") as f:
-            json.dump({"cells": cells, "args": {k: v for k, v in vars(args).items()}, **meta}, f, indent=2)
+            json.dump({"summary": summary, "cells": cells, "args": {k: v for k, v in vars(args).items()}, **meta},
+                      f, indent=2)
     return 0 if all(c["failed"] == 0 for c in cells) else 1

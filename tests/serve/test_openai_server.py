@@ -277,3 +277,17 @@ def test_sigterm_drains_in_flight_streams_then_exits(tmp_path):
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+def test_bench_serve_load_generator_counts_every_token(served):
+    from echo_trtllm.bench.serve import run_load, summarise
+
+    timings, wall = asyncio.run(run_load(served.url, MODEL, ["HAMLET:\n", "def f("], 6, 8, concurrency=3))
+    assert all(t.ok and t.output_tokens == 8 for t in timings), [t.error for t in timings]
+    assert all(0 < t.ttft <= t.latency for t in timings)
+    cell = summarise("echo", timings, wall, 3, None)
+    assert cell.requests == 6 and cell.failed == 0 and cell.output_tokens == 48
+    with pytest.raises(ValueError, match="base-url"):
+        asyncio.run(run_load("https://x", MODEL, ["a"], 1, 1))
+    bad, _ = asyncio.run(run_load(served.url, "no-such-model", ["a"], 2, 4))
+    assert not any(t.ok for t in bad) and all("404" in t.error for t in bad)
