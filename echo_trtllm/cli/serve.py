@@ -34,11 +34,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM (default: 30)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g = ap.add_argument_group("Triton Inference Server (--triton; the `triton` extra)")
+    g.add_argument("--triton", action="store_true",
+                   help="serve through the tritonserver that nvidia-pytriton bundles, with tensorrtllm_backend's "
+                        "ensemble tensor names, instead of the OpenAI server")
+    g.add_argument("--triton-model-name", default="ensemble", help="the Triton model's name (default: ensemble)")
+    g.add_argument("--grpc-port", type=int, help="Triton's gRPC port (default: a free one)")
+    g.add_argument("--metrics-port", type=int, help="Triton's metrics port (default: a free one)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.triton:
+        return _main_triton(args)
     try:
         from echo_trtllm.serve.openai_server import OpenAIServer, default_model_name, listen, uvicorn_server
     except ImportError as e:
@@ -66,4 +75,31 @@ def main(argv: list[str] | None = None) -> int:
     shown = f"[{host}]" if ":" in host else host
     print(f"{PROG}: listening on http://{shown}:{port} (model {name!r})", flush=True)
     uvicorn_server(server, args.host, port, args.drain_timeout, args.log_level).run(sockets=[sock])
+    return 0
+
+
+def _main_triton(args) -> int:
+    try:
+        from echo_trtllm.serve.triton import TritonServing
+    except ImportError as e:
+        return options.fail(PROG, f"{e.name} is missing: install the triton extra (pip install 'echo-trtllm[triton]')")
+    try:
+        for flag, port in (("--port", args.port), ("--grpc-port", args.grpc_port), ("--metrics-port", args.metrics_port)):
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"{flag} must be in [0, 65535], got {port}")
+        options.apply_threads(args)
+        llm = options.make_llm(args, options.echo_config(args), args.max_batch_size)
+        serving = TritonServing(llm, args.triton_model_name, args.host, http_port=args.port or None,
+                                grpc_port=args.grpc_port, metrics_port=args.metrics_port)
+    except ImportError as e:
+        return options.fail(PROG, f"{e.name} is missing: install the triton extra (pip install 'echo-trtllm[triton]')")
+    except options.USAGE_ERRORS as e:
+        return options.fail(PROG, e)
+    serving.run()
+    print(f"{PROG} --triton: listening on http://{args.host}:{serving.http_port} grpc {args.host}:{serving.grpc_port} "
+          f"metrics {serving.metrics_port} (model {args.triton_model_name!r})", flush=True)
+    try:
+        serving.serve()
+    finally:
+        llm.shutdown()
     return 0

@@ -3,16 +3,15 @@ import time
 
 import pytest
 
-pytest.importorskip("fastapi")
-pytest.importorskip("openai")
-
-from echo_trtllm.serve.openai_server import OpenAIServer, bound_port, uvicorn_server  # noqa: E402
+from echo_trtllm import LLM, EchoConfig, SamplingParams
 
 
 class RunningServer:
     """A real uvicorn server on a free loopback port, on a thread of the test process."""
 
     def __init__(self, llm, **options) -> None:
+        from echo_trtllm.serve.openai_server import OpenAIServer, bound_port, uvicorn_server
+
         self.llm = llm
         self.server = OpenAIServer(llm, "echo-test", **options)
         self.uvicorn = uvicorn_server(self.server, "127.0.0.1", 0, drain_timeout=5, log_level="warning")
@@ -60,3 +59,24 @@ def served(pair_llm):
     srv = RunningServer(llm)
     yield srv
     srv.stop()
+
+
+# the load tests of both servers: 256 concurrent streams of 12 greedy tokens, 32 of whose clients leave midway
+N_STREAMS, N_DISCONNECT, MAX_TOKENS = 256, 32, 12
+
+
+@pytest.fixture(scope="session")
+def load_prompts(prompts):
+    return [f"{i}. {prompts[i % len(prompts)]}" for i in range(N_STREAMS)]
+
+
+@pytest.fixture(scope="session")
+def ar_single(default_pair, load_prompts):
+    """Each prompt decoded alone by plain AR through the LLM API."""
+    target, _, tok = default_pair
+    with LLM(target, None, tokenizer=tok, speculative_config=EchoConfig(policy="ar"), max_batch_size=1,
+             max_seq_len=256) as llm:
+        return [llm.generate(p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0), use_tqdm=False)
+                for p in load_prompts]
+
+

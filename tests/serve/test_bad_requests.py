@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("fastapi")
+
 MODEL = "echo-test"
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 OK = {"model": MODEL, "prompt": "To be", "max_tokens": 4}

@@ -13,13 +13,15 @@ import sys
 import time
 import urllib.request
 
-import openai
 import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
 
 from echo_trtllm import LLM, EchoConfig, SamplingParams
 from echo_trtllm.serve.protocol import chat_prompt_ids
 
-from .conftest import RunningServer
+from .conftest import MAX_TOKENS, N_DISCONNECT, N_STREAMS, RunningServer
 
 MODEL = "echo-test"
 
@@ -130,22 +132,6 @@ def _metrics(url: str) -> dict:
 
 # ----------------------------------------------------------------------------------------------- under load
 
-N_STREAMS, N_DISCONNECT, MAX_TOKENS = 256, 32, 12
-
-
-@pytest.fixture(scope="module")
-def load_prompts(prompts):
-    return [f"{i}. {prompts[i % len(prompts)]}" for i in range(N_STREAMS)]
-
-
-@pytest.fixture(scope="module")
-def ar_single(default_pair, load_prompts):
-    """Each prompt decoded alone by plain AR through the LLM API."""
-    target, _, tok = default_pair
-    with LLM(target, None, tokenizer=tok, speculative_config=EchoConfig(policy="ar"), max_batch_size=1,
-             max_seq_len=256) as llm:
-        return [llm.generate(p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0), use_tqdm=False)
-                for p in load_prompts]
 
 
 async def _stream_one(client, i: int, prompt: str, leave_after: int | None):
