@@ -302,3 +302,28 @@ def test_triton_repo_serves_on_a_standalone_tritonserver(tmp_path, pair_llm):
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_tritonclient_http_sees_tensorrtllm_backend_interface(triton):
+    """tritonclient's HTTP client: health and metadata name the ensemble's tensors. Its `infer` cannot reach a
+    decoupled model (Triton refuses /infer for them; HTTP clients use the generate extension above), and says so."""
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    c = httpclient.InferenceServerClient(f"127.0.0.1:{triton.http_port}")
+    try:
+        assert c.is_server_ready() and c.is_model_ready(MODEL)
+        meta = c.get_model_metadata(MODEL)
+        names = {t["name"]: t["datatype"] for t in meta["inputs"]}
+        assert names["text_input"] == "BYTES" and names["max_tokens"] == "INT32" and names["stream"] == "BOOL"
+        assert {"temperature", "top_p", "top_k", "random_seed", "stop_words", "bad_words"} <= set(names)
+        outs = {t["name"] for t in meta["outputs"]}
+        assert {"text_output", "total_draft_tokens", "total_accepted_draft_tokens", "acceptance_rate"} <= outs
+        t = httpclient.InferInput("text_input", [1, 1], "BYTES")
+        t.set_data_from_numpy(np.array([[b"x"]], dtype=object))
+        m = httpclient.InferInput("max_tokens", [1, 1], "INT32")
+        m.set_data_from_numpy(np.array([[2]], dtype=np.int32))
+        with pytest.raises(InferenceServerException, match="decoupled"):
+            c.infer(MODEL, [t, m])
+    finally:
+        c.close()
