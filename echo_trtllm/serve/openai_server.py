@@ -157,6 +157,8 @@ class OpenAIServer:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise RequestError(400, f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise RequestError(400, "the request body is not valid JSON here: it nests too deeply") from None
 
     def _plan(self, body, chat: bool) -> GenerationPlan:
         tok = self.llm.tokenizer

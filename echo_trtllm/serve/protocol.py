@@ -76,6 +76,16 @@ def _get(body: dict, name: str, check, accepted: str, default=None):
     return value
 
 
+def _text(param: str, value: str) -> str:
+    """A string that is valid Unicode (JSON can carry lone surrogates, which no tokenizer encodes)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(400, f"{param} is not valid Unicode text ({e.reason} at character {e.start})",
+                           param) from None
+    return value
+
+
 def _unsupported(body: dict) -> None:
     """Known OpenAI fields whose non-default values this server does not implement."""
     rules = [
@@ -108,6 +118,8 @@ def _sampling(body: dict, max_tokens: int, max_tokens_field: str) -> SamplingPar
         stops = [stop] if isinstance(stop, str) else stop
         if not (isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)):
             raise _bad("stop", "a non-empty string or a list of non-empty strings", stop)
+        for s in stops:
+            _text("stop", s)
         if len(stops) > MAX_STOP_STRINGS:
             raise _bad("stop", f"at most {MAX_STOP_STRINGS} strings", f"{len(stops)} strings")
         stop = stops or None
@@ -187,7 +199,7 @@ def parse_completion(body, served_model: str, encode, vocab_size: int, context: 
         if isinstance(p, str):
             if not p:
                 raise _bad("prompt", accepted, p)
-            ids = encode(p)
+            ids = encode(_text("prompt", p))
         else:
             ids = p
             bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -209,10 +221,10 @@ def _message_text(i: int, message) -> tuple[str, str]:
         raise _bad(f"{where}.role", f"one of {', '.join(CHAT_ROLES)}", role)
     content = message.get("content")
     if isinstance(content, str):
-        return role, content
+        return role, _text(f"{where}.content", content)
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
-        return role, "".join(p["text"] for p in content)
+        return role, _text(f"{where}.content", "".join(p["text"] for p in content))
     raise _bad(f"{where}.content", 'a string or a list of {"type": "text", "text": "..."} parts', content)
 
 

@@ -63,6 +63,10 @@ CASES = [
     ("unknown path", "POST", "/v1/embeddings", OK, 404, None, "no such endpoint"),
     ("wrong method", "GET", C, None, 405, None, "not allowed"),
     ("body too large", "POST", C, b"{" + b" " * (5 << 20) + b"}", 413, None, "bytes"),
+    ("body nested too deeply", "POST", C, b"[" * 100000 + b"]" * 100000, 400, None, "nests too deeply"),
+    ("prompt with a lone surrogate", "POST", C, b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400, "prompt", "Unicode"),
+    ("message content with a lone surrogate", "POST", CHAT,
+     b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, "messages[0].content", "Unicode"),
 ]
 
 

@@ -180,20 +180,20 @@ def test_256_concurrent_grpc_streams_equal_single_request_ar(triton, load_prompt
     assert _idle(triton.llm)
 
 
-def test_32_cancelled_streams_free_their_slots(triton, load_prompts, ar_single):
+def test_32_of_256_streams_cancelled_midway_free_their_slots(triton, load_prompts, ar_single):
     leaving = StreamCollector(triton.grpc_port)
     staying = StreamCollector(triton.grpc_port)
     try:
         for i in range(N_DISCONNECT):
             leaving.send(f"x{i}", load_prompts[i], 200, temperature=np.array([[0.0]], dtype=np.float32))
-        for i in range(N_DISCONNECT, 64):
+        for i in range(N_DISCONNECT, N_STREAMS):
             staying.send(str(i), load_prompts[i], MAX_TOKENS, temperature=np.array([[0.0]], dtype=np.float32))
         deadline = time.monotonic() + 60
         while len(leaving.texts) < N_DISCONNECT // 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         leaving.close(cancel=True)  # the clients go away mid-stream
-        assert staying.wait([str(i) for i in range(N_DISCONNECT, 64)])
-        for i in range(N_DISCONNECT, 64):
+        assert staying.wait([str(i) for i in range(N_DISCONNECT, N_STREAMS)])
+        for i in range(N_DISCONNECT, N_STREAMS):
             assert staying.texts[str(i)] == ar_single[i].text
     finally:
         staying.close()
