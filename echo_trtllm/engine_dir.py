@@ -2,7 +2,8 @@
 
     engines/NAME/
       engine.json   {"format_version", "backend": "torch", "dtype", "target", "draft", "echo_config", "provenance"}
-      target/       the target model (HF directory contents, or one .gguf file)
+      target/       the target model (HF directory contents, or one .gguf file; with --quantization fp8 an HF-style
+                    FP8 checkpoint, models/fp8.py, and engine.json's "quantization" says how it was calibrated)
       draft/        the draft model, same forms
       calibration.json   written by `echo-trtllm calibrate --engine-dir` (cost curve, gate); named in engine.json
 
@@ -22,7 +23,7 @@ from echo_trtllm.core.config import EchoConfig
 from echo_trtllm.jsonfile import read_json_object
 from echo_trtllm.models.loader import DTYPE_CHOICES
 
-__all__ = ["FORMAT_VERSION", "EngineSpec", "build_engine", "read_engine", "attach_calibration"]
+__all__ = ["FORMAT_VERSION", "QUANTIZATIONS", "EngineSpec", "build_engine", "read_engine", "attach_calibration"]
 
 FORMAT_VERSION = 1
 
@@ -44,18 +45,54 @@ def _copy_model(src: Path, dst: Path) -> str:
     return dst.name
 
 
+QUANTIZATIONS = ("none", "fp8")
+
+
+def _quantize_model(src: Path, dst: Path, scheme: str, prompts: list[str]) -> tuple[str, dict]:
+    from echo_trtllm.models.fp8 import quantize_source
+
+    if not src.exists():
+        raise FileNotFoundError(f"model path {str(src)!r} does not exist")
+    cfg = src / "config.json"
+    if src.is_dir() and cfg.is_file() and "Eagle3" in " ".join(read_json_object(cfg).get("architectures") or []):
+        raise ValueError(f"{src} is an EAGLE-3 head: FP8 quantisation of heads is not implemented yet; build with "
+                         "--quantization none, or quantise only the target (a separate draft model is quantised too)")
+    return dst.name, quantize_source(src, dst, scheme, prompts)
+
+
 def build_engine(output: str | Path, model: str | Path, draft_model: str | Path | None, config: EchoConfig,
-                 dtype: str = "float32") -> Path:
+                 dtype: str = "float32", quantization: str = "none", fp8_scheme: str = "per_tensor",
+                 calibration_prompts: list[str] | None = None) -> Path:
+    """Copy the pair into a new engine directory; with quantization "fp8" the models are calibrated on
+    `calibration_prompts`, quantised (models/fp8.py) and written in the FP8 checkpoint layout instead."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    if quantization == "fp8" and not calibration_prompts:
+        raise ValueError("quantization 'fp8' needs calibration prompts")
     out = Path(output)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose a new engine directory")
     out.mkdir(parents=True, exist_ok=True)
+    quant = None
+    try:
+        if quantization == "fp8":
+            target, t_summary = _quantize_model(Path(model), out / "target", fp8_scheme, calibration_prompts)
+            draft, d_summary = _quantize_model(Path(draft_model), out / "draft", fp8_scheme, calibration_prompts) \
+                if draft_model else (None, None)
+            quant = {"algo": "fp8", "scheme": fp8_scheme, "target": t_summary, "draft": d_summary}
+        else:
+            target = _copy_model(Path(model), out / "target")
+            draft = _copy_model(Path(draft_model), out / "draft") if draft_model else None
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)  # no half-built engine left behind
+        raise
     meta = {
         "format_version": FORMAT_VERSION,
         "backend": "torch",
         "dtype": dtype,
-        "target": _copy_model(Path(model), out / "target"),
-        "draft": _copy_model(Path(draft_model), out / "draft") if draft_model else None,
+        "quantization": quant,
+        "target": target,
+        "draft": draft,
         "echo_config": dataclasses.asdict(config),
         "calibration": None,
         "provenance": {"built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

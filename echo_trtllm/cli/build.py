@@ -18,6 +18,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--output", required=True, help="engine directory to create, e.g. engines/tiny")
     ap.add_argument("--dtype", default="auto", choices=options.DTYPE_CHOICES,
                     help="recorded in engine.json; auto is resolved when the engine is loaded (default: auto)")
+    g = ap.add_argument_group("quantization")
+    g.add_argument("--quantization", default="none", choices=["none", "fp8"],
+                   help="fp8: e4m3 weights + calibrated activation scales for every decoder projection (default: none)")
+    g.add_argument("--fp8-scheme", default="per_tensor", choices=["per_tensor", "per_channel"],
+                   help="per_tensor: static activation scales; per_channel: per-row weights, per-token activations")
+    g.add_argument("--calibration-prompts", default="humaneval",
+                   help="prompt set whose calibration split calibrates the FP8 scales (default: humaneval; its "
+                        "evaluation split is never used here)")
     options.add_speculation_options(ap)
     return ap
 
@@ -30,7 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = args.model or DEFAULT_TARGET
         draft = args.draft_model or (DEFAULT_DRAFT if args.model is None else None)
-        out = build_engine(args.output, model, draft, options.echo_config(args), args.dtype)
+        prompts = None
+        if args.quantization == "fp8":
+            from echo_trtllm.bench.prompts import load_prompts
+
+            prompts = load_prompts(args.calibration_prompts, split="calibration")
+        out = build_engine(args.output, model, draft, options.echo_config(args), args.dtype, args.quantization,
+                           args.fp8_scheme, prompts)
     except options.USAGE_ERRORS as e:
         return options.fail(PROG, e)
     print(out)

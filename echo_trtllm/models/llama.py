@@ -100,6 +100,23 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
         )
 
+    def to_hf(self) -> dict:
+        """An HF config.json dict that `from_hf` reads back to this config (for checkpoints this project writes)."""
+        model_type = self.architecture
+        cfg = {
+            "architectures": ["LlamaForCausalLM" if model_type == "llama" else "Qwen2ForCausalLM"],
+            "model_type": model_type, "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings, "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias, "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+        }
+        if self.rope_scaling:
+            cfg["rope_scaling"] = dict(self.rope_scaling)
+        return cfg
+
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
     """Inverse frequencies (hd/2,) including the scaling schemes Llama-family checkpoints use."""
