@@ -24,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     g = ap.add_argument_group("target server")
     g.add_argument("--base-url", help="a running server (instead of --methods)")
-    g.add_argument("--served-model-name", default="echo-bench", help="the model id to send (default: echo-bench)")
+    g.add_argument("--served-model-name", help="the model id to send (default: with --base-url the server's own, from "
+                                               "GET /v1/models; with --methods echo-bench)")
     g.add_argument("--methods", help="comma-separated policies to launch and compare, e.g. ar,echo")
     options.add_model_options(ap)
     g = ap.add_argument_group("launched servers")
@@ -58,6 +59,18 @@ def _table(cells: list[dict]) -> str:
     return "\n".join(rows) + "\n(times in ms)"
 
 
+def _served_model(base_url: str) -> str:
+    """The first model a running server lists (GET /v1/models)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/v1/models", timeout=30) as r:
+            return json.loads(r.read())["data"][0]["id"]
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        raise ValueError(f"--base-url {base_url}: cannot read its model from /v1/models ({e}); "
+                         "give --served-model-name") from None
+
+
 def _measure(args, method, rnd, concurrency, prompts, launch_server, run_load, summarise) -> list[dict]:
     """One method at every concurrency (its server launched for it when --methods)."""
     cells = []
@@ -79,6 +92,8 @@ def _measure(args, method, rnd, concurrency, prompts, launch_server, run_load, s
             cell["errors"] = sorted({t.error for t in timings if t.error})[:5]
             cells.append(cell)
             print(_table([cell]).splitlines()[1], flush=True)
+            if cell["errors"]:
+                print(f"  first error: {cell['errors'][0]}", flush=True)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
@@ -140,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
         prompts = load_prompts(args.prompts)
         methods = args.methods.split(",") if args.methods else ["server"]
+        if args.served_model_name is None:
+            args.served_model_name = _served_model(args.base_url) if args.base_url else "echo-bench"
         from echo_trtllm.core.config import POLICY_NAMES
 
         bad = [m for m in methods if args.methods and m not in POLICY_NAMES]

@@ -121,7 +121,7 @@ def process_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Te
         keep = (k <= 0) | (rank < k)
         kept = sorted_p * keep
         before = torch.cumsum(kept, dim=-1) - kept  # mass strictly before each token
-        keep &= before < top_p[rows][:, None].float() * kept.sum(-1, keepdim=True)
+        keep &= (before < top_p[rows][:, None].float() * kept.sum(-1, keepdim=True)) | (rank == 0)
         filtered = torch.zeros_like(sorted_p).scatter_(1, idx, sorted_p * keep)
         probs[rows] = filtered / filtered.sum(-1, keepdim=True)
     if bool(greedy.any()):

@@ -68,15 +68,19 @@ class RequestOutput:
 
 
 def _held_back(text: str, stops: list[str]) -> int:
-    """Characters at the end of an unfinished text that may still turn into a stop string (or are half of a
-    multi-byte character); streaming withholds them so that sent text is never taken back."""
-    hold = len(text) - len(text.rstrip("\ufffd"))
+    """Characters at the end of an unfinished text that may still turn into a stop string or are half of a
+    multi-byte character; streaming withholds them so that sent text is never taken back. The half character
+    (U+FFFD) at the end is held, and so is any stop-string prefix just before it (a stop string can continue with
+    the character being completed)."""
+    partial = len(text) - len(text.rstrip("\ufffd"))
+    whole = text[: len(text) - partial]
+    hold = 0
     for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
+        for k in range(min(len(s) - (0 if partial else 1), len(whole)), 0, -1):
+            if whole.endswith(s[:k]):
                 hold = max(hold, k)
                 break
-    return hold
+    return partial + hold
 
 
 @dataclass(frozen=True)

@@ -352,9 +352,10 @@ class Executor:
             result = verify(packed, logits)
         else:
             send = self.link.send
+            vocab = logits.shape[-1]
             sampling = SamplingTensors(
                 send("sampling", torch.tensor([float(r.params.temperature) for r in reqs])),
-                send("sampling", torch.tensor([r.params.top_k for r in reqs], dtype=torch.long)),
+                send("sampling", torch.tensor([min(r.params.top_k, vocab) for r in reqs], dtype=torch.long)),
                 send("sampling", torch.tensor([float(r.params.top_p) for r in reqs])),
             )
             u = torch.tensor([r.position_uniforms(len(r.output_token_ids), depth) for r in reqs], dtype=torch.float64)

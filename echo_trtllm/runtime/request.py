@@ -13,6 +13,7 @@ __all__ = ["SamplingParams", "RequestStats", "Request", "FINISH_REASONS", "check
 # "abort": cancelled by the caller (handle.abort(), LLM.abort(), an abandoned stream, shutdown)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 MAX_SEED = 2**63 - 1
+MAX_TOP_K = 2**31 - 1  # anything larger keeps the whole vocabulary anyway
 
 
 def _is_int(value) -> bool:
@@ -71,8 +72,8 @@ class SamplingParams:
             fail("max_tokens", "an integer >= 1")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             fail("temperature", "a finite number >= 0 (0 = greedy)")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            fail("top_k", "an integer >= 0 (0 = off)")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
+            fail("top_k", f"an integer in [0, {MAX_TOP_K}] (0 = off)")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             fail("top_p", "a number in (0, 1]")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):

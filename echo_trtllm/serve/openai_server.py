@@ -31,6 +31,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from echo_trtllm.runtime.engine import GenerationHandle
 
@@ -78,6 +79,8 @@ class OpenAIServer:
         self.capacity = llm.executor.max_batch_size + max_queue_size
         self.max_body_bytes = max_body_bytes
         self.context = llm.executor.max_seq_len
+        # the longest vocabulary entry (characters): a prompt longer than context x this cannot fit
+        self.max_token_chars = max((len(t) for t in llm.tokenizer.vocabulary()), default=64) or 64
         self.created = int(time.time())
         self._lock = threading.Lock()
         self.inflight = 0  # engine requests submitted through this server and not yet ended
@@ -145,11 +148,14 @@ class OpenAIServer:
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             raise RequestError(413, f"the request body has {length} bytes; at most {self.max_body_bytes} are accepted")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise RequestError(413, f"the request body exceeds {self.max_body_bytes} bytes")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise RequestError(413, f"the request body exceeds {self.max_body_bytes} bytes")
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise _Disconnected from None
         raw = b"".join(chunks)
         if not raw:
             raise RequestError(400, "the request body is empty: send a JSON object")
@@ -164,10 +170,14 @@ class OpenAIServer:
         tok = self.llm.tokenizer
         if chat:
             return parse_chat(body, self.model_name, tok, self.context)
-        return parse_completion(body, self.model_name, tok.encode, self.llm.target.config.vocab_size, self.context)
+        return parse_completion(body, self.model_name, tok.encode, self.llm.target.config.vocab_size, self.context,
+                                self.max_token_chars)
 
     def _submit(self, plan: GenerationPlan) -> list[GenerationHandle]:
         n = len(plan.prompts)
+        if n > self.capacity:
+            raise RequestError(400, f"prompt has {n} prompts; this server takes at most {self.capacity} requests in "
+                                    "flight, so at most that many per request", "prompt")
         with self._lock:
             if self.inflight + n > self.capacity:
                 raise RequestError(429, f"the server is at capacity ({self.capacity} requests in flight or queued); "
@@ -193,8 +203,12 @@ class OpenAIServer:
 
     async def _generate(self, request: Request, chat: bool):
         try:
-            plan = self._plan(await self._body(request), chat)
+            body = await self._body(request)
+            # tokenising (and a chat template) can take long for a big prompt: off the event loop
+            plan = await asyncio.to_thread(self._plan, body, chat)
             handles = self._submit(plan)
+        except _Disconnected:
+            return Response(status_code=499)
         except RequestError as e:
             self.metrics.rejected.labels(str(e.status)).inc()
             headers = {"Retry-After": "1"} if e.status == 429 else None
@@ -229,6 +243,7 @@ class OpenAIServer:
         finally:
             if not task.done():
                 task.cancel()
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no "never retrieved" log
 
     def _count(self, handles: list[GenerationHandle]) -> None:
         """Metrics of requests that end now (a request not finished yet is being aborted: its client left)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from echo_trtllm.runtime.request import MAX_SEED, SamplingParams
+from echo_trtllm.runtime.request import MAX_SEED, MAX_TOP_K, SamplingParams
 
 __all__ = ["RequestError", "GenerationPlan", "parse_completion", "parse_chat", "chat_prompt_ids", "MAX_STOP_STRINGS",
            "MAX_PROMPTS"]
@@ -25,6 +25,7 @@ __all__ = ["RequestError", "GenerationPlan", "parse_completion", "parse_chat", "
 # could impose on everyone's steps
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (each becomes an engine request)
+MAX_STOP_TOKEN_IDS = 256  # the engine checks them at every step, like stop strings
 CHAT_ROLES = ("system", "user", "assistant")
 
 
@@ -60,6 +61,14 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _finite(v) -> bool:
+    """A JSON number that is a finite float (a 400-digit integer is not: float() overflows)."""
+    try:
+        return _is_number(v) and math.isfinite(float(v))
+    except OverflowError:
+        return False
+
+
 def _bad(param: str, accepted: str, value) -> RequestError:
     shown = repr(value)
     if len(shown) > 80:
@@ -89,13 +98,13 @@ def _text(param: str, value: str) -> str:
 def _unsupported(body: dict) -> None:
     """Known OpenAI fields whose non-default values this server does not implement."""
     rules = [
-        ("n", lambda v: v == 1, "1 (one choice per prompt)"),
-        ("best_of", lambda v: v == 1, "1 or absent"),
-        ("logprobs", lambda v: v is False or v == 0, "absent (log probabilities are not returned)"),
-        ("top_logprobs", lambda v: v == 0, "absent (log probabilities are not returned)"),
-        ("presence_penalty", lambda v: v == 0, "0 or absent (penalties are not implemented)"),
-        ("frequency_penalty", lambda v: v == 0, "0 or absent (penalties are not implemented)"),
-        ("repetition_penalty", lambda v: v == 1, "1 or absent (penalties are not implemented)"),
+        ("n", lambda v: _is_int(v) and v == 1, "1 (one choice per prompt)"),
+        ("best_of", lambda v: _is_int(v) and v == 1, "1 or absent"),
+        ("logprobs", lambda v: v is False or (_is_int(v) and v == 0), "absent (log probabilities are not returned)"),
+        ("top_logprobs", lambda v: _is_int(v) and v == 0, "absent (log probabilities are not returned)"),
+        ("presence_penalty", lambda v: _is_number(v) and v == 0, "0 or absent (penalties are not implemented)"),
+        ("frequency_penalty", lambda v: _is_number(v) and v == 0, "0 or absent (penalties are not implemented)"),
+        ("repetition_penalty", lambda v: _is_number(v) and v == 1, "1 or absent (penalties are not implemented)"),
         ("logit_bias", lambda v: v == {}, "absent (logit bias is not implemented)"),
         ("suffix", lambda v: v == "", "absent (insertion is not implemented)"),
         ("tools", lambda v: v == [], "absent (tool calls are not implemented)"),
@@ -107,11 +116,11 @@ def _unsupported(body: dict) -> None:
             raise _bad(name, accepted, body[name])
 
 
-def _sampling(body: dict, max_tokens: int, max_tokens_field: str) -> SamplingParams:
-    temperature = _get(body, "temperature", lambda v: _is_number(v) and math.isfinite(v) and v >= 0,
-                       "a finite number >= 0 (0 = greedy)", 1.0)
-    top_p = _get(body, "top_p", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]", 1.0)
-    top_k = _get(body, "top_k", lambda v: _is_int(v) and v >= -1, "an integer >= 0, or -1 / 0 for off", 0)
+def _sampling(body: dict, max_tokens: int, max_tokens_field: str, vocab_size: int) -> SamplingParams:
+    temperature = _get(body, "temperature", lambda v: _finite(v) and v >= 0, "a finite number >= 0 (0 = greedy)", 1.0)
+    top_p = _get(body, "top_p", lambda v: _finite(v) and 0 < v <= 1, "a number in (0, 1]", 1.0)
+    top_k = _get(body, "top_k", lambda v: _is_int(v) and -1 <= v <= MAX_TOP_K,
+                 f"an integer in [0, {MAX_TOP_K}], or -1 / 0 for off", 0)
     seed = _get(body, "seed", lambda v: _is_int(v) and 0 <= v <= MAX_SEED, "an integer in [0, 2**63 - 1]")
     stop = body.get("stop")
     if stop is not None:
@@ -123,8 +132,9 @@ def _sampling(body: dict, max_tokens: int, max_tokens_field: str) -> SamplingPar
         if len(stops) > MAX_STOP_STRINGS:
             raise _bad("stop", f"at most {MAX_STOP_STRINGS} strings", f"{len(stops)} strings")
         stop = stops or None
-    stop_ids = _get(body, "stop_token_ids", lambda v: isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v),
-                    "a list of non-negative integer token ids")
+    stop_ids = _get(body, "stop_token_ids", lambda v: isinstance(v, list) and len(v) <= MAX_STOP_TOKEN_IDS and all(
+        _is_int(t) and 0 <= t < vocab_size for t in v),
+        f"a list of at most {MAX_STOP_TOKEN_IDS} token ids in [0, {vocab_size})")
     ignore_eos = _get(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false", False)
     return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_k=max(int(top_k), 0),
                           top_p=float(top_p), seed=seed, stop=stop, stop_token_ids=stop_ids or None,
@@ -170,8 +180,11 @@ def _check_length(prompt_tokens: int, max_tokens: int, context: int, field_name:
                                 f"{field_name}): shorten the prompt or lower {field_name}", field_name)
 
 
-def parse_completion(body, served_model: str, encode, vocab_size: int, context: int) -> GenerationPlan:
-    """POST /v1/completions. encode(text) -> token ids (for the length check); context: tokens per request."""
+def parse_completion(body, served_model: str, encode, vocab_size: int, context: int,
+                     max_token_chars: int = 64) -> GenerationPlan:
+    """POST /v1/completions. encode(text) -> token ids (for the length check); context: tokens per request;
+    max_token_chars: the longest vocabulary entry in characters (a text longer than context x that cannot fit,
+    and is refused without tokenizing it)."""
     stream, include_usage = _common(body, served_model)
     if "prompt" not in body or body["prompt"] is None:
         raise RequestError(400, "prompt is required: a string, a list of strings, a list of token ids, or a list "
@@ -194,11 +207,14 @@ def parse_completion(body, served_model: str, encode, vocab_size: int, context: 
     echo = _get(body, "echo", lambda v: isinstance(v, bool), "true or false", False)
     if echo and any(not isinstance(p, str) for p in prompts):
         raise _bad("echo", "false when the prompt is token ids (only a text prompt can be echoed)", echo)
-    params = _sampling(body, max_tokens, name)
+    params = _sampling(body, max_tokens, name, vocab_size)
     for p in prompts:
         if isinstance(p, str):
             if not p:
                 raise _bad("prompt", accepted, p)
+            if len(p) > context * max_token_chars:
+                raise RequestError(400, f"the prompt has {len(p)} characters: more than this model's context of "
+                                        f"{context} tokens can hold", "prompt")
             ids = encode(_text("prompt", p))
         else:
             ids = p
@@ -260,6 +276,6 @@ def parse_chat(body, served_model: str, tokenizer, context: int) -> GenerationPl
     given = max_tokens is not None
     if not given:
         max_tokens = context - prompt_tokens
-    params = _sampling(body, max_tokens, name)
+    params = _sampling(body, max_tokens, name, tokenizer.vocab_size)
     _check_length(prompt_tokens, max_tokens, context, name)
     return GenerationPlan([prompt], params, stream, include_usage, max_tokens_given=given)

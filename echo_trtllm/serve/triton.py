@@ -33,7 +33,7 @@ import sysconfig
 
 import numpy as np
 
-from echo_trtllm.runtime.request import MAX_SEED, SamplingParams
+from echo_trtllm.runtime.request import MAX_SEED, MAX_TOP_K, SamplingParams
 
 __all__ = ["TritonInputError", "parse_inputs", "response_tensors", "triton_inputs", "triton_outputs", "TritonServing",
            "prepare_environment", "free_port", "DEFAULT_TRITON_MODEL", "INPUTS", "OUTPUTS", "INPUT_NAMES"]
@@ -92,8 +92,9 @@ def _strings(data: dict, name: str) -> list[str]:
     return out
 
 
-def parse_inputs(data: dict, context: int) -> tuple[str, SamplingParams, bool, bool]:
-    """One request's tensors -> (prompt, SamplingParams, stream, exclude_input_in_output)."""
+def parse_inputs(data: dict, context: int, encode=None) -> tuple[str, SamplingParams, bool, bool]:
+    """One request's tensors -> (prompt, SamplingParams, stream, exclude_input_in_output). encode(text) -> ids:
+    when given, a prompt whose tokens plus max_tokens exceed the context is refused (as the OpenAI server does)."""
     raw = np.asarray(data["text_input"]).reshape(-1) if "text_input" in data else np.array([])
     if raw.size != 1:
         raise TritonInputError(f"text_input must hold one string, got {raw.size}")
@@ -120,12 +121,17 @@ def parse_inputs(data: dict, context: int) -> tuple[str, SamplingParams, bool, b
     end_id = _scalar(data, "end_id", int, None)
     checks = [("temperature", np.isfinite(temperature) and temperature >= 0, "a finite number >= 0", temperature),
               ("top_p", 0 < top_p <= 1, "a number in (0, 1]", top_p),
-              ("top_k", top_k >= 0, "an integer >= 0 (0 = off)", top_k),
+              ("top_k", 0 <= top_k <= MAX_TOP_K, f"an integer in [0, {MAX_TOP_K}] (0 = off)", top_k),
               ("random_seed", seed is None or 0 <= seed <= MAX_SEED, "in [0, 2**63 - 1]", seed),
               ("end_id", end_id is None or end_id >= 0, "a token id >= 0", end_id)]
     for name, ok, accepted, value in checks:
         if not ok:
             raise TritonInputError(f"{name} must be {accepted}, got {value}")
+    if encode is not None:
+        n = len(encode(prompt))
+        if n + max_tokens > context:
+            raise TritonInputError(f"max_tokens: the context holds {context} tokens, but the request needs "
+                                   f"{n + max_tokens} ({n} in text_input, {max_tokens} in max_tokens)")
     stops = _strings(data, "stop_words")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             stop=stops or None, stop_token_ids=[end_id] if end_id is not None else None)
@@ -215,7 +221,7 @@ class TritonServing:
     async def _infer(self, requests):
         """One request per call (max_batch_size 1); each yield answers it once."""
         (request,) = requests
-        prompt, params, stream, exclude = parse_inputs(request.data, self.context)
+        prompt, params, stream, exclude = parse_inputs(request.data, self.context, self.llm.tokenizer.encode)
         handle = self.llm.generate_async(prompt, params, streaming=stream)
         async for out in handle:
             tensors = response_tensors(out, prompt, stream, exclude)

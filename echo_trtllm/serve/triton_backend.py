@@ -43,7 +43,7 @@ class TritonPythonModel:
                 if tensor is not None:
                     data[name] = tensor.as_numpy()
             try:
-                prompt, params, stream, exclude = parse_inputs(data, self.context)
+                prompt, params, stream, exclude = parse_inputs(data, self.context, self.llm.tokenizer.encode)
                 handle = self.llm.generate_async(prompt, params, streaming=stream)
             except (TritonInputError, ValueError, TypeError) as e:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))), flags=FINAL)

@@ -307,3 +307,10 @@ def test_a_residual_without_mass_falls_back_to_the_target_distribution():
             bonuses.add(toks[0])
     assert bonuses, "the case must reject both children sometimes"
     assert bonuses <= {1, 2, 3}, f"bonus tokens {bonuses} outside the target's support"
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
+    """top_p = 1e-46 is 0 in float32: the filter must still keep the argmax (it kept nothing: 0 / 0 = NaN)."""
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.5]])
+    probs = process_logits(logits, torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1e-46], dtype=torch.float64))
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))

@@ -231,3 +231,19 @@ def test_impossible_limits_fail_before_any_model_is_loaded(tmp_path, monkeypatch
         LLM(DEFAULT_TARGET, speculative_config=EchoConfig(policy="eagle2"))
     with pytest.raises(FileNotFoundError, match="does not exist"):  # a missing model is named as such, first
         LLM(tmp_path / "missing.gguf")
+
+
+def test_a_stop_string_continuing_into_a_multibyte_character_is_never_taken_back(pair_llm):
+    """A stop string whose later character is multi-byte: while that character is half decoded, the prefix before
+    it must stay held back (found by a hostile probe: seed 92 samples '...bos' then 'Ҽ' byte by byte)."""
+    from echo_trtllm.runtime.engine import _held_back
+
+    assert _held_back("x日\ufffd", ["日本"]) == 2 and _held_back("ab\ufffd\ufffd", ["bX"]) == 3
+    assert _held_back("abc", ["cd"]) == 1 and _held_back("a\ufffd", []) == 1
+    params = SamplingParams(max_tokens=24, temperature=1e39, seed=92, ignore_eos=True, stop=["sҼ"])
+    with pair_llm(max_batch_size=2) as llm:
+        done = llm.generate("x", params, use_tqdm=False)
+        snaps = list(llm.generate_async("x", params, streaming=True))
+    assert done.finish_reason == "stop" and "sҼ" not in done.text
+    texts = [s.text for s in snaps]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:])) and texts[-1] == done.text

@@ -219,6 +219,9 @@ def test_full_queue_answers_429_with_retry_after(pair_llm):
             c.completions.create(model=MODEL, prompt="HAMLET:\n", max_tokens=4)
         assert e.value.response.headers["retry-after"] == "1"
         assert "capacity" in e.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as e:  # more prompts than the server can ever hold: not a 429
+            c.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=4)
+        assert e.value.body["param"] == "prompt"
         stream.close()
         assert srv.idle()
         r = c.completions.create(model=MODEL, prompt="HAMLET:\n", max_tokens=4, temperature=0)

@@ -206,6 +206,7 @@ BAD = [
     ("no max_tokens", {"text_input": "x"}, "max_tokens"),
     ("max_tokens zero", {"text_input": "x", "max_tokens": 0}, "max_tokens"),
     ("max_tokens beyond the context", {"text_input": "x", "max_tokens": 100000}, "max_tokens"),
+    ("prompt + max_tokens beyond the context", {"text_input": "a " * 60, "max_tokens": 250}, "max_tokens"),
     ("negative temperature", {"text_input": "x", "max_tokens": 4, "temperature": -1.0}, "temperature"),
     ("top_p zero", {"text_input": "x", "max_tokens": 4, "top_p": 0.0}, "top_p"),
     ("beam search", {"text_input": "x", "max_tokens": 4, "beam_width": 2}, "beam_width"),
