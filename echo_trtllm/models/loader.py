@@ -293,8 +293,12 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     auto = dtype == "auto"
     dt = torch.float32 if auto else resolve_dtype(dtype)
     check_model_path(path)
+    from echo_trtllm.models.trtllm_checkpoint import is_trtllm_checkpoint, load_checkpoint
+
     if path.is_file():
         model = load_gguf(path, dt, device)
+    elif is_trtllm_checkpoint(path):  # echo-trtllm export --format trtllm
+        model = load_checkpoint(path, dt, device)
     else:
         model = load_hf(path, dt, device)
     if auto:

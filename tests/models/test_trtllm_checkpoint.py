@@ -1,0 +1,112 @@
+"""TensorRT-LLM checkpoint export (`echo-trtllm export --format trtllm`): the layout TensorRT-LLM 1.2's converters
+write (names, fused qkv order, fc = gate_proj, config keys), read back by this project's loader and compared with
+the source model: float exactly, FP8 within the export's own re-rounding of the fused qkv."""
+
+import json
+
+import pytest
+import torch
+
+from echo_trtllm import LLM, EchoConfig, SamplingParams
+from echo_trtllm.models.fp8 import calibrate_amax, fp8_layers, quantize_model
+from echo_trtllm.models.loader import load_model
+from echo_trtllm.models.trtllm_checkpoint import export_checkpoint, load_checkpoint
+from echo_trtllm.runtime.inputs import chain_batch
+
+# the keys TensorRT-LLM's PretrainedConfig.from_dict needs (architecture, dtype and three sizes) and those a
+# LLaMA build reads; a fact taken from its 1.2 sources, not code
+REQUIRED = {"architecture", "dtype", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+            "num_key_value_heads", "head_size", "intermediate_size", "norm_epsilon", "position_embedding_type",
+            "rotary_base", "hidden_act", "mapping", "quantization"}
+QUANT_KEYS = {"quant_algo", "kv_cache_quant_algo", "group_size", "smoothquant_val", "clamp_val", "use_meta_recipe",
+              "has_zero_point", "pre_quant_scale", "exclude_modules", "mamba_ssm_cache_dtype"}
+
+
+@torch.no_grad()
+def _logits(model, ids):
+    cache = model.allocate_cache(1, len(ids) + 1)
+    batch = chain_batch([torch.tensor(ids)], torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                        logits="all")
+    return model(batch, cache).float()
+
+
+@pytest.mark.parametrize("which", ["target", "draft"])
+def test_float_export_reads_back_to_identical_logits(default_pair, tmp_path, which):
+    target, draft, tok = default_pair
+    model = target if which == "target" else draft
+    out = export_checkpoint(model, tmp_path / which, tok)
+    cfg = json.loads((out / "config.json").read_text())
+    assert REQUIRED <= set(cfg) and set(cfg["quantization"]) <= QUANT_KEYS
+    assert cfg["architecture"] == "LlamaForCausalLM" and cfg["position_embedding_type"] == "rope_gpt_neox"
+    from safetensors import safe_open
+
+    with safe_open(str(out / "rank0.safetensors"), "pt") as f:
+        names = set(f.keys())
+        c = model.config
+        qkv = f.get_tensor("transformer.layers.0.attention.qkv.weight")
+        assert qkv.shape == ((c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim, c.hidden_size)
+        # rows q | k | v, and fc is gate_proj (the SiLU branch), gate is up_proj
+        layer = model.model.layers[0]
+        assert torch.equal(qkv[: c.num_attention_heads * c.head_dim], layer.self_attn.q_proj.weight)
+        assert torch.equal(f.get_tensor("transformer.layers.0.mlp.fc.weight"), layer.mlp.gate_proj.weight)
+        assert torch.equal(f.get_tensor("transformer.layers.0.mlp.gate.weight"), layer.mlp.up_proj.weight)
+    assert {"transformer.vocab_embedding.weight", "transformer.ln_f.weight", "lm_head.weight"} <= names
+    back, back_tok = load_model(out)
+    ids = tok.encode("ROMEO:\nBut soft, what light through yonder window")
+    assert torch.equal(_logits(back, ids), _logits(model, ids))
+    assert back_tok.encode("HAMLET") == tok.encode("HAMLET")
+
+
+def test_fp8_export_reads_back_within_the_requantisation(default_pair, prompts, tmp_path):
+    from echo_trtllm.models import DEFAULT_TARGET
+
+    _, _, tok = default_pair
+    model, _ = load_model(DEFAULT_TARGET, with_tokenizer=False)
+
+    def run():
+        with LLM(model, None, tokenizer=tok, speculative_config=EchoConfig(policy="ar"), cost_model=None) as llm:
+            llm.generate(prompts[:6], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+
+    quantize_model(model, "per_tensor", calibrate_amax(model, run))
+    out = export_checkpoint(model, tmp_path / "fp8", tok)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization"]["quant_algo"] == "FP8" and "lm_head" in cfg["quantization"]["exclude_modules"]
+    from safetensors import safe_open
+
+    with safe_open(str(out / "rank0.safetensors"), "pt") as f:
+        assert f.get_tensor("transformer.layers.0.attention.qkv.weight").dtype == torch.float8_e4m3fn
+        s = f.get_tensor("transformer.layers.0.attention.qkv.weights_scaling_factor")
+        assert s.shape == (1,) and s.dtype == torch.float32
+        a = model.model.layers[0].self_attn
+        assert float(s) == max(float(a.q_proj.weight_scale), float(a.k_proj.weight_scale), float(a.v_proj.weight_scale))
+        assert f.get_tensor("transformer.layers.0.mlp.proj.activation_scaling_factor").shape == (1,)
+    back = load_checkpoint(out)
+    assert len(fp8_layers(back)) == len(fp8_layers(model))
+    # layers exported as they were are bit-identical; the fused qkv was re-rounded to the shared scale
+    la, lb = model.model.layers[0], back.model.layers[0]
+    assert torch.equal(la.mlp.down_proj.qweight, lb.mlp.down_proj.qweight)
+    for p in ("q_proj", "k_proj", "v_proj"):
+        wa, wb = getattr(la.self_attn, p).dequantized_weight(), getattr(lb.self_attn, p).dequantized_weight()
+        step = float(getattr(lb.self_attn, p).weight_scale)  # one e4m3 step at the shared scale is at most 32 x this
+        assert (wa - wb).abs().max() <= 32 * step
+    ids = tok.encode("KING LEAR:\nBlow, winds, and crack your cheeks")
+    la_, lb_ = _logits(model, ids), _logits(back, ids)
+    rel = (la_ - lb_).norm() / la_.norm()
+    assert rel < 0.02, f"FP8 export moved the logits by {rel:.4f} (relative)"
+    assert (la_.argmax(-1) == lb_.argmax(-1)).float().mean() > 0.9
+
+
+def test_export_refuses_what_it_cannot_write(default_pair, tmp_path):
+    from echo_trtllm.models import DEFAULT_TARGET
+
+    model, _ = load_model(DEFAULT_TARGET, with_tokenizer=False)
+    quantize_model(model, "per_channel")
+    with pytest.raises(ValueError, match="per-tensor"):
+        export_checkpoint(model, tmp_path / "x")
+    target, _, tok = default_pair
+    out = export_checkpoint(target, tmp_path / "y", tok)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["mapping"]["tp_size"] = 2
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="tp = pp = 1"):
+        load_checkpoint(out)
