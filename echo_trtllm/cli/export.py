@@ -3,7 +3,8 @@
     echo-trtllm export --format trtllm --engine-dir engines/NAME --output ckpt/NAME
     echo-trtllm export --format trtllm --model M [--draft-model D] --output ckpt/NAME
 
-Writes OUTPUT/target/ and OUTPUT/draft/ (when there is a separate draft model), each `config.json` +
+Writes OUTPUT/target/ and OUTPUT/draft/ (when there is a separate draft model) and OUTPUT/trtllm_build.sh (the
+`trtllm-build` command lines, written against TensorRT-LLM 1.2.x, not run here), each model `config.json` +
 `rank0.safetensors` (+ the tokenizer's files): TensorRT-LLM 1.2's layout for LLaMA / Qwen2, bf16/fp16/fp32 or FP8
 per tensor (an FP8 engine from `build --quantization fp8`). docs/trtllm.md.
 """
@@ -25,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--output", required=True, help="directory to create (target/ and draft/ inside)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                     help="the checkpoint's dtype for everything not FP8 (default: bfloat16)")
+    ap.add_argument("--plugin-lib", default="plugins/build/libecho_plugin.so",
+                    help="the ECHO plugin library the generated trtllm_build.sh loads (default: %(default)s)")
+    ap.add_argument("--max-batch-size", type=int, default=64, help="for trtllm_build.sh (default: 64)")
     return ap
 
 
@@ -33,7 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     from echo_trtllm.engine_dir import read_engine
     from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
     from echo_trtllm.models.loader import load_model
+    from echo_trtllm.core.config import EchoConfig
+    from echo_trtllm.models.fp8 import fp8_layers
     from echo_trtllm.models.trtllm_checkpoint import export_checkpoint
+    from echo_trtllm.trtllm_build import build_script
 
     try:
         if args.engine_dir and (args.model or args.draft_model):
@@ -41,13 +48,15 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.output)
         if out.exists() and any(out.iterdir()):
             raise FileExistsError(f"{out} exists and is not empty; choose a new directory")
+        config = EchoConfig()
         if args.engine_dir:
             spec = read_engine(args.engine_dir)
             sources = {"target": spec.target, "draft": spec.draft}
+            config = spec.config
         else:
             target = args.model or DEFAULT_TARGET
             sources = {"target": target, "draft": args.draft_model or (DEFAULT_DRAFT if args.model is None else None)}
-        written = []
+        written, fp8 = [], False
         for name, src in sources.items():
             if src is None:
                 continue
@@ -56,6 +65,13 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             model, tok = load_model(src, dtype=args.dtype)
             written.append(export_checkpoint(model, out / name, tok))
+            fp8 = fp8 or bool(fp8_layers(model))
+        script = out / "trtllm_build.sh"
+        script.write_text(build_script(config, str(Path(args.plugin_lib).resolve()), args.max_batch_size,
+                                       dtype=args.dtype, fp8=fp8,
+                                       has_draft=(out / "draft").is_dir()))
+        script.chmod(0o755)
+        written.append(script)
     except options.USAGE_ERRORS as e:
         return options.fail(PROG, e)
     for w in written:

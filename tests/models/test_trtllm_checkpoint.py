@@ -110,3 +110,43 @@ def test_export_refuses_what_it_cannot_write(default_pair, tmp_path):
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="tp = pp = 1"):
         load_checkpoint(out)
+
+
+# trtllm-build's flags in TensorRT-LLM 1.2 (tensorrt_llm/commands/build.py and plugin/plugin.py's
+# add_plugin_argument), a fact taken from its sources, and the allowed speculative modes
+TRTLLM_12_FLAGS = {
+    "--checkpoint_dir", "--model_config", "--build_config", "--output_dir", "--max_batch_size", "--max_input_len",
+    "--max_seq_len", "--max_decoder_seq_len", "--max_beam_width", "--max_num_tokens", "--opt_num_tokens",
+    "--kv_cache_type", "--workers", "--log_level", "--dry_run", "--strip_plan", "--weight_streaming", "--fast_build",
+    "--logits_dtype", "--gather_context_logits", "--gather_generation_logits", "--gather_all_token_logits",
+    "--speculative_decoding_mode", "--max_draft_len", "--bert_attention_plugin", "--gpt_attention_plugin",
+    "--gemm_plugin", "--gemm_swiglu_plugin", "--fp8_rowwise_gemm_plugin", "--lora_plugin", "--moe_plugin",
+    "--nccl_plugin", "--context_fmha", "--remove_input_padding", "--tokens_per_block", "--use_paged_context_fmha",
+    "--use_fp8_context_fmha", "--multiple_profiles", "--use_fused_mlp", "--reduce_fusion",
+}
+TRTLLM_12_SPEC_MODES = {"draft_tokens_external", "lookahead_decoding", "medusa", "explicit_draft_tokens", "eagle"}
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_trtllm_build_lines_use_only_1_2_flags_and_derive_the_draft_length(fp8, tmp_path):
+    import subprocess
+
+    from echo_trtllm.trtllm_build import build_args, build_script
+
+    config = EchoConfig(max_nodes_per_request=48, k_max=1024)
+    target = build_args("t", "e/t", config, 64, 2048, 4096, fp8=fp8)
+    draft = build_args("d", "e/d", None, 64, 2048, 4096, fp8=fp8)
+    for args in (target, draft):
+        flags = [a for a in args if a.startswith("--")]
+        assert set(flags) <= TRTLLM_12_FLAGS, set(flags) - TRTLLM_12_FLAGS
+    t = dict(zip(target[::2], target[1::2]))
+    assert t["--speculative_decoding_mode"] in TRTLLM_12_SPEC_MODES
+    assert t["--max_draft_len"] == "47"  # max_nodes_per_request - 1
+    assert int(t["--max_num_tokens"]) >= 64 * 48  # every request's full tree fits a step
+    assert "--speculative_decoding_mode" not in draft
+    script = tmp_path / "b.sh"
+    script.write_text(build_script(config, "/opt/libecho_plugin.so", fp8=fp8))
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text()
+    assert "ctypes.CDLL" in text and "RTLD_GLOBAL" in text and "tensorrt_llm.commands.build" in text
+    assert "NOT RUN" in text and "1.2" in text
