@@ -1,0 +1,1 @@
+"""Adapters to other serving stacks; each imports its stack lazily and is never a required dependency."""
