@@ -49,12 +49,12 @@ QUANTIZATIONS = ("none", "fp8")
 
 
 def _quantize_model(src: Path, dst: Path, scheme: str, prompts: list[str]) -> tuple[str, dict]:
+    from echo_trtllm.models.eagle3 import is_eagle3_dir
     from echo_trtllm.models.fp8 import quantize_source
 
     if not src.exists():
         raise FileNotFoundError(f"model path {str(src)!r} does not exist")
-    cfg = src / "config.json"
-    if src.is_dir() and cfg.is_file() and "Eagle3" in " ".join(read_json_object(cfg).get("architectures") or []):
+    if is_eagle3_dir(src):
         raise ValueError(f"{src} is an EAGLE-3 head: FP8 quantisation of heads is not implemented yet; build with "
                          "--quantization none, or quantise only the target (a separate draft model is quantised too)")
     return dst.name, quantize_source(src, dst, scheme, prompts)

@@ -30,7 +30,7 @@ from echo_trtllm.core.config import EchoConfig
 from echo_trtllm.models import DEFAULT_TARGET
 from echo_trtllm.models.fp8 import quantize_source, weight_bytes
 from echo_trtllm.models.loader import load_model
-from echo_trtllm.runtime.inputs import chain_batch
+from echo_trtllm.runtime.inputs import sequence_logits
 from echo_trtllm.runtime.request import SamplingParams
 
 
@@ -42,9 +42,7 @@ def heldout_loss(model, tok, texts: list[str], max_len: int = 512) -> float:
         ids = torch.tensor(tok.encode(text)[:max_len])
         if ids.numel() < 2:
             continue
-        cache = model.allocate_cache(1, ids.numel() + 1)
-        batch = chain_batch([ids], torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), logits="all")
-        logits = model(batch, cache).float()
+        logits = sequence_logits(model, ids).float()
         total += float(torch.nn.functional.cross_entropy(logits[:-1], ids[1:], reduction="sum"))
         count += ids.numel() - 1
     return total / count

@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from echo_trtllm.engine_dir import read_engine
+    from echo_trtllm.models.eagle3 import is_eagle3_dir
     from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
     from echo_trtllm.models.loader import load_model
     from echo_trtllm.core.config import EchoConfig
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, src in sources.items():
             if src is None:
                 continue
-            if (Path(src) / "config.json").is_file() and "Eagle3" in (Path(src) / "config.json").read_text():
+            if is_eagle3_dir(src):
                 print(f"{PROG}: {name} is an EAGLE-3 head: not exported (TensorRT-LLM loads EAGLE-3 heads as they are)")
                 continue
             model, tok = load_model(src, dtype=args.dtype)

@@ -44,6 +44,17 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _missing_extra(e: ImportError, extra: str) -> int:
+    return options.fail(PROG, f"{e.name} is missing: install the {extra} extra (pip install 'echo-trtllm[{extra}]')")
+
+
+def _check_ports(args) -> None:
+    for flag in ("--port", "--grpc-port", "--metrics-port"):
+        port = getattr(args, flag[2:].replace("-", "_"))
+        if port is not None and not 0 <= port <= 65535:
+            raise ValueError(f"{flag} must be in [0, 65535], got {port}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.triton:
@@ -51,10 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from echo_trtllm.serve.openai_server import OpenAIServer, default_model_name, listen, uvicorn_server
     except ImportError as e:
-        return options.fail(PROG, f"{e.name} is missing: install the serve extra (pip install 'echo-trtllm[serve]')")
+        return _missing_extra(e, "serve")
     try:
-        if not 0 <= args.port <= 65535:
-            raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+        _check_ports(args)
         if args.max_batch_size < 1:
             raise ValueError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
         if args.drain_timeout < 0:
@@ -82,17 +92,15 @@ def _main_triton(args) -> int:
     try:
         from echo_trtllm.serve.triton import TritonServing
     except ImportError as e:
-        return options.fail(PROG, f"{e.name} is missing: install the triton extra (pip install 'echo-trtllm[triton]')")
+        return _missing_extra(e, "triton")
     try:
-        for flag, port in (("--port", args.port), ("--grpc-port", args.grpc_port), ("--metrics-port", args.metrics_port)):
-            if port is not None and not 0 <= port <= 65535:
-                raise ValueError(f"{flag} must be in [0, 65535], got {port}")
+        _check_ports(args)
         options.apply_threads(args)
         llm = options.make_llm(args, options.echo_config(args), args.max_batch_size)
         serving = TritonServing(llm, args.triton_model_name, args.host, http_port=args.port or None,
                                 grpc_port=args.grpc_port, metrics_port=args.metrics_port)
     except ImportError as e:
-        return options.fail(PROG, f"{e.name} is missing: install the triton extra (pip install 'echo-trtllm[triton]')")
+        return _missing_extra(e, "triton")
     except options.USAGE_ERRORS as e:
         return options.fail(PROG, e)
     serving.run()

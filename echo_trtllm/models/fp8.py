@@ -161,21 +161,21 @@ def calibrate_amax(model: nn.Module, run) -> dict[str, float]:
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, scheme: str = "per_tensor", amax: dict[str, float] | None = None) -> nn.Module:
+def quantize_model(model: nn.Module, scheme: str = "per_tensor", amax: dict[str, float] | None = None,
+                   empty: bool = False) -> nn.Module:
     """Replace every decoder-layer projection that fits the kernel (`fits_fp8`) by its Fp8Linear (in place; returns
-    the model). amax: calibrated input
-    amax per projection (per_tensor; `calibrate_amax`); unused per_channel. With amax None per tensor, the layers
-    are created empty (to load a checkpoint into)."""
+    the model). amax: calibrated input amax per projection (per_tensor; `calibrate_amax`); unused per_channel.
+    empty: create the layers without quantising the current weights (to load a checkpoint into)."""
     if scheme not in SCHEMES:
         raise ValueError(f"FP8 scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
     for parent, attr, name in list(_projections(model)):
         linear = getattr(parent, attr)
         if isinstance(linear, Fp8Linear) or not fits_fp8(linear):
             continue
-        if amax is None and scheme == "per_tensor":
+        if empty:
             layer = Fp8Linear(linear.in_features, linear.out_features, linear.bias is not None, scheme)
         else:
-            if scheme == "per_tensor" and name not in amax:
+            if scheme == "per_tensor" and name not in (amax or {}):
                 raise ValueError(f"no calibrated amax for {name}: the calibration run never reached it")
             layer = Fp8Linear.from_linear(linear, scheme, amax.get(name) if amax else None)
         setattr(parent, attr, layer.to(device=linear.weight.device))

@@ -116,9 +116,9 @@ def load_tokenizer(path: str | Path, config: ModelConfig | None = None) -> Token
 # ---------------------------------------------------------------------------------------------------------- HF
 
 
-def read_hf_config(cfg_file: Path) -> ModelConfig:
-    """An HF config.json as a ModelConfig; errors name the file."""
-    raw = read_json_object(cfg_file)
+def read_hf_config(cfg_file: Path, raw: dict | None = None) -> ModelConfig:
+    """An HF config.json (or its already-read dict `raw`) as a ModelConfig; errors name the file."""
+    raw = read_json_object(cfg_file) if raw is None else raw
     try:
         return ModelConfig.from_hf(raw)
     except (ValueError, TypeError, KeyError) as e:
@@ -146,9 +146,10 @@ def load_hf(path: Path, dtype: torch.dtype, device) -> CausalLM:
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{path} is not a model directory: config.json is missing")
     state = read_safetensors(path)
-    config = read_hf_config(cfg_file)
+    raw = read_json_object(cfg_file)
+    config = read_hf_config(cfg_file, raw)
     model = CausalLM(config)
-    quant = read_json_object(cfg_file).get("quantization_config")
+    quant = raw.get("quantization_config")
     if quant is not None:
         state = _fp8_checkpoint(path, quant, model, state)
     if config.tie_word_embeddings:
@@ -175,7 +176,7 @@ def _fp8_checkpoint(path: Path, quant, model: CausalLM, state: dict) -> dict:
     if scheme not in SCHEMES or quant.get("activation_scheme") != ("static" if scheme == "per_tensor" else "dynamic"):
         raise ValueError(f"{path}/config.json: FP8 quantization_config {quant} is not one this runtime runs: "
                          "weight_scheme per_tensor with activation_scheme static, or per_channel with dynamic")
-    quantize_model(model, scheme)
+    quantize_model(model, scheme, empty=True)
     try:
         return prepare_for_checkpoint(state, model)
     except ValueError as e:

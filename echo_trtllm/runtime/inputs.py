@@ -17,7 +17,7 @@ from torch import Tensor
 from echo_trtllm.core.pack import PackedVerifyBatch, unpack_mask
 from echo_trtllm.models.llama import ForwardBatch
 
-__all__ = ["make_batch", "chain_batch", "level_batch", "tree_batch"]
+__all__ = ["make_batch", "chain_batch", "sequence_logits", "level_batch", "tree_batch"]
 
 
 def _pad_rows(mask: Tensor, counts: Tensor) -> None:
@@ -73,6 +73,15 @@ def chain_batch(chains: list[Tensor], starts: Tensor, slots: Tensor, logits: str
     if logits not in index:
         raise ValueError(f"logits must be 'last', 'all' or 'none', got {logits!r}")
     return make_batch(ids, req, pos, pos, slots, starts.to(dev).long(), visible, index[logits])
+
+
+@torch.no_grad()
+def sequence_logits(model, ids: Tensor, logits: str = "all") -> Tensor:
+    """One whole token sequence through `model` in a fresh one-slot cache, outside any runtime (scoring,
+    stateless drafting): the logits of every position ("all", (T, V)) or of the last ("last", (1, V))."""
+    cache = model.allocate_cache(1, ids.numel() + 1)
+    zero = torch.zeros(1, dtype=torch.long)
+    return model(chain_batch([ids], zero, zero, logits=logits), cache)
 
 
 def level_batch(input_ids: Tensor, position_ids: Tensor, write_pos: Tensor, slots: Tensor, prefix_len: Tensor,

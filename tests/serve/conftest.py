@@ -6,6 +6,17 @@ import pytest
 from echo_trtllm import LLM, EchoConfig, SamplingParams
 
 
+def engine_idle(llm, timeout: float = 30.0, also=lambda: True) -> bool:
+    """Wait until the engine runs and queues nothing and every KV slot is free again (and `also()` holds)."""
+    ex = llm.executor
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if also() and not ex.running and not ex.waiting and len(ex.free_slots) == ex.max_batch_size:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 class RunningServer:
     """A real uvicorn server on a free loopback port, on a thread of the test process."""
 
@@ -37,14 +48,7 @@ class RunningServer:
 
     def idle(self, timeout: float = 30.0) -> bool:
         """Wait until nothing is in flight and every KV slot is free again."""
-        ex = self.llm.executor
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if (self.server.inflight == 0 and not ex.running and not ex.waiting
-                    and len(ex.free_slots) == ex.max_batch_size):
-                return True
-            time.sleep(0.05)
-        return False
+        return engine_idle(self.llm, timeout, lambda: self.server.inflight == 0)
 
     def stop(self) -> None:
         self.uvicorn.should_exit = True

@@ -25,7 +25,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 from echo_trtllm import SamplingParams  # noqa: E402
 from echo_trtllm.serve.triton import TritonServing, free_port  # noqa: E402
 
-from .conftest import MAX_TOKENS, N_DISCONNECT, N_STREAMS  # noqa: E402
+from .conftest import MAX_TOKENS, N_DISCONNECT, N_STREAMS, engine_idle  # noqa: E402
 
 MODEL = "ensemble"
 
@@ -110,13 +110,7 @@ class StreamCollector:
 
 
 def _idle(llm, timeout: float = 60) -> bool:
-    ex = llm.executor
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not ex.running and not ex.waiting and len(ex.free_slots) == ex.max_batch_size:
-            return True
-        time.sleep(0.05)
-    return False
+    return engine_idle(llm, timeout)
 
 
 def test_http_generate_equals_llm_api(triton):

@@ -20,7 +20,7 @@ import torch
 
 from echo_trtllm.core import EchoConfig, draft_tree, make_policy
 from echo_trtllm.models.llama import CausalLM
-from echo_trtllm.runtime.inputs import chain_batch
+from echo_trtllm.runtime.inputs import sequence_logits
 
 __all__ = ["EchoChainProposer", "make_drafter"]
 
@@ -55,10 +55,7 @@ class EchoChainProposer:
             for node in frontier.tolist():
                 req = int(level.request_ids[node])
                 ids = torch.tensor(tails[req] + [int(roots[req])] + drafted[req], dtype=torch.long)
-                cache = self.draft.allocate_cache(1, ids.numel() + 1)
-                batch = chain_batch([ids], torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
-                with torch.no_grad():
-                    probs.append(torch.softmax(self.draft(batch, cache).float()[-1], -1))
+                probs.append(torch.softmax(sequence_logits(self.draft, ids, "last").float()[-1], -1))
             out = torch.stack(probs)
             for node, row in zip(frontier.tolist(), out):
                 drafted[int(level.request_ids[node])].append(int(row.argmax()))
