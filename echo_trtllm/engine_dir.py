@@ -48,15 +48,15 @@ def _copy_model(src: Path, dst: Path) -> str:
 QUANTIZATIONS = ("none", "fp8")
 
 
-def _quantize_model(src: Path, dst: Path, scheme: str, prompts: list[str]) -> tuple[str, dict]:
+def _quantize_model(src: Path, dst: Path, scheme: str, prompts: list[str], target: Path | None = None) -> tuple[str, dict]:
+    """Quantise one model of the pair into `dst`; an EAGLE-3 head is calibrated while drafting for `target`."""
     from echo_trtllm.models.eagle3 import is_eagle3_dir
-    from echo_trtllm.models.fp8 import quantize_source
+    from echo_trtllm.models.fp8 import quantize_eagle3_source, quantize_source
 
     if not src.exists():
         raise FileNotFoundError(f"model path {str(src)!r} does not exist")
     if is_eagle3_dir(src):
-        raise ValueError(f"{src} is an EAGLE-3 head: FP8 quantisation of heads is not implemented yet; build with "
-                         "--quantization none, or quantise only the target (a separate draft model is quantised too)")
+        return dst.name, {"kind": "eagle3", **quantize_eagle3_source(src, target, dst, scheme, prompts)}
     return dst.name, quantize_source(src, dst, scheme, prompts)
 
 
@@ -77,7 +77,8 @@ def build_engine(output: str | Path, model: str | Path, draft_model: str | Path 
     try:
         if quantization == "fp8":
             target, t_summary = _quantize_model(Path(model), out / "target", fp8_scheme, calibration_prompts)
-            draft, d_summary = _quantize_model(Path(draft_model), out / "draft", fp8_scheme, calibration_prompts) \
+            draft, d_summary = _quantize_model(Path(draft_model), out / "draft", fp8_scheme, calibration_prompts,
+                                               target=Path(model)) \
                 if draft_model else (None, None)
             quant = {"algo": "fp8", "scheme": fp8_scheme, "target": t_summary, "draft": d_summary}
         else:

@@ -173,7 +173,8 @@ def load_eagle3(path: str | Path, target: CausalLM, dtype: torch.dtype | None = 
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{path} is not an EAGLE-3 head directory: config.json is missing")
     try:
-        config = Eagle3Config.from_hf(read_json_object(cfg_file))
+        raw = read_json_object(cfg_file)
+        config = Eagle3Config.from_hf(raw)
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"{cfg_file}: {e}") from None
     t = target.config
@@ -189,6 +190,10 @@ def load_eagle3(path: str | Path, target: CausalLM, dtype: torch.dtype | None = 
     config = replace(config, capture_layers=tuple(layers))
     state = _checkpoint_names(read_safetensors(path))
     head = Eagle3Head(config, target.model.embed_tokens)
+    if raw.get("quantization_config") is not None:  # an FP8 head (echo-trtllm build --quantization fp8)
+        from echo_trtllm.models.fp8 import fp8_checkpoint_state
+
+        state = fp8_checkpoint_state(path, raw["quantization_config"], head, state)
     if "d2t" not in state and config.draft_vocab_size == t.vocab_size:
         state["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.long)  # full vocabulary: identity
     expected = head.state_dict()

@@ -26,7 +26,8 @@ from torch import Tensor, nn
 
 __all__ = ["FP8_MAX", "SCHEMES", "Fp8Linear", "quantize_model", "fp8_layers", "calibrate_amax", "quant_config",
            "write_checkpoint", "quantize_source", "fits_fp8", "ignored_layers",
-           "quantized_state_dict", "prepare_for_checkpoint", "weight_bytes"]
+           "quantized_state_dict", "prepare_for_checkpoint", "weight_bytes", "quantize_eagle3_source",
+           "fp8_checkpoint_state"]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -234,6 +235,24 @@ def prepare_for_checkpoint(state: dict[str, Tensor], model: nn.Module) -> dict[s
     return state
 
 
+def fp8_checkpoint_state(path, quant, model: nn.Module, state: dict) -> dict:
+    """A checkpoint with a `quantization_config` (a model or an EAGLE-3 head): the model's projections become empty Fp8Linear layers and the state is
+    put in their layout. Any other quantisation is refused by name."""
+    if not isinstance(quant, dict) or quant.get("quant_method") != "fp8":
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ValueError(f"{path}/config.json: quantization_config quant_method {method!r} is not supported; "
+                         "supported: 'fp8' (echo-trtllm build --quantization fp8)")
+    scheme = quant.get("weight_scheme", "per_tensor")
+    if scheme not in SCHEMES or quant.get("activation_scheme") != ("static" if scheme == "per_tensor" else "dynamic"):
+        raise ValueError(f"{path}/config.json: FP8 quantization_config {quant} is not one this runtime runs: "
+                         "weight_scheme per_tensor with activation_scheme static, or per_channel with dynamic")
+    quantize_model(model, scheme, empty=True)
+    try:
+        return prepare_for_checkpoint(state, model)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's parameters and buffers as they are held (e4m3 weights: one byte each)."""
     seen, total = set(), 0
@@ -265,6 +284,19 @@ def write_checkpoint(model: nn.Module, tokenizer, out, scheme: str) -> None:
     tokenizer.hf.save_pretrained(str(out))
 
 
+def _calibrated(model: nn.Module, scheme: str, run) -> nn.Module:
+    """Quantise `model` in place: per tensor after `run()` has pushed calibration data through it."""
+    quantize_model(model, scheme, calibrate_amax(model, run) if scheme == "per_tensor" else None)
+    return model
+
+
+def _check_calibration(scheme: str, prompts: list[str]) -> None:
+    if scheme not in SCHEMES:
+        raise ValueError(f"FP8 scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
+    if not prompts:
+        raise ValueError("FP8 calibration needs at least one prompt")
+
+
 def quantize_source(source, out, scheme: str, prompts: list[str], max_tokens: int = 16) -> dict:
     """Load a model (HF directory or .gguf), calibrate the inputs' amax on `prompts` (each prompt and `max_tokens`
     greedy tokens through the runtime, plain AR), quantise and write the checkpoint to `out`. Returns a summary:
@@ -274,21 +306,60 @@ def quantize_source(source, out, scheme: str, prompts: list[str], max_tokens: in
     from echo_trtllm.models.loader import load_model
     from echo_trtllm.runtime.request import SamplingParams
 
-    if scheme not in SCHEMES:
-        raise ValueError(f"FP8 scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
-    if not prompts:
-        raise ValueError("FP8 calibration needs at least one prompt")
+    _check_calibration(scheme, prompts)
     model, tok = load_model(source, dtype="float32")
     before = weight_bytes(model)
-    amax = None
-    if scheme == "per_tensor":
-        def run() -> None:
-            with LLM(model, None, tokenizer=tok, speculative_config=EchoConfig(policy="ar"),
-                     max_batch_size=min(len(prompts), 16), cost_model=None) as llm:
-                llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False)
-        amax = calibrate_amax(model, run)
-    quantize_model(model, scheme, amax)
-    write_checkpoint(model, tok, out, scheme)
+
+    def run() -> None:
+        with LLM(model, None, tokenizer=tok, speculative_config=EchoConfig(policy="ar"),
+                 max_batch_size=min(len(prompts), 16), cost_model=None) as llm:
+            llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False)
+
+    write_checkpoint(_calibrated(model, scheme, run), tok, out, scheme)
+    return _summary(model, scheme, prompts, max_tokens, before)
+
+
+def _summary(model: nn.Module, scheme: str, prompts: list[str], max_tokens: int, before: int) -> dict:
     return {"scheme": scheme, "calibration_prompts": len(prompts), "calibration_tokens_per_prompt": max_tokens,
             "weight_bytes_float32": before, "weight_bytes_fp8": weight_bytes(model),
             "quantized_layers": len(fp8_layers(model)), "ignored_layers": ignored_layers(model)}
+
+
+def quantize_eagle3_source(head_dir, target_source, out, scheme: str, prompts: list[str],
+                           max_tokens: int = 16) -> dict:
+    """An EAGLE-3 head quantised like a model: its decoder layer's projections become FP8, calibrated (per tensor)
+    on the head's inputs while the float32 target drafts `prompts` with it (EAGLE-2 trees, so the head sees the
+    tree inputs it serves). `fc` (the fusion of three feature layers whose magnitudes differ by orders: one
+    per-tensor scale would flush the small ones) and the LM head stay in the model's dtype. Writes the head's
+    config.json (+ quantization_config) and model.safetensors (EAGLE layout, `midlayer.` names, d2t) to `out`."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from echo_trtllm.api import LLM
+    from echo_trtllm.core.config import EchoConfig
+    from echo_trtllm.jsonfile import read_json_object
+    from echo_trtllm.models.eagle3 import load_eagle3
+    from echo_trtllm.models.loader import load_model
+    from echo_trtllm.runtime.request import SamplingParams
+
+    _check_calibration(scheme, prompts)
+    target, tok = load_model(target_source, dtype="float32")
+    head = load_eagle3(head_dir, target, dtype=torch.float32)
+    before = weight_bytes(head)
+
+    def run() -> None:
+        with LLM(target, head, tokenizer=tok, speculative_config=EchoConfig(policy="eagle2"),
+                 max_batch_size=min(len(prompts), 16), cost_model=None, fallback=False) as llm:
+            llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False)
+
+    _calibrated(head, scheme, run)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = {**read_json_object(Path(head_dir) / "config.json"), "torch_dtype": "float32",
+           "quantization_config": quant_config(scheme, ignored_layers(head))}
+    save_file({k: v.contiguous() for k, v in quantized_state_dict(head).items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return _summary(head, scheme, prompts, max_tokens, before)

@@ -151,7 +151,9 @@ def load_hf(path: Path, dtype: torch.dtype, device) -> CausalLM:
     model = CausalLM(config)
     quant = raw.get("quantization_config")
     if quant is not None:
-        state = _fp8_checkpoint(path, quant, model, state)
+        from echo_trtllm.models.fp8 import fp8_checkpoint_state
+
+        state = fp8_checkpoint_state(path, quant, model, state)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -161,26 +163,6 @@ def load_hf(path: Path, dtype: torch.dtype, device) -> CausalLM:
         raise ValueError(f"{path}: checkpoint does not match the {config.architecture} layout; missing "
                          f"{missing[:5]}, unexpected {unexpected[:5]}")
     return model.to(dtype=dtype, device=device).eval()
-
-
-def _fp8_checkpoint(path: Path, quant, model: CausalLM, state: dict) -> dict:
-    """An FP8 checkpoint (models/fp8.py): the model's projections become empty Fp8Linear layers and the state is
-    put in their layout. Any other quantisation is refused by name."""
-    from echo_trtllm.models.fp8 import SCHEMES, prepare_for_checkpoint, quantize_model
-
-    if not isinstance(quant, dict) or quant.get("quant_method") != "fp8":
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        raise ValueError(f"{path}/config.json: quantization_config quant_method {method!r} is not supported; "
-                         "supported: 'fp8' (echo-trtllm build --quantization fp8)")
-    scheme = quant.get("weight_scheme", "per_tensor")
-    if scheme not in SCHEMES or quant.get("activation_scheme") != ("static" if scheme == "per_tensor" else "dynamic"):
-        raise ValueError(f"{path}/config.json: FP8 quantization_config {quant} is not one this runtime runs: "
-                         "weight_scheme per_tensor with activation_scheme static, or per_channel with dynamic")
-    quantize_model(model, scheme, empty=True)
-    try:
-        return prepare_for_checkpoint(state, model)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------- GGUF

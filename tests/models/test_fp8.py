@@ -148,3 +148,39 @@ def test_fp8_engine_directory_builds_and_generates(tmp_path, prompts):
         build_engine(tmp_path / "f", DEFAULT_TARGET, None, EchoConfig(), quantization="fp8")
     with pytest.raises(ValueError, match="quantization"):
         build_engine(tmp_path / "g", DEFAULT_TARGET, None, EchoConfig(), quantization="int4")
+
+
+def test_fp8_eagle3_head_engine_is_lossless_and_drafts_like_the_float_head(tmp_path, prompts):
+    """`build --quantization fp8` with an EAGLE-3 head: the head's decoder projections become e4m3 (fc and its LM
+    head stay float, by design), it loads from the engine directory, speculation with it on the FP8 target equals
+    AR on that target, and it still drafts: acceptance close to the float head's on the same FP8 target."""
+    from echo_trtllm.engine_dir import build_engine
+    from echo_trtllm.models import DEFAULT_EAGLE3, DEFAULT_TARGET
+    from echo_trtllm.models.eagle3 import Eagle3Head, load_eagle3
+
+    out = build_engine(tmp_path / "e", DEFAULT_TARGET, DEFAULT_EAGLE3, EchoConfig(policy="eagle2"), "float32", "fp8",
+                       "per_tensor", prompts[:4])
+    meta = json.loads((out / "engine.json").read_text())
+    assert meta["quantization"]["draft"]["kind"] == "eagle3"
+    assert meta["quantization"]["draft"]["quantized_layers"] == 7
+    params = SamplingParams(max_tokens=24, temperature=0)
+    with LLM(engine_dir=out, fallback=False, max_batch_size=4) as llm:
+        head = llm.draft
+        assert isinstance(head, Eagle3Head) and sorted(fp8_layers(head)) == sorted(
+            f"midlayer.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
+        assert not isinstance(head.fc, Fp8Linear) and head.fc.weight.dtype == torch.float32
+        target, tok = llm.target, llm.tokenizer
+        fp8_outs = llm.generate(prompts[:8], params, use_tqdm=False)
+    with LLM(target, None, tokenizer=tok, speculative_config=EchoConfig(policy="ar"), cost_model=None) as ar:
+        expected = [ar.generate(p, params, use_tqdm=False).token_ids for p in prompts[:8]]
+    assert [o.token_ids for o in fp8_outs] == expected
+    float_head = load_eagle3(DEFAULT_EAGLE3, target, dtype=torch.float32)
+    with LLM(target, float_head, tokenizer=tok, speculative_config=EchoConfig(policy="eagle2"), fallback=False,
+             max_batch_size=4) as ref:
+        float_outs = ref.generate(prompts[:8], params, use_tqdm=False)
+    steps_fp8 = sum(o.stats.steps for o in fp8_outs)
+    steps_float = sum(o.stats.steps for o in float_outs)
+    tokens = sum(len(e) for e in expected)
+    assert steps_fp8 < 0.8 * tokens, "the FP8 head accepted almost nothing"
+    assert steps_fp8 <= 1.15 * steps_float, (steps_fp8, steps_float)
