@@ -24,7 +24,7 @@ from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
 from echo_trtllm.models.draft import load_draft
 from echo_trtllm.models.eagle3 import Eagle3Head
 from echo_trtllm.models.llama import CausalLM
-from echo_trtllm.models.loader import DTYPE_CHOICES, Tokenizer, check_model_path, load_model
+from echo_trtllm.models.loader import DTYPE_CHOICES, Tokenizer, check_model_path, check_same_vocabulary, load_model
 from echo_trtllm.runtime.calibrate import LOAD_REPEATS, Calibration, measure_cost_model
 from echo_trtllm.runtime.clock import Clock
 from echo_trtllm.runtime.engine import CompletionOutput, EngineLoop, GenerationHandle, RequestOutput
@@ -86,6 +86,12 @@ class LLM:
     step speculates with the policy's own budget rule; how the fair benchmark judges allocation).
 
     iter_stats_max_iterations: keep this many per-step reports for `get_stats()` (0 = none).
+
+    tensor_parallel_size: shard the target and a separate draft model over this many ranks (one process each,
+    torch.distributed: gloo on CPU, NCCL on CUDA; docs/scale-out.md). This process is rank 0 and runs the one
+    control plane; it spawns the other ranks itself, or, under `torchrun`, ranks > 0 serve rank 0 from inside
+    `LLM(...)` and leave the process (exit status 0) when it shuts down. Needs model paths (each rank loads only
+    its shard).
     """
 
     def __init__(
@@ -106,8 +112,10 @@ class LLM:
         clock: Clock | None = None,
         iter_stats_max_iterations: int = 0,
         fallback: "bool | str" = "auto",
+        tensor_parallel_size: int = 1,
     ) -> None:
         _positive_int("max_batch_size", max_batch_size)
+        _positive_int("tensor_parallel_size", tensor_parallel_size)
         _positive_int("max_seq_len", max_seq_len, minimum=2, allow_none=True)
         _positive_int("max_num_tokens", max_num_tokens, allow_none=True)
         _positive_int("iter_stats_max_iterations", iter_stats_max_iterations, minimum=0)
@@ -156,13 +164,27 @@ class LLM:
         make_policy(config, None, gate_samples)  # a calibration for another max_depth is refused here, before loading
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        target, target_tok = self._load(model, dtype, device)
-        self.tokenizer = tokenizer or target_tok
-        if self.tokenizer is None:
-            raise ValueError("a loaded CausalLM needs tokenizer=... (a Tokenizer from echo_trtllm.models.loader)")
-        draft = None
-        if draft_model is not None and policy.needs_draft_model:
-            draft = load_draft(draft_model, target, dtype, device, self.tokenizer)
+        self._tp_group = None
+        if draft_model is not None and not policy.needs_draft_model:
+            draft_model = None
+        if tensor_parallel_size > 1:
+            target, target_tok, draft = self._load_parallel(model, draft_model, dtype, device, tensor_parallel_size)
+            self.tokenizer = tokenizer or target_tok
+        else:
+            target, target_tok = self._load(model, dtype, device)
+            self.tokenizer = tokenizer or target_tok
+            if self.tokenizer is None:
+                raise ValueError("a loaded CausalLM needs tokenizer=... (a Tokenizer from echo_trtllm.models.loader)")
+            draft = None if draft_model is None else load_draft(draft_model, target, dtype, device, self.tokenizer)
+        try:
+            self._start(target, draft, config, calibration, policy, cost_model, fallback, max_batch_size,
+                        max_seq_len, max_num_tokens, gate_samples, clock, iter_stats_max_iterations)
+        except BaseException:
+            self._close_group()
+            raise
+
+    def _start(self, target, draft, config, calibration, policy, cost_model, fallback, max_batch_size, max_seq_len,
+               max_num_tokens, gate_samples, clock, iter_stats_max_iterations) -> None:
         self.config = config
         self.target, self.draft = target, draft
         self.dtype = {"target": str(target.dtype).removeprefix("torch."),
@@ -171,6 +193,59 @@ class LLM:
         self.executor = Executor(target, draft, self.tokenizer, config, max_batch_size, max_seq_len, max_num_tokens,
                                  cost_model=self.cost_model, gate_samples=gate_samples, clock=clock, fallback=fallback)
         self._loop = EngineLoop(self.executor, iter_stats_max_iterations)
+
+    def _load_parallel(self, model, draft_model, dtype: str, device: str, world: int):
+        """Start the tensor-parallel group (runtime/parallel.py) and load the shards on every rank."""
+        from echo_trtllm.models.eagle3 import is_eagle3_dir
+        from echo_trtllm.models.loader import choose_dtype, load_tokenizer, resolve_dtype
+        from echo_trtllm.models.tp import check_shardable, read_config
+        from echo_trtllm.runtime import parallel
+
+        for name, source in (("model", model), ("draft_model", draft_model)):
+            if source is not None and not isinstance(source, (str, Path)):
+                raise ValueError(f"tensor_parallel_size > 1 needs {name} as a path (each rank loads only its "
+                                 f"shard), got a loaded {type(source).__name__}")
+        if draft_model is not None and is_eagle3_dir(draft_model):
+            raise ValueError("tensor_parallel_size > 1 with an EAGLE-3 head is not supported yet; use a separate "
+                             "draft model or tensor_parallel_size=1")
+        config = read_config(model)
+        check_shardable(config, world)
+        if draft_model is not None:
+            check_shardable(read_config(draft_model), world)
+        if dtype == "auto":
+            dt = torch.bfloat16 if torch.device(device).type == "cuda" else choose_dtype(config)[0]
+        else:
+            dt = resolve_dtype(dtype)
+        specs = [("target", str(model))] + ([("draft", str(draft_model))] if draft_model is not None else [])
+        group = parallel.start(world, device, specs, dt)
+        self._tp_group = group
+        try:
+            dt = group.agree(dt) if not group.processes and group.world > 1 else dt  # torchrun: the leader's
+            target = group.load("target", model, dt)
+            draft = group.load("draft", draft_model, dt) if draft_model is not None else None
+        except BaseException:
+            self._close_group()
+            raise
+        if not group.is_leader:  # torchrun: this rank serves rank 0 until it shuts down, then leaves
+            try:
+                group.serve()
+            finally:
+                self._close_group()
+            raise SystemExit(0)
+        tok = load_tokenizer(model, target.config)
+        if draft is not None:
+            check_same_vocabulary(tok, load_tokenizer(draft_model, draft.config))
+        return target, tok, draft
+
+    def _close_group(self) -> None:
+        group, self._tp_group = getattr(self, "_tp_group", None), None
+        if group is not None:
+            group.close()
+
+    @property
+    def tensor_parallel_stats(self) -> list[dict] | None:
+        """Every rank's weight bytes per model (None without tensor parallelism)."""
+        return None if self._tp_group is None else self._tp_group.all_stats()
 
     @staticmethod
     def _load(source: ModelSource, dtype: str, device: str) -> tuple[CausalLM, Tokenizer | None]:
@@ -290,6 +365,7 @@ class LLM:
 
     def shutdown(self) -> None:
         self._loop.shutdown()
+        self._close_group()
 
     def __enter__(self) -> "LLM":
         return self
@@ -303,4 +379,6 @@ class LLM:
         loop = getattr(self, "_loop", None)
         if loop is not None:
             loop.shutdown(timeout=0)
+        if getattr(self, "_tp_group", None) is not None and (loop is None or loop.ended):
+            self._close_group()
 

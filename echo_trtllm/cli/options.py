@@ -68,8 +68,12 @@ def add_model_options(ap: argparse.ArgumentParser, engine_dir: bool = True) -> N
         g.add_argument("--engine-dir", help="an engine directory built by `echo-trtllm build` (instead of --model)")
 
 
-def add_runtime_options(ap: argparse.ArgumentParser, batch: bool = True) -> None:
+def add_runtime_options(ap: argparse.ArgumentParser, batch: bool = True, parallel: bool = False) -> None:
     g = ap.add_argument_group("runtime")
+    if parallel:
+        g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
+                       help="tensor-parallel ranks for the target and a separate draft model (spawned here, or "
+                            "one per process under torchrun; docs/scale-out.md; default: 1)")
     g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="weights and activations; auto: bfloat16 on CUDA, on a CPU the faster of float32/bfloat16 "
                         "for this model, measured at load (default: auto)")
@@ -175,7 +179,8 @@ def make_llm(args: argparse.Namespace, config: EchoConfig, max_batch_size: int, 
     common = dict(speculative_config=None if engine else config, max_batch_size=max_batch_size, max_seq_len=args.max_seq_len,
                   dtype=args.dtype, device=args.device, calibration=getattr(args, "calibration", None),
                   cost_model=None if getattr(args, "no_cost_model", False) else "auto",
-                  fallback=FALLBACK_MODES[fallback_modes(getattr(args, "fallback", "auto"))[0]], **kwargs)
+                  fallback=FALLBACK_MODES[fallback_modes(getattr(args, "fallback", "auto"))[0]],
+                  tensor_parallel_size=getattr(args, "tp_size", 1), **kwargs)
     if engine:
         return LLM(engine_dir=engine, **common)
     return LLM(args.model, args.draft_model, **common)

@@ -155,10 +155,13 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 @dataclass
 class KVCache:
-    """Per-layer K/V of shape (slots, H_kv, C, hd)."""
+    """Per-layer K/V of shape (slots, H_kv, C, hd) (a tensor-parallel rank's own KV heads only)."""
 
     keys: list[Tensor]
     values: list[Tensor]
+    # a tensor-parallel group's leader replays compactions on the other ranks through this (models/tp.py); its id
+    mirror: object | None = field(default=None, repr=False)
+    mirror_id: int = -1
 
     @classmethod
     def allocate(cls, config: ModelConfig, slots: int, capacity: int, dtype: torch.dtype, device) -> "KVCache":
@@ -176,6 +179,8 @@ class KVCache:
         # slots, src, dst: (M,)
         if slots.numel() == 0:
             return
+        if self.mirror is not None:
+            self.mirror.compact(self, slots, src, dst)
         for cache in (*self.keys, *self.values):
             cache[slots, :, dst] = cache[slots, :, src]
 
@@ -270,9 +275,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    # tensor parallel: sums the ranks' partial o_proj / down_proj outputs (row-parallel layers); identity alone
+    reduce = staticmethod(lambda t: t)
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, cache: KVCache) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.reduce(self.self_attn(self.input_layernorm(x), cos, sin, batch, cache))
+        return x + self.reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
 class Backbone(nn.Module):
@@ -286,13 +294,20 @@ class Backbone(nn.Module):
 class CausalLM(nn.Module):
     """Llama-family causal LM over a slotted KV cache (see the module docstring)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp=None) -> None:
+        """tp: this rank's `models.tp.TensorParallel` (its modules are then built for its shard: its KV-head group,
+        its slice of the MLP and of the vocabulary); `config` stays the whole model's."""
         super().__init__()
         self.config = config
-        self.model = Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp
+        self.shard_config = config if tp is None else tp.shard_config(config)
+        self.model = Backbone(self.shard_config)
+        self.lm_head = nn.Linear(config.hidden_size, self.shard_config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if tp is not None:
+            for layer in self.model.layers:
+                layer.reduce = tp.all_reduce
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
     @property
@@ -304,7 +319,10 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight.device
 
     def allocate_cache(self, slots: int, capacity: int) -> KVCache:
-        return KVCache.allocate(self.config, slots, capacity, self.dtype, self.device)
+        cache = KVCache.allocate(self.shard_config, slots, capacity, self.dtype, self.device)
+        if self.tp is not None and self.tp.mirror is not None:
+            self.tp.mirror.allocate(self, cache, slots, capacity)
+        return cache
 
     def eagle3_layers(self) -> tuple[int, int, int]:
         """EAGLE-3's default feature layers: the inputs of decoder layers 2, N // 2 and N - 3 (the outputs of
@@ -326,7 +344,10 @@ class CausalLM(nn.Module):
         n = self.config.num_hidden_layers
         if any(not 0 <= i <= n for i in capture):
             raise ValueError(f"capture layers must be in [0, {n}], got {capture}")
-        x = self.model.embed_tokens(batch.input_ids)  # (T, hidden)
+        if self.tp is not None and self.tp.mirror is not None:
+            self.tp.mirror.forward(self, batch, cache, capture)  # the other ranks run this forward with us
+        x = self.model.embed_tokens(batch.input_ids) if self.tp is None else \
+            self.tp.embed(self.model.embed_tokens, batch.input_ids)  # (T, hidden)
         cos, sin = rope_cos_sin(self.inv_freq, batch.position_ids, x.dtype)
         captured: dict[int, Tensor] = {}
         for i, layer in enumerate(self.model.layers):
@@ -339,10 +360,14 @@ class CausalLM(nn.Module):
         if batch.logits_index is not None:
             x = x[batch.logits_index]
         logits = self.lm_head(self.model.norm(x)).float()
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits, self.config.vocab_size)
         return (logits, features) if capture else logits
 
     def truncated(self, num_layers: int) -> "CausalLM":
         """A copy keeping the first `num_layers` decoder layers (a cheap draft sharing the tokenizer)."""
+        if self.tp is not None:
+            raise ValueError("truncated() copies a whole model; a tensor-parallel shard cannot")
         if not 1 <= num_layers <= self.config.num_hidden_layers:
             raise ValueError(f"num_layers must be in [1, {self.config.num_hidden_layers}], got {num_layers}")
         from dataclasses import replace

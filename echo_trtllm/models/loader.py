@@ -228,22 +228,11 @@ def gguf_config(reader) -> ModelConfig:
     )
 
 
-def load_gguf(path: Path, dtype: torch.dtype, device) -> CausalLM:
-    try:
-        from gguf import GGUFReader
-        from gguf.quants import dequantize
-    except ImportError as e:  # pragma: no cover - gguf is a dependency
-        raise ImportError("loading GGUF files needs the `gguf` package") from e
-    try:
-        reader = GGUFReader(str(path))
-        config = gguf_config(reader)
-    except ValueError as e:
-        if "not supported" in str(e):
-            raise ValueError(f"{path}: {e}") from None
-        raise ValueError(f"{path}: cannot read the GGUF file ({e})") from None
-    except Exception as e:  # struct / numpy errors from a truncated or corrupted file
-        raise ValueError(f"{path}: cannot read the GGUF file ({type(e).__name__}: {e})") from None
-    state = {}
+def gguf_tensors(reader, config: ModelConfig):
+    """(HF name, float32 tensor) of each weight in a GGUF file, dequantised one at a time (Q/K rows of the `llama`
+    architecture put back in HF's order)."""
+    from gguf.quants import dequantize
+
     for t in reader.tensors:
         if t.name in _GGUF_NAMES:
             name = _GGUF_NAMES[t.name]
@@ -258,7 +247,24 @@ def load_gguf(path: Path, dtype: torch.dtype, device) -> CausalLM:
             w = _unpermute(w, config.num_attention_heads)
         elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = _unpermute(w, config.num_key_value_heads)
-        state[name] = w.to(dtype)
+        yield name, w
+
+
+def load_gguf(path: Path, dtype: torch.dtype, device) -> CausalLM:
+    try:
+        from gguf import GGUFReader
+    except ImportError as e:  # pragma: no cover - gguf is a dependency
+        raise ImportError("loading GGUF files needs the `gguf` package") from e
+    try:
+        reader = GGUFReader(str(path))
+        config = gguf_config(reader)
+    except ValueError as e:
+        if "not supported" in str(e):
+            raise ValueError(f"{path}: {e}") from None
+        raise ValueError(f"{path}: cannot read the GGUF file ({e})") from None
+    except Exception as e:  # struct / numpy errors from a truncated or corrupted file
+        raise ValueError(f"{path}: cannot read the GGUF file ({type(e).__name__}: {e})") from None
+    state = {name: w.to(dtype) for name, w in gguf_tensors(reader, config)}
     model = CausalLM(config).to(dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]

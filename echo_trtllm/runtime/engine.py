@@ -316,6 +316,11 @@ class EngineLoop:
         """The engine thread runs and takes work."""
         return self._thread.is_alive() and not self._stop
 
+    @property
+    def ended(self) -> bool:
+        """The engine thread has returned (nothing runs a model any more)."""
+        return not self._thread.is_alive()
+
     def get_stats(self) -> list[StepReport]:
         """The step reports kept since the last call (oldest first)."""
         with self._cond:
