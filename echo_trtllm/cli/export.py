@@ -5,7 +5,7 @@
 
 Writes OUTPUT/target/ and OUTPUT/draft/ (when there is a separate draft model) and OUTPUT/trtllm_build.sh (the
 `trtllm-build` command lines, written against TensorRT-LLM 1.2.x, not run here), each model `config.json` +
-`rank0.safetensors` (+ the tokenizer's files): TensorRT-LLM 1.2's layout for LLaMA / Qwen2, bf16/fp16/fp32 or FP8
+`rank{N}.safetensors` per tensor-parallel rank (--tp-size, default 1; + the tokenizer's files): TensorRT-LLM 1.2's layout for LLaMA / Qwen2, bf16/fp16/fp32 or FP8
 per tensor (an FP8 engine from `build --quantization fp8`). docs/trtllm.md.
 """
 
@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--plugin-lib", default="plugins/build/libecho_plugin.so",
                     help="the ECHO plugin library the generated trtllm_build.sh loads (default: %(default)s)")
     ap.add_argument("--max-batch-size", type=int, default=64, help="for trtllm_build.sh (default: 64)")
+    ap.add_argument("--tp-size", type=int, default=1,
+                    help="tensor-parallel ranks: rank{N}.safetensors per rank, split as TensorRT-LLM splits them "
+                         "(default: 1)")
     return ap
 
 
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{PROG}: {name} is an EAGLE-3 head: not exported (TensorRT-LLM loads EAGLE-3 heads as they are)")
                 continue
             model, tok = load_model(src, dtype=args.dtype)
-            written.append(export_checkpoint(model, out / name, tok))
+            written.append(export_checkpoint(model, out / name, tok, tp_size=args.tp_size))
             fp8 = fp8 or bool(fp8_layers(model))
         script = out / "trtllm_build.sh"
         script.write_text(build_script(config, str(Path(args.plugin_lib).resolve()), args.max_batch_size,

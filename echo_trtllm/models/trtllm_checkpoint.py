@@ -17,7 +17,12 @@ re-quantised with the shared one (what TensorRT-LLM's loader does with per-proje
 re-rounding is the FP8 export's own tolerance. gate / up stay separate (`trtllm-build` fuses them). Projections the
 runtime kept in float (`ignored_layers`) and the LM head are listed in `exclude_modules`.
 
-Only tp = pp = 1 is written (one rank) for now; the FP8 per-channel scheme is refused by name.
+Tensor parallelism (`tp_size` > 1, pp = 1): `rank{r}.safetensors` holds rank r's part as TensorRT-LLM's converters
+split it: attention.qkv as [q_r | k_r | v_r] (heads split evenly: num_attention_heads and num_key_value_heads must
+divide by tp_size), attention.dense and mlp.proj by input columns, mlp.fc / mlp.gate by rows, lm_head by rows (the
+vocabulary padded with zero rows to a multiple of tp_size), the embedding (use_parallel_embedding false), norms and
+FP8 scaling factors whole on every rank. The loader merges the ranks back. The FP8 per-channel scheme is refused
+by name.
 """
 
 from __future__ import annotations
@@ -102,9 +107,10 @@ def _qkv(out: dict, name: str, q, k, v) -> None:
         out[f"{name}.bias"] = torch.cat([p.bias.detach() for p in parts])
 
 
-def export_checkpoint(model: CausalLM, out, tokenizer=None) -> Path:
-    """Write `model` (float, or FP8 per tensor from models/fp8.py) as a TensorRT-LLM checkpoint in `out`, with the
-    tokenizer's files beside it when given (trtllm-build ignores them; runtimes take a tokenizer directory)."""
+def export_checkpoint(model: CausalLM, out, tokenizer=None, tp_size: int = 1) -> Path:
+    """Write `model` (float, or FP8 per tensor from models/fp8.py) as a TensorRT-LLM checkpoint in `out`, split for
+    `tp_size` ranks, with the tokenizer's files beside it when given (trtllm-build ignores them; runtimes take a
+    tokenizer directory)."""
     from safetensors.torch import save_file
 
     layers = fp8_layers(model)
@@ -131,10 +137,82 @@ def export_checkpoint(model: CausalLM, out, tokenizer=None) -> Path:
         quant = {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": excluded}
     else:
         quant = {"quant_algo": None, "kv_cache_quant_algo": None, "exclude_modules": None}
-    save_file({k: v.contiguous() for k, v in w.items()}, str(out / "rank0.safetensors"))
-    (out / "config.json").write_text(json.dumps(_config(model, quant), indent=2) + "\n")
+    c = model.config
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    if tp_size > 1 and (c.num_attention_heads % tp_size or c.num_key_value_heads % tp_size
+                        or c.intermediate_size % tp_size):
+        raise ValueError(f"tp_size={tp_size}: TensorRT-LLM splits heads and the MLP evenly, but this model has "
+                         f"{c.num_attention_heads} query heads, {c.num_key_value_heads} KV heads and intermediate size "
+                         f"{c.intermediate_size}")
+    for rank in range(tp_size):
+        part = _rank_part(w, c, rank, tp_size)
+        save_file({k: v.contiguous() for k, v in part.items()}, str(out / f"rank{rank}.safetensors"))
+    cfg = _config(model, quant)
+    cfg["mapping"] = {"world_size": tp_size, "tp_size": tp_size, "pp_size": 1}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.hf.save_pretrained(str(out))
+    return out
+
+
+def _qkv_sizes(c: ModelConfig, tp: int) -> list[int]:
+    return [c.num_attention_heads * c.head_dim // tp, c.num_key_value_heads * c.head_dim // tp,
+            c.num_key_value_heads * c.head_dim // tp]
+
+
+def _rank_part(w: dict[str, Tensor], c: ModelConfig, rank: int, tp: int) -> dict[str, Tensor]:
+    """Rank `rank`'s tensors of the whole checkpoint `w` (see the module docstring)."""
+    if tp == 1:
+        return w
+
+    def chunk(t: Tensor, dim: int) -> Tensor:
+        return t.chunk(tp, dim)[rank] if t.shape[dim] % tp == 0 else _bad(t)
+
+    out = {}
+    whole = [c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim,
+             c.num_key_value_heads * c.head_dim]
+    for name, t in w.items():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("weights_scaling_factor", "activation_scaling_factor") or "layernorm" in name or \
+                name in ("transformer.ln_f.weight", "transformer.vocab_embedding.weight"):
+            out[name] = t
+        elif ".attention.qkv." in name:
+            out[name] = torch.cat([chunk(p, 0) for p in t.split(whole)])
+        elif name.endswith(("attention.dense.weight", "mlp.proj.weight")):
+            out[name] = chunk(t, 1)
+        elif name.startswith("lm_head"):
+            pad = -t.shape[0] % tp
+            out[name] = chunk(torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t, 0)
+        else:  # mlp.fc / mlp.gate weights
+            out[name] = chunk(t, 0)
+    return out
+
+
+def _bad(t: Tensor):
+    raise ValueError(f"a tensor of shape {tuple(t.shape)} does not split evenly over the ranks")
+
+
+def _merge_ranks(parts: list[dict[str, Tensor]], c: ModelConfig) -> dict[str, Tensor]:
+    """The inverse of `_rank_part`: the whole checkpoint from every rank's tensors."""
+    tp = len(parts)
+    if tp == 1:
+        return parts[0]
+    out = {}
+    for name, t in parts[0].items():
+        if name.endswith(("weights_scaling_factor", "activation_scaling_factor")):
+            out[name] = t
+        elif ".attention.qkv." in name:
+            split = [p[name].split(_qkv_sizes(c, tp)) for p in parts]
+            out[name] = torch.cat([torch.cat([s[j] for s in split]) for j in range(3)])
+        elif name.endswith(("attention.dense.weight", "mlp.proj.weight")):
+            out[name] = torch.cat([p[name] for p in parts], 1)
+        elif name.startswith("lm_head"):
+            out[name] = torch.cat([p[name] for p in parts])[: c.vocab_size]
+        elif name.endswith(("mlp.fc.weight", "mlp.gate.weight", "mlp.fc.bias", "mlp.gate.bias")):
+            out[name] = torch.cat([p[name] for p in parts])
+        else:
+            out[name] = t
     return out
 
 
@@ -147,7 +225,8 @@ def _trt_name(hf_name: str) -> str:
 
 
 def load_checkpoint(path, dtype: torch.dtype = torch.float32, device="cpu") -> CausalLM:
-    """A TensorRT-LLM checkpoint (rank 0 of tp = pp = 1) as this runtime's CausalLM; FP8 layers stay FP8."""
+    """A TensorRT-LLM checkpoint (every tensor-parallel rank, merged; pp = 1) as this runtime's CausalLM; FP8 layers
+    stay FP8."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -156,8 +235,12 @@ def load_checkpoint(path, dtype: torch.dtype = torch.float32, device="cpu") -> C
     if arch is None:
         raise ValueError(f"{path}: architecture {cfg.get('architecture')!r} is not one of {sorted(ARCHITECTURES.values())}")
     mapping = cfg.get("mapping") or {}
-    if any(mapping.get(k, 1) != 1 for k in ("world_size", "tp_size", "pp_size")):
-        raise ValueError(f"{path}: mapping {mapping} has several ranks; this loader reads tp = pp = 1")
+    tp = mapping.get("tp_size", 1)
+    if mapping.get("pp_size", 1) != 1 or mapping.get("world_size", tp) != tp:
+        raise ValueError(f"{path}: mapping {mapping} has pipeline ranks; this loader reads tensor-parallel ranks only")
+    missing_ranks = [r for r in range(tp) if not (path / f"rank{r}.safetensors").is_file()]
+    if missing_ranks:
+        raise ValueError(f"{path}: mapping tp_size={tp} but rank files {missing_ranks} are missing")
     quant = (cfg.get("quantization") or {}).get("quant_algo")
     if quant not in (None, "FP8"):
         raise ValueError(f"{path}: quant_algo {quant!r} is not supported; supported: none, FP8")
@@ -170,7 +253,7 @@ def load_checkpoint(path, dtype: torch.dtype = torch.float32, device="cpu") -> C
         max_position_embeddings=cfg["max_position_embeddings"], tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         attention_bias=cfg.get("attn_bias", False), rope_scaling=cfg.get("rotary_scaling"),
         eos_token_ids=tuple(extra.get("eos_token_ids", ())), bos_token_id=extra.get("bos_token_id"))
-    w = load_file(str(path / "rank0.safetensors"))
+    w = _merge_ranks([load_file(str(path / f"rank{r}.safetensors")) for r in range(tp)], config)
     model = CausalLM(config)
     h, hk, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     sizes = [h * hd, hk * hd, hk * hd]

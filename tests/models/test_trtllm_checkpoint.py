@@ -106,10 +106,58 @@ def test_export_refuses_what_it_cannot_write(default_pair, tmp_path):
     target, _, tok = default_pair
     out = export_checkpoint(target, tmp_path / "y", tok)
     cfg = json.loads((out / "config.json").read_text())
-    cfg["mapping"]["tp_size"] = 2
+    cfg["mapping"].update(tp_size=2, world_size=2)
     (out / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="tp = pp = 1"):
+    with pytest.raises(ValueError, match=r"rank files \[1\] are missing"):
         load_checkpoint(out)
+    cfg["mapping"].update(tp_size=1, world_size=2, pp_size=2)
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="pipeline"):
+        load_checkpoint(out)
+    with pytest.raises(ValueError, match="splits heads and the MLP evenly"):
+        export_checkpoint(target, tmp_path / "z", tp_size=4)  # 2 KV heads over 4 ranks
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_tensor_parallel_export_splits_as_trtllm_and_merges_back(default_pair, prompts, tmp_path, fp8):
+    """tp_size = 2: rank r's fused qkv is [q_r | k_r | v_r], dense / proj split by columns, fc / gate / lm_head by
+    rows, embedding and scales whole; reading both ranks back gives the tp = 1 export's model exactly."""
+    from safetensors.torch import load_file
+
+    from echo_trtllm.models import DEFAULT_TARGET
+
+    target, _, tok = default_pair
+    model = target
+    if fp8:
+        model, _ = load_model(DEFAULT_TARGET, with_tokenizer=False)
+
+        def run():
+            with LLM(model, None, tokenizer=tok, speculative_config=EchoConfig(policy="ar"), cost_model=None) as llm:
+                llm.generate(prompts[:4], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+
+        quantize_model(model, "per_tensor", calibrate_amax(model, run))
+    one = export_checkpoint(model, tmp_path / "tp1", tok)
+    two = export_checkpoint(model, tmp_path / "tp2", tok, tp_size=2)
+    cfg = json.loads((two / "config.json").read_text())
+    assert cfg["mapping"] == {"world_size": 2, "tp_size": 2, "pp_size": 1}
+    whole = load_file(str(one / "rank0.safetensors"))
+    ranks = [load_file(str(two / f"rank{r}.safetensors")) for r in range(2)]
+    c = model.config
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    name = "transformer.layers.0.attention.qkv.weight"
+    wq, wk, wv = whole[name].float().split([q, kv, kv])
+    for r, part in enumerate(ranks):
+        pq, pk, pv = part[name].float().split([q // 2, kv // 2, kv // 2])
+        assert torch.equal(pq, wq.chunk(2)[r]) and torch.equal(pk, wk.chunk(2)[r]) and torch.equal(pv, wv.chunk(2)[r])
+        for n, dim in (("transformer.layers.1.attention.dense.weight", 1), ("transformer.layers.1.mlp.proj.weight", 1),
+                       ("transformer.layers.1.mlp.fc.weight", 0), ("lm_head.weight", 0)):
+            assert torch.equal(part[n].float(), whole[n].float().chunk(2, dim)[r]), n
+        assert torch.equal(part["transformer.vocab_embedding.weight"], whole["transformer.vocab_embedding.weight"])
+        if fp8:
+            n = "transformer.layers.0.mlp.fc.weights_scaling_factor"
+            assert torch.equal(part[n], whole[n])
+    ids = tok.encode("ROMEO:\nBut soft, what light through yonder window")
+    assert torch.equal(_logits(load_checkpoint(two), ids), _logits(load_checkpoint(one), ids))
 
 
 # trtllm-build's flags in TensorRT-LLM 1.2 (tensorrt_llm/commands/build.py and plugin/plugin.py's
