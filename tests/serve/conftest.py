@@ -17,6 +17,18 @@ def engine_idle(llm, timeout: float = 30.0, also=lambda: True) -> bool:
     return False
 
 
+def listening_url(proc, timeout: float = 120.0) -> str | None:
+    """The URL an `echo-trtllm serve` process prints once it listens (None if it ends or times out first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            return None
+        if "listening on " in line:
+            return line.split("listening on ")[1].split()[0]
+    return None
+
+
 class RunningServer:
     """A real uvicorn server on a free loopback port, on a thread of the test process."""
 

@@ -10,7 +10,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
@@ -21,7 +20,7 @@ pytest.importorskip("fastapi")
 from echo_trtllm import LLM, EchoConfig, SamplingParams
 from echo_trtllm.serve.protocol import chat_prompt_ids
 
-from .conftest import MAX_TOKENS, N_DISCONNECT, N_STREAMS, RunningServer
+from .conftest import MAX_TOKENS, N_DISCONNECT, N_STREAMS, RunningServer, listening_url
 
 MODEL = "echo-test"
 
@@ -239,14 +238,7 @@ def test_sigterm_drains_in_flight_streams_then_exits(tmp_path):
                              "--served-model-name", MODEL, "--drain-timeout", "60", "--threads", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        url = None
-        deadline = time.monotonic() + 120
-        while url is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            if "listening on " in line:
-                url = line.split("listening on ")[1].split()[0]
+        url = listening_url(proc)
         assert url, "the server did not start"
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
         streams = [client.completions.create(model=MODEL, prompt=p, max_tokens=48, temperature=0, stream=True,

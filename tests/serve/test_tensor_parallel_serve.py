@@ -1,0 +1,68 @@
+"""`echo-trtllm serve --tp-size 2`: a real server process that spawns its second rank, answers the official
+`openai` client exactly as a single-process engine on the same models does, and on SIGTERM ends with its rank."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from echo_trtllm import LLM, EchoConfig, SamplingParams
+
+from .conftest import listening_url
+
+MODEL = "echo-tp"
+FLAGS = ["--dtype", "float32", "--no-cost-model", "--fallback", "off", "--max-batch-size", "4"]
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie still answers kill(0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_serve_tp2_equals_one_process_and_ends_with_its_ranks():
+    prompts = ["ROMEO:\nBut soft, what light", "def fibonacci(n):"]
+    with LLM(speculative_config=EchoConfig(policy="echo"), dtype="float32", cost_model=None, fallback=False,
+             max_batch_size=4) as llm:
+        expected = [o.text for o in llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0),
+                                                  use_tqdm=False)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "echo_trtllm.cli", "serve", "--port", "0", "--tp-size", "2",
+                             "--threads", "1", "--served-model-name", MODEL, *FLAGS],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        url = listening_url(proc, timeout=180)
+        assert url, "the server did not start"
+        ranks = _children(proc.pid)
+        assert len(ranks) == 1, f"expected one spawned rank, found {ranks}"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        got = [client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0).choices[0].text
+               for p in prompts]
+        assert got == expected
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while any(_alive(r) for r in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(r) for r in ranks), "the spawned rank outlived the server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
