@@ -198,7 +198,7 @@ class LLM:
         """Start the tensor-parallel group (runtime/parallel.py) and load the shards on every rank."""
         from echo_trtllm.models.eagle3 import is_eagle3_dir
         from echo_trtllm.models.loader import choose_dtype, load_tokenizer, resolve_dtype
-        from echo_trtllm.models.tp import check_shardable, read_config
+        from echo_trtllm.models.tp import check_shardable, check_shardable_source, read_config
         from echo_trtllm.runtime import parallel
 
         for name, source in (("model", model), ("draft_model", draft_model)):
@@ -208,10 +208,23 @@ class LLM:
         if draft_model is not None and is_eagle3_dir(draft_model):
             raise ValueError("tensor_parallel_size > 1 with an EAGLE-3 head is not supported yet; use a separate "
                              "draft model or tensor_parallel_size=1")
-        config = read_config(model)
-        check_shardable(config, world)
-        if draft_model is not None:
-            check_shardable(read_config(draft_model), world)
+        dev = torch.device(device)
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"tensor_parallel_size > 1 runs on 'cpu' (gloo) or 'cuda' (NCCL), got device {device!r}")
+        if dev.type == "cuda" and (dev.index is not None or world > torch.cuda.device_count()):
+            raise ValueError(f"tensor_parallel_size={world} on CUDA puts rank r on cuda:r: pass device='cuda' (not an "
+                             f"index) with at most {torch.cuda.device_count()} ranks (the visible GPUs)")
+        config = None
+        for name, source in (("model", model), ("draft_model", draft_model)):
+            if source is None:
+                continue
+            try:
+                check_shardable_source(source, world)
+                cfg = read_config(source)
+                check_shardable(cfg, world)
+            except ValueError as e:
+                raise ValueError(f"{name} {str(source)!r}: {e}") from None
+            config = config or cfg
         if dtype == "auto":
             dt = torch.bfloat16 if torch.device(device).type == "cuda" else choose_dtype(config)[0]
         else:
@@ -223,24 +236,34 @@ class LLM:
             dt = group.agree(dt) if not group.processes and group.world > 1 else dt  # torchrun: the leader's
             target = group.load("target", model, dt)
             draft = group.load("draft", draft_model, dt) if draft_model is not None else None
+            if not group.is_leader:  # torchrun: this rank serves rank 0 until it shuts down, then leaves
+                parallel.ignore_stop_signals()
+                group.serve()
+                self._close_group()
+                raise SystemExit(0)
+            tok = load_tokenizer(model, target.config)
+            if draft is not None:
+                check_same_vocabulary(tok, load_tokenizer(draft_model, draft.config))
         except BaseException:
             self._close_group()
             raise
-        if not group.is_leader:  # torchrun: this rank serves rank 0 until it shuts down, then leaves
-            try:
-                group.serve()
-            finally:
-                self._close_group()
-            raise SystemExit(0)
-        tok = load_tokenizer(model, target.config)
-        if draft is not None:
-            check_same_vocabulary(tok, load_tokenizer(draft_model, draft.config))
         return target, tok, draft
 
     def _close_group(self) -> None:
+        """Close the tensor-parallel group once nothing runs on it: now if the engine thread has ended (or never
+        started), else from that thread as it ends, the spawned ranks killed first so it cannot stay blocked."""
         group, self._tp_group = getattr(self, "_tp_group", None), None
-        if group is not None:
+        if group is None:
+            return
+        loop = getattr(self, "_loop", None)
+        if loop is None or loop.ended:
             group.close()
+        else:
+            loop.on_exit.append(group.close)
+            if loop.ended:  # it ended between the two checks: its hooks have run
+                group.close()
+            else:
+                group.abandon("the LLM was shut down while the engine was still inside a step")
 
     @property
     def tensor_parallel_stats(self) -> list[dict] | None:
@@ -379,6 +402,12 @@ class LLM:
         loop = getattr(self, "_loop", None)
         if loop is not None:
             loop.shutdown(timeout=0)
-        if getattr(self, "_tp_group", None) is not None and (loop is None or loop.ended):
-            self._close_group()
+        if getattr(self, "_tp_group", None) is not None:
+            group = self._tp_group
+            if loop is None:
+                self._close_group()
+            else:  # the engine thread closes it as it ends (shutdown above asked it to)
+                loop.on_exit.append(group.close)
+                if loop.ended:
+                    group.close()
 

@@ -19,6 +19,7 @@ import sys
 
 from echo_trtllm.core.config import POLICY_NAMES, EchoConfig
 from echo_trtllm.models.loader import DTYPE_CHOICES
+from echo_trtllm.models.tp import TensorParallelError
 
 __all__ = [
     "add_model_options", "add_runtime_options", "add_speculation_options", "add_sampling_options",
@@ -31,7 +32,8 @@ __all__ = [
 _DEFAULT = EchoConfig()
 DEFAULT_MAX_TOKENS = 64
 # what a command turns into exit code 2 with a one-line message (bad input, missing file); anything else is a bug
-USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError)
+# a tensor-parallel group that cannot start is reported like a usage error, not with a traceback
+USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, TensorParallelError)
 
 
 def fail(prog: str, message: object) -> int:

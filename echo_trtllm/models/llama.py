@@ -180,7 +180,11 @@ class KVCache:
         if slots.numel() == 0:
             return
         if self.mirror is not None:
-            self.mirror.compact(self, slots, src, dst)
+            self.mirror.run(lambda: self.mirror.compact(self, slots, src, dst), lambda: self._compact(slots, src, dst))
+        else:
+            self._compact(slots, src, dst)
+
+    def _compact(self, slots: Tensor, src: Tensor, dst: Tensor) -> None:
         for cache in (*self.keys, *self.values):
             cache[slots, :, dst] = cache[slots, :, src]
 
@@ -320,8 +324,9 @@ class CausalLM(nn.Module):
 
     def allocate_cache(self, slots: int, capacity: int) -> KVCache:
         cache = KVCache.allocate(self.shard_config, slots, capacity, self.dtype, self.device)
-        if self.tp is not None and self.tp.mirror is not None:
-            self.tp.mirror.allocate(self, cache, slots, capacity)
+        mirror = self.tp.mirror if self.tp is not None else None
+        if mirror is not None:
+            mirror.run(lambda: mirror.allocate(self, cache, slots, capacity), lambda: None)
         return cache
 
     def eagle3_layers(self) -> tuple[int, int, int]:
@@ -344,8 +349,14 @@ class CausalLM(nn.Module):
         n = self.config.num_hidden_layers
         if any(not 0 <= i <= n for i in capture):
             raise ValueError(f"capture layers must be in [0, {n}], got {capture}")
-        if self.tp is not None and self.tp.mirror is not None:
-            self.tp.mirror.forward(self, batch, cache, capture)  # the other ranks run this forward with us
+        mirror = self.tp.mirror if self.tp is not None else None
+        if mirror is not None:  # the other ranks run this forward with us, one mirrored call at a time
+            return mirror.run(lambda: mirror.forward(self, batch, cache, capture),
+                              lambda: self._forward(batch, cache, capture))
+        return self._forward(batch, cache, capture)
+
+    def _forward(self, batch: ForwardBatch, cache: KVCache, capture: tuple[int, ...]):
+        n = self.config.num_hidden_layers
         x = self.model.embed_tokens(batch.input_ids) if self.tp is None else \
             self.tp.embed(self.model.embed_tokens, batch.input_ids)  # (T, hidden)
         cos, sin = rope_cos_sin(self.inv_freq, batch.position_ids, x.dtype)

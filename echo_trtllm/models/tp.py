@@ -29,7 +29,8 @@ from torch import Tensor
 
 from .llama import CausalLM, ModelConfig
 
-__all__ = ["TensorParallel", "TensorParallelError", "load_shard", "read_config", "check_shardable"]
+__all__ = ["TensorParallel", "TensorParallelError", "load_shard", "read_config", "check_shardable",
+           "check_shardable_source"]
 
 
 class TensorParallelError(RuntimeError):
@@ -74,9 +75,15 @@ class TensorParallel:
             return fn()
         except Exception as e:  # noqa: BLE001 - DistBackendError / RuntimeError from gloo or NCCL
             known = self.diagnose() if self.diagnose is not None else ""
-            self.failed = (f"the tensor-parallel group failed ({known or 'a rank is gone or stuck'}; seen by rank "
-                           f"{self.rank} of {self.world}): {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            first = (str(e).splitlines() or [""])[0][:300]
+            self.fail(f"the tensor-parallel group failed ({known or 'a rank is gone or stuck'}; seen by rank "
+                      f"{self.rank} of {self.world}): {type(e).__name__}: {first}")
             raise TensorParallelError(self.failed) from None
+
+    def fail(self, message: str) -> None:
+        """End the group: the first failure is kept and every later collective raises it at once."""
+        if self.failed is None:
+            self.failed = message
 
     # ------------------------------------------------------------------ layout
 
@@ -187,6 +194,22 @@ def read_config(path: str | Path) -> ModelConfig:
     return read_hf_config(path / "config.json")
 
 
+def check_shardable_source(path: str | Path, world: int) -> None:
+    """Refuse, before any rank starts, the checkpoints `load_shard` does not shard (errors name what to use)."""
+    path = Path(path)
+    if path.is_dir():
+        from echo_trtllm.jsonfile import read_json_object
+
+        from .trtllm_checkpoint import is_trtllm_checkpoint
+
+        if is_trtllm_checkpoint(path):
+            raise ValueError("TensorRT-LLM checkpoints are not loaded with tensor_parallel_size > 1 here; use the HF "
+                             "directory or .gguf file it was exported from")
+        if read_json_object(path / "config.json").get("quantization_config") is not None:
+            raise ValueError("quantised (FP8) checkpoints are not supported with tensor_parallel_size > 1 yet; use "
+                             "the float model")
+
+
 def _hf_shards(path: Path, tp: TensorParallel, config: ModelConfig):
     """(name, this rank's part) of every tensor in the directory's safetensors files, read slice by slice."""
     from safetensors import safe_open
@@ -206,8 +229,6 @@ def _hf_shards(path: Path, tp: TensorParallel, config: ModelConfig):
 def load_shard(path: str | Path, tp: TensorParallel, dtype: torch.dtype, device) -> CausalLM:
     """This rank's shard of an HF directory or .gguf file (float checkpoints; FP8 and TensorRT-LLM checkpoints are
     refused with tensor parallelism for now)."""
-    from echo_trtllm.jsonfile import read_json_object
-
     from .loader import gguf_tensors
 
     path = Path(path)
@@ -221,17 +242,13 @@ def load_shard(path: str | Path, tp: TensorParallel, dtype: torch.dtype, device)
             state[name] = tp.take(name, config, full).to(dtype)
             del full
     else:
-        raw = read_json_object(path / "config.json")
-        if raw.get("quantization_config") is not None:
-            raise ValueError(f"{path}: quantised checkpoints are not supported with tensor_parallel_size > 1 yet; "
-                             "use the float model")
-        from .trtllm_checkpoint import is_trtllm_checkpoint
-
-        if is_trtllm_checkpoint(path):
-            raise ValueError(f"{path}: TensorRT-LLM checkpoints are not loaded with tensor_parallel_size > 1 here; "
-                             "use the HF directory or .gguf file it was exported from")
+        try:
+            check_shardable_source(path, tp.world)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
         for name, part in _hf_shards(path, tp, config):
-            state[name] = part.to(dtype)
+            if not name.endswith("rotary_emb.inv_freq"):  # recomputed from the config, as load_hf drops it
+                state[name] = part.to(dtype)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     model = model.to(dtype)

@@ -277,6 +277,7 @@ class EngineLoop:
         self._stats: deque[StepReport] = deque(maxlen=max(iter_stats_max_iterations, 1))
         self._keep_stats = iter_stats_max_iterations > 0
         self._listeners: list = []  # called on the engine thread with each step's report (add_listener)
+        self.on_exit: list = []  # called on the engine thread as it ends (e.g. closing a tensor-parallel group)
         self.last_error: str | None = None
         self._thread = threading.Thread(target=self._run, name="echo-trtllm-executor", daemon=True)
         # Interpreter exit runs this before daemon threads are stopped: the loop finishes its step, aborts what
@@ -344,18 +345,28 @@ class EngineLoop:
         try:
             self._serve()
         except BaseException as exc:  # noqa: BLE001 - the thread must not die with requests waiting on it
-            self.last_error = traceback.format_exc()
-            with self._cond:
-                self._stop = True
-                items = list(self._inbox)
-                self._inbox.clear()
-            for kind, item in items:
-                if kind == "submit":
-                    for h in item:
-                        self._handles[h.request_id] = h
-            for handle in list(self._handles.values()):
-                handle._publish_error(f"the engine stopped: {type(exc).__name__}: {exc}")
-            self._handles.clear()
+            self._fail_all(exc)
+        finally:
+            for hook in self.on_exit:
+                try:
+                    hook()
+                except Exception:  # noqa: BLE001 - the thread is ending; keep the reason, run the other hooks
+                    self.last_error = traceback.format_exc()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """Stop taking work and end every request held with the error that escaped the loop."""
+        self.last_error = traceback.format_exc()
+        with self._cond:
+            self._stop = True
+            items = list(self._inbox)
+            self._inbox.clear()
+        for kind, item in items:
+            if kind == "submit":
+                for h in item:
+                    self._handles[h.request_id] = h
+        for handle in list(self._handles.values()):
+            handle._publish_error(f"the engine stopped: {type(exc).__name__}: {exc}")
+        self._handles.clear()
 
     def _serve(self) -> None:
         ex = self.executor

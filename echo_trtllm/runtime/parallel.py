@@ -21,6 +21,8 @@ import collections
 import datetime
 import os
 import socket
+import subprocess
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -63,6 +65,7 @@ class TPGroup:
         self.tp.mirror = self.mirror
         self.tp.diagnose = self._diagnose
         self._closed = False
+        self._close_lock = threading.Lock()
 
     def _diagnose(self) -> str:
         """Spawned ranks that have exited, with their status (torchrun reports its own)."""
@@ -93,9 +96,11 @@ class TPGroup:
         except Exception as e:  # noqa: BLE001 - gathered below, raised on every rank
             error = f"{type(e).__name__}: {e}"
         errors = [None] * self.world if self.is_leader else None
-        dist.gather_object(error, errors, dst=0, group=self.cmd_group)
-        failed = self.agree([f"rank {r}: {e}" for r, e in enumerate(errors) if e] if self.is_leader else None)
+        self.tp.checked(lambda: dist.gather_object(error, errors, dst=0, group=self.cmd_group))
+        failed = self.tp.checked(lambda: self.agree([f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+                                                    if self.is_leader else None))
         if failed:
+            self.tp.fail(f"loading {key} failed")
             raise ValueError(f"loading {key} failed on {'; '.join(failed)}")
         self.models[key] = model
         return model
@@ -138,26 +143,38 @@ class TPGroup:
         return {"rank": self.rank, "weight_bytes": {k: weight_bytes(m) for k, m in self.models.items()}}
 
     def all_stats(self) -> list[dict]:
-        """Every rank's `stats()` (leader only)."""
-        self.mirror.send("stats", ())
+        """Every rank's `stats()` (leader only; any thread: it waits its turn with the engine's calls)."""
         out = [None] * self.world
-        self.mirror.checked(lambda: dist.gather_object(self.stats(), out, dst=0, group=self.cmd_group))
+        self.mirror.run(lambda: self.mirror.send("stats", ()),
+                        lambda: self.tp.checked(lambda: dist.gather_object(self.stats(), out, dst=0,
+                                                                           group=self.cmd_group)))
         return out
+
+    def abandon(self, why: str) -> None:
+        """Leader, when the engine thread is still inside a call: end the group without touching it (the spawned
+        ranks are killed, so whatever the engine waits on fails at once); the engine thread closes it on exit."""
+        self.tp.fail(why)
+        for p in self.processes:
+            if p.poll() is None:
+                p.kill()
 
     def close(self) -> None:
         """Leader: tell the workers to stop and wait for spawned ones; every rank: leave the group."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
         if self.is_leader and self.tp.failed is None:
             try:
                 self.mirror.send("stop", ())
             except TensorParallelError:
                 pass
         for p in self.processes:
+            if self.tp.failed is not None:
+                p.kill()  # a failed group's ranks may be waiting inside a collective that never completes
             try:
                 p.wait(timeout=30)
-            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: a stuck rank is ended
+            except subprocess.TimeoutExpired:  # a stuck rank is ended
                 p.kill()
                 p.wait()
         try:
@@ -171,11 +188,29 @@ class Mirror:
 
     def __init__(self, group: TPGroup) -> None:
         self.group = group
+        self.lock = threading.RLock()
+        self.sent = 0  # commands sent so far
         self._next_cache = 0
         self._freed: collections.deque[int] = collections.deque()  # ids of caches garbage-collected here
 
     def checked(self, fn):
         return self.group.tp.checked(fn)
+
+    def run(self, send, local):
+        """One mirrored call: `send()` the command, then `local()` this rank's part, with no other mirrored call in
+        between (the engine thread, calibration and `all_stats` may call from different threads). Once the command
+        is sent the workers are inside the call; if this rank's part then fails, the ranks are out of step, so the
+        group is ended (every later call raises at once)."""
+        with self.lock:
+            sent = self.sent
+            send()
+            try:
+                return local()
+            except BaseException as e:
+                if self.sent != sent:
+                    self.group.tp.fail(f"the tensor-parallel group is out of step: rank 0 failed inside a call the "
+                                       f"other ranks were running ({type(e).__name__}: {e})")
+                raise
 
     def send(self, op: str, args: tuple, tensors: tuple[Tensor, ...] = ()) -> None:
         if self._freed and op != "stop":
@@ -186,12 +221,13 @@ class Mirror:
         tensors = tuple(t.to(self.group.device).contiguous() for t in tensors)
         header = (op, args, [_Spec(tuple(t.shape), t.dtype) for t in tensors])
 
-        def run():
+        def broadcast():
             dist.broadcast_object_list([header], src=0, group=self.group.cmd_group)
             for t in tensors:
                 dist.broadcast(t, src=0)
 
-        self.checked(run)
+        self.sent += 1
+        self.checked(broadcast)
 
     def key(self, model: CausalLM) -> str:
         for key, m in self.group.models.items():
@@ -221,6 +257,8 @@ class Mirror:
 
 
 def _init(rank: int, world: int, backend: str, init_method: str | None) -> None:
+    if backend == "nccl":  # NCCL collectives otherwise return before they finish: a dead rank would not raise
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
     kwargs = {"init_method": init_method, "rank": rank, "world_size": world} if init_method else {}
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=TIMEOUT_S), **kwargs)
 
@@ -235,6 +273,7 @@ def _rank_device(device: str, rank: int) -> str:
 
 def _worker_main(rank: int, world: int, device: str, init_method: str, specs: list, dtype: torch.dtype,
                  threads: int) -> None:
+    ignore_stop_signals()
     torch.set_num_threads(threads)
     dev = _rank_device(device, rank)
     if torch.device(dev).type == "cuda":
@@ -242,26 +281,36 @@ def _worker_main(rank: int, world: int, device: str, init_method: str, specs: li
     _init(rank, world, _backend(device), init_method)
     group = TPGroup(rank, world, dev)
     try:
-        for key, path in specs:
-            group.load(key, path, dtype)
+        try:
+            for key, path in specs:
+                group.load(key, path, dtype)
+        except ValueError:
+            return  # a load failure: the leader raises it, naming this rank
         group.serve()
-    except ValueError:
-        pass  # a load failure: the leader raises it, naming this rank
     finally:
         group.close()
+
+
+def ignore_stop_signals() -> None:
+    """A worker ignores SIGINT / SIGTERM: Ctrl-C in a terminal, a supervisor's group-wide SIGTERM or torchrun's
+    forwarding reach every rank, but only the leader decides when to stop (after draining); a worker leaves when
+    it says stop or when its sockets close."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _spawn(rank: int, world: int, device: str, init_method: str, specs: list, dtype: torch.dtype):
     """Rank `rank` as a child process running this module (`python -m`: nothing of the caller's __main__ is
     re-imported, so `LLM(tensor_parallel_size=N)` works from any script, REPL or notebook)."""
     import json
-    import subprocess
     import sys
 
     args = {"rank": rank, "world": world, "device": device, "init_method": init_method, "specs": specs,
-            "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads()}
+            "dtype": str(dtype).removeprefix("torch."), "threads": max(1, torch.get_num_threads() // world)}
     return subprocess.Popen([sys.executable, "-m", "echo_trtllm.runtime.parallel", json.dumps(args)],
-                            stdin=subprocess.DEVNULL)
+                            stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 def start(world: int, device: str, specs: list[tuple[str, str]], dtype: torch.dtype) -> TPGroup:
@@ -293,9 +342,12 @@ def start(world: int, device: str, specs: list[tuple[str, str]], dtype: torch.dt
     try:
         _init(0, world, _backend(device), init_method)
     except Exception as e:
+        status = ", ".join(f"rank {r} exited with status {p.poll()}" for r, p in enumerate(procs, 1)
+                           if p.poll() is not None)
         for p in procs:
             p.kill()
-        raise TensorParallelError(f"the tensor-parallel ranks did not start: {type(e).__name__}: {e}") from None
+        raise TensorParallelError(f"the tensor-parallel ranks did not start ({status or 'no rank exited'}): "
+                                  f"{type(e).__name__}: {e}") from None
     return _track(TPGroup(0, world, _rank_device(device, 0), procs))
 
 

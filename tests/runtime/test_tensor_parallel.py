@@ -205,3 +205,43 @@ def test_torchrun_launch_matches_tp1(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     text = lambda out: [line for line in out.splitlines() if not line.startswith("policy=")]  # noqa: E731
     assert text(run.stdout) == text(single.stdout)
+
+
+def test_stats_from_another_thread_wait_their_turn_with_the_engine(prompts):
+    """The engine thread's mirrored calls and a caller's `tensor_parallel_stats` never interleave on the wire."""
+    import threading
+
+    with LLM(DEFAULT_TARGET, DEFAULT_DRAFT, speculative_config=EchoConfig(policy="echo"), tensor_parallel_size=2,
+             **TP) as llm:
+        handles = [llm.generate_async(p, GREEDY) for p in prompts[:4]]
+        seen = []
+        t = threading.Thread(target=lambda: [seen.append(llm.tensor_parallel_stats) for _ in range(20)])
+        t.start()
+        outs = [h.result() for h in handles]
+        t.join(60)
+    assert len(seen) == 20 and all(len(s) == 2 for s in seen)
+    assert all(o.finish_reason == "length" for o in outs)
+
+
+def test_a_failure_on_the_leader_inside_a_mirrored_call_ends_the_group(prompts, monkeypatch):
+    """Rank 0 failing after the workers entered a forward leaves the ranks out of step: the group is ended with
+    an error saying so instead of pairing the next command with the old collectives."""
+    with LLM(DEFAULT_TARGET, None, speculative_config=EchoConfig(policy="ar"), tensor_parallel_size=2,
+             **TP) as llm:
+        calls = {"n": 0}
+        real = llm.target._forward
+
+        def flaky(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise MemoryError("injected")
+            return real(*a, **k)
+
+        monkeypatch.setattr(llm.target, "_forward", flaky)
+        with pytest.raises(RuntimeError, match="injected"):
+            for _ in range(3):
+                llm.generate(prompts[:2], GREEDY, use_tqdm=False)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="out of step"):
+            llm.generate(prompts[0], GREEDY, use_tqdm=False)
+    assert time.monotonic() - t0 < 20  # the worker still waiting inside the old forward is ended, not waited for
