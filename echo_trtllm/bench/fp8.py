@@ -1,6 +1,7 @@
 """FP8 quality, memory and speed of a model against its bfloat16 self (docs/fp8.md).
 
     python -m echo_trtllm.bench.fp8 [--model DIR_OR_GGUF] [--prompts 32] [--max-tokens 32] [--json out.json]
+    python -m echo_trtllm.bench.fp8 --invariance 4 [--model ...]     # decode step vs whole-sequence logits only
 
 Variants: bfloat16 (the reference), float32, FP8 per tensor (static activation scales) and FP8 per channel
 (per-token activations), each FP8 one calibrated on HumanEval's calibration split and measured on its evaluation
@@ -61,6 +62,44 @@ def greedy(model, tok, prompts: list[str], max_tokens: int) -> tuple[list[list[i
     return tokens, sum(map(len, tokens)) / wall
 
 
+@torch.no_grad()
+def decode_vs_sequence(model, tok, text: str, tail: int = 8) -> dict:
+    """How batch-invariant the model is: the logits of each of the text's last `tail` tokens computed by one decode
+    step (a 1-row forward after the rest is cached, as AR runs it) against the same rows of one whole-sequence
+    forward (as a verification forward runs them). Returns the max |difference| and how many argmaxes differ."""
+    from echo_trtllm.runtime.inputs import chain_batch
+
+    ids = tok.encode(text)
+    whole = sequence_logits(model, torch.tensor(ids)).float()
+    cache = model.allocate_cache(1, len(ids) + 1)
+    zero = torch.zeros(1, dtype=torch.long)
+    start = len(ids) - tail
+    model(chain_batch([torch.tensor(ids[:start])], zero, zero), cache)
+    rows = [model(chain_batch([torch.tensor([ids[i]])], torch.tensor([i]), zero), cache)[-1].float()
+            for i in range(start, len(ids))]
+    dec = torch.stack(rows)
+    ref = whole[start:]
+    return {"max_abs_logit_diff": float((dec - ref).abs().max()),
+            "argmax_differs": int((dec.argmax(-1) != ref.argmax(-1)).sum()), "rows": tail}
+
+
+def invariance(model_path: str, prompts: list[str], calib: list[str]) -> dict:
+    """`decode_vs_sequence` over `prompts` for the float32 model and its FP8 per-tensor self."""
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        quantize_source(model_path, Path(tmp) / "fp8", "per_tensor", calib)
+        for name, path in (("float32", model_path), ("fp8 per_tensor", Path(tmp) / "fp8")):
+            model, tok = load_model(path, dtype=torch.float32)
+            cells = [decode_vs_sequence(model, tok, p) for p in prompts]
+            out[name] = {"max_abs_logit_diff": max(c["max_abs_logit_diff"] for c in cells),
+                         "argmax_differs": sum(c["argmax_differs"] for c in cells),
+                         "rows": sum(c["rows"] for c in cells)}
+            print(f"{name:>16}: decode vs whole-sequence logits max |diff| {out[name]['max_abs_logit_diff']:.2e}, "
+                  f"argmax differs in {out[name]['argmax_differs']} of {out[name]['rows']} rows", flush=True)
+            del model
+    return out
+
+
 def agreement(got: list[list[int]], ref: list[list[int]]) -> tuple[float, float]:
     exact = sum(g == r for g, r in zip(got, ref)) / len(ref)
     prefix = []
@@ -77,12 +116,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--loss-prompts", type=int, default=123, help="evaluation prompts scored for the loss")
     ap.add_argument("--threads", type=int)
+    ap.add_argument("--invariance", type=int, metavar="N",
+                    help="only measure batch invariance (decode step vs whole-sequence logits, float32 and FP8) on "
+                         "N evaluation prompts")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     calib = load_prompts("humaneval", split="calibration")
     evals = load_prompts("humaneval", split="eval")
+    if args.invariance:
+        res = invariance(args.model, evals[: args.invariance], calib)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"invariance": res, "model": Path(args.model).name,
+                                                   **report_meta("echo_trtllm.bench.fp8", argv)}, indent=2) + "\n")
+        return 0
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         variants = {"bfloat16": (args.model, torch.bfloat16), "float32": (args.model, torch.float32)}

@@ -184,3 +184,28 @@ def test_fp8_eagle3_head_engine_is_lossless_and_drafts_like_the_float_head(tmp_p
     tokens = sum(len(e) for e in expected)
     assert steps_fp8 < 0.8 * tokens, "the FP8 head accepted almost nothing"
     assert steps_fp8 <= 1.15 * steps_float, (steps_fp8, steps_float)
+
+
+def test_batch_invariance_probe_compares_decode_rows_with_the_whole_sequence(default_pair):
+    """bench.fp8's probe: a decode step's logits vs the same rows of one whole-sequence forward. The float target is
+    batch-invariant to rounding; a model that depended on the batch would show it (checked by perturbing one)."""
+    from echo_trtllm.bench.fp8 import decode_vs_sequence
+
+    target, _, tok = default_pair
+    text = "ROMEO:\nBut soft, what light through yonder window breaks?"
+    ref = decode_vs_sequence(target, tok, text)
+    assert ref["rows"] == 8 and ref["max_abs_logit_diff"] < 1e-4 and ref["argmax_differs"] == 0
+
+    class BatchDependent(torch.nn.Module):  # adds the number of rows in the forward to every logit
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def allocate_cache(self, *a):
+            return self.inner.allocate_cache(*a)
+
+        def forward(self, batch, cache):
+            return self.inner(batch, cache) + float(batch.input_ids.numel())
+
+    bad = decode_vs_sequence(BatchDependent(target), tok, text)
+    assert bad["max_abs_logit_diff"] > 1.0
