@@ -41,6 +41,7 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import torch
@@ -209,6 +210,8 @@ def machine_info() -> dict:
 def report_meta(module: str, argv: list[str] | None) -> dict:
     """What a `python -m <module>` report's JSON records beside its numbers: machine, date, the command."""
     args = argv if argv is not None else sys.argv[1:]
+    home = str(Path.home())
+    args = [a.replace(home, "~") for a in args]  # a report names no one's home directory
     return {"machine": machine_info(), "date": time.strftime("%Y-%m-%d"),
             "command": " ".join(["python -m", module, *args])}
 
