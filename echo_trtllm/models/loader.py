@@ -154,15 +154,22 @@ def load_hf(path: Path, dtype: torch.dtype, device) -> CausalLM:
         from echo_trtllm.models.fp8 import fp8_checkpoint_state
 
         state = fp8_checkpoint_state(path, quant, model, state)
-    if config.tie_word_embeddings:
+    load_state(model, state, path)
+    return model.to(dtype=dtype, device=device).eval()
+
+
+def load_state(model: CausalLM, state: dict, path, what: str = "checkpoint") -> None:
+    """Load `state` into `model` (a tied head is the embedding; stored rotary inv_freq is recomputed); anything
+    missing or unexpected is refused, naming `path` and the first names."""
+    tied = model.config.tie_word_embeddings
+    if tied:
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+    missing = [m for m in missing if not (tied and m == "lm_head.weight")]
     unexpected = [u for u in unexpected if not u.endswith("rotary_emb.inv_freq")]
     if missing or unexpected:
-        raise ValueError(f"{path}: checkpoint does not match the {config.architecture} layout; missing "
+        raise ValueError(f"{path}: {what} does not match the {model.config.architecture} layout; missing "
                          f"{missing[:5]}, unexpected {unexpected[:5]}")
-    return model.to(dtype=dtype, device=device).eval()
 
 
 # ---------------------------------------------------------------------------------------------------------- GGUF
@@ -266,11 +273,7 @@ def load_gguf(path: Path, dtype: torch.dtype, device) -> CausalLM:
         raise ValueError(f"{path}: cannot read the GGUF file ({type(e).__name__}: {e})") from None
     state = {name: w.to(dtype) for name, w in gguf_tensors(reader, config)}
     model = CausalLM(config).to(dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"{path}: GGUF tensors do not match the {config.architecture} layout; missing "
-                         f"{missing[:5]}, unexpected {unexpected[:5]}")
+    load_state(model, state, path, "GGUF tensors")
     return model.to(device).eval()
 
 

@@ -229,7 +229,7 @@ def _hf_shards(path: Path, tp: TensorParallel, config: ModelConfig):
 def load_shard(path: str | Path, tp: TensorParallel, dtype: torch.dtype, device) -> CausalLM:
     """This rank's shard of an HF directory or .gguf file (float checkpoints; FP8 and TensorRT-LLM checkpoints are
     refused with tensor parallelism for now)."""
-    from .loader import gguf_tensors
+    from .loader import gguf_tensors, load_state
 
     path = Path(path)
     config = read_config(path)
@@ -247,14 +247,7 @@ def load_shard(path: str | Path, tp: TensorParallel, dtype: torch.dtype, device)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
         for name, part in _hf_shards(path, tp, config):
-            if not name.endswith("rotary_emb.inv_freq"):  # recomputed from the config, as load_hf drops it
-                state[name] = part.to(dtype)
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+            state[name] = part.to(dtype)
     model = model.to(dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"{path}: checkpoint does not match the {config.architecture} layout; missing "
-                         f"{missing[:5]}, unexpected {unexpected[:5]}")
+    load_state(model, state, path)  # the one-rank loaders' check: tied head, inv_freq, missing / unexpected
     return model.to(device).eval()
