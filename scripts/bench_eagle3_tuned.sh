@@ -13,6 +13,8 @@
 #   4. per batch size, one bench on held-out prompts: AR, every method pure with its tuned shape, ECHO also
 #      with the AR fallback.
 # Environment: BS (batch sizes), MAXTOK, ROUNDS, WARMUP, OUT (default docs/bench), PY; SRC_B, SRC_TOKENS, CONTEXT (tuning);
+# TAG (suffix of the simulation's and the benches' file names, so a rerun keeps earlier results);
+# DROP (tuned methods left out of the bench, a regex of policy names, e.g. "eagle2|ddd": a B = 64 round is long);
 # MAXSEQ (context per request, default 1024: the bench holds one engine per method at once, so at B = 64 the Qwen
 # pair's float32 KV caches need MAXSEQ=448 to fit 24 GiB; HumanEval's longest eval prompt is 391 tokens).
 set -euo pipefail
@@ -54,7 +56,7 @@ if [ ! -f "$OUT/$NAME-tune-trace.json" ]; then
     --json "$OUT/$NAME-tune-source.json"
 fi
 # one simulation file per set of batch sizes: a later run for other batch sizes keeps the earlier one
-SIM=$OUT/$NAME-tune-sim$( [ "$BS" = "1 4 16 64" ] || echo "-b$(echo $BS | tr ' ' -)" )
+SIM=$OUT/$NAME${TAG:-}-tune-sim$( [ "$BS" = "1 4 16 64" ] || echo "-b$(echo $BS | tr ' ' -)" )
 $PY -m echo_trtllm.cli simulate --trace "$OUT/$NAME-tune-trace.json" --calibration "$CAL" --tree-source "$SRC" \
   --methods "$($PY -m echo_trtllm.bench.tune --grid)" --batch-sizes "$(echo $BS | tr ' ' ,)" --steps 40 \
   --context "$CONTEXT" \
@@ -62,9 +64,12 @@ $PY -m echo_trtllm.cli simulate --trace "$OUT/$NAME-tune-trace.json" --calibrati
 for B in $BS; do
   M=$($PY -m echo_trtllm.bench.tune --simulation "$SIM.json" --batch-size "$B")
   E=$(echo "$M" | tr , '\n' | grep '^echo')
+  if [ -n "${DROP:-}" ]; then M=$(echo "$M" | tr , '\n' | grep -Ev "^($DROP)(:|$)" | paste -sd, -); fi
   echo "B=$B tuned: $M" >&2
-  # AR listed too: its row (and the warning when its own spread over rounds exceeds 10 %) is in the table
-  $PY -m echo_trtllm.cli bench "${COMMON[@]}" --methods "ar,$M,$E:fallback=on" --batch-sizes "$B" --fallback off \
+  # AR listed too: its row (and the warning when its own spread over rounds exceeds 10 %) is in the table;
+  # echo-always-draft (ECHO's shape without draft pricing) is the ablation of the rule before drafting
+  $PY -m echo_trtllm.cli bench "${COMMON[@]}" --methods "ar,$M,${E/#echo/echo-always-draft},$E:fallback=on" \
+    --batch-sizes "$B" --fallback off \
     --max-tokens "$MAXTOK" --max-seq-len "$MAXSEQ" --rounds "$ROUNDS" --warmup-rounds "$WARMUP" --calibration "$CAL" \
-    --json "$OUT/$NAME-b$B.json" --markdown "$OUT/$NAME-b$B.md" --trace "$OUT/$NAME-b$B-trace.json"
+    --json "$OUT/$NAME${TAG:-}-b$B.json" --markdown "$OUT/$NAME${TAG:-}-b$B.md" --trace "$OUT/$NAME${TAG:-}-b$B-trace.json"
 done

@@ -3,7 +3,8 @@ the levels at sync points only) against the same executor drafting level by leve
 level), alternating round by round on the same requests. Both emit the same tokens (greedy, lossless); they differ
 in host syncs per step and in draft compute (the batched loop drafts on for requests a later decision stops, until
 the next read). On a CPU the model's device is the host, so a sync costs nothing and only the extra draft work
-shows; on a GPU a sync stalls the host on the device.
+shows; on a GPU a sync stalls the host on the device. (The runtime itself reads after every level on a CPU,
+`Executor.sync_every_level`; this benchmark runs the batched loop in its accelerator form everywhere.)
 
     python -m echo_trtllm.bench.loops [--drafter eagle3|model] [--policy echo] [--batch-sizes 16,64] [--rounds 3] \\
         [--json FILE]
@@ -36,6 +37,8 @@ def run_once(target, draft, tok, config: EchoConfig, batch_size: int, prompts: l
     ex = Executor(target, draft, tok, config, max_batch_size=batch_size, max_seq_len=512)
     if loop == "levels":
         ex.policy.beam_frontier = False  # the executor then drafts level by level
+    else:
+        ex.sync_every_level = False  # the accelerator's form (reads at the policy's sync depths), even on a CPU
     reqs = [ex.make_request(p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)) for p in prompts]
     for r in reqs:
         ex.submit(r)

@@ -13,8 +13,9 @@ every request (a paged-attention engine would pass the mean). `choose_budget` pi
 
 where the candidates come in the scheduler's order (P1 depth, then P2 width; any prefix is ancestor-closed), B
 counts the bonus token every request gets, and t_spent is the drafting time already spent this step (sunk: it is
-charged to every choice; whether to draft at all is decided before drafting, by the executor's
-`SpeculationTracker`). n = 0 verifies roots only. Because the whole curve is evaluated, a flat region (verification nearly free) is filled and a steep one
+charged to every choice). Whether to draft at all is decided before drafting, where the draft's time is not sunk
+yet: `drafting_pays` (the echo family's rule, from the acceptance its calibration expects at the first level) and
+the executor's `SpeculationTracker` (measured throughput, the +fallback mode). n = 0 verifies roots only. Because the whole curve is evaluated, a flat region (verification nearly free) is filled and a steep one
 (compute-bound, or a CPU kernel whose cost is linear in T) is left alone.
 
 Example: B = 1, estimates [0.9, 0.5, 0.1], t_verify(T) = 0.1 + 0.01·T, t_spent = 0.02:
@@ -38,7 +39,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["CostModel", "choose_budget", "fit_step_overhead", "interpolate", "level_cost_ratio", "break_even_accept_prob", "batch_bucket",
+__all__ = ["CostModel", "budget_rates", "choose_budget", "drafting_pays", "fit_step_overhead", "interpolate", "level_cost_ratio", "break_even_accept_prob", "batch_bucket",
            "SpeculationTracker"]
 
 
@@ -157,21 +158,38 @@ def fit_step_overhead(cost: CostModel, steps: list[tuple[int, float, float]]) ->
     return max(0.0, residuals[len(residuals) // 2])
 
 
-def choose_budget(estimates: Tensor, batch_size: int, cost: CostModel, spent_seconds: float = 0.0,
-                  context: float | None = None) -> int:
-    """K (>= B) maximising expected emitted tokens per second for this step (see the module docstring).
-
-    estimates (n,): acceptance estimates of the candidates in the order they would be taken. context: cached
-    tokens per request as the step's attention reads them (the grid's second axis; None: the curve)."""
+def budget_rates(estimates: Tensor, batch_size: int, cost: CostModel, spent_seconds: float = 0.0,
+                 context: float | None = None) -> Tensor:
+    """Expected emitted tokens per second of the step for n = 0, 1, ..., len(estimates) candidates verified
+    (the module docstring's rate; n = 0 verifies the roots only)."""
     if estimates.ndim != 1:
         raise ValueError(f"estimates must be 1-D, got shape {tuple(estimates.shape)}")
     n = torch.arange(estimates.numel() + 1, dtype=torch.float64)  # candidates taken
     gain = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(estimates.double(), 0)])
     speculative = n > 0
-    # Drafting time is already spent whatever is chosen now (whether to draft at all is decided before drafting).
     seconds = spent_seconds + cost.control_seconds * speculative + cost.verify_time(batch_size + n, context)
-    rate = (batch_size + gain) / seconds
+    return (batch_size + gain) / seconds
+
+
+def choose_budget(estimates: Tensor, batch_size: int, cost: CostModel, spent_seconds: float = 0.0,
+                  context: float | None = None) -> int:
+    """K (>= B) maximising expected emitted tokens per second for this step (see the module docstring).
+
+    estimates (n,): acceptance estimates of the candidates in the order they would be taken. context: cached
+    tokens per request as the step's attention reads them (the grid's second axis; None: the curve).
+    Drafting time is already spent whatever is chosen now (`drafting_pays` decides before drafting)."""
+    rate = budget_rates(estimates, batch_size, cost, spent_seconds, context)
     return batch_size + int(torch.argmax(rate))  # first maximum: the smaller K on ties
+
+
+def drafting_pays(estimates: Tensor, batch_size: int, cost: CostModel, draft_seconds: float,
+                  context: float | None = None) -> bool:
+    """The budget rule before drafting, when nothing is sunk yet: whether a step that drafts (paying
+    `draft_seconds`) and then verifies the best prefix of `estimates` is expected to emit more tokens per second
+    than a plain step, B / t_verify(B). estimates: the expected candidates' acceptance estimates, best first."""
+    rates = budget_rates(estimates, batch_size, cost, draft_seconds, context)
+    plain = batch_size / float(cost.verify_time(batch_size, context))
+    return rates.numel() > 1 and float(rates[1:].max()) > plain
 
 
 def level_cost_ratio(cost: CostModel, batch_size: int, draft_width: int = 0) -> float:

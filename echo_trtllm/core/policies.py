@@ -22,6 +22,7 @@ everything a calibration holds at construction, once: `make_policy(config, cost_
 | echo-dense  | echo with a gate at every depth                   | as echo                                        |
 | echo-fixed  | echo with one tau at every gate depth             | as echo                                        |
 | echo-no-budget-stop | echo without the budget-aware early stop  | as echo                                        |
+| echo-always-draft | echo without draft pricing: every step drafts | as echo                                    |
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from torch import Tensor
 from .budget import BudgetAllocation, allocate_budget, greedy_fill
 from .config import EchoConfig
 from .acceptance import AcceptanceModel
-from .cost import CostModel, choose_budget
+from .cost import CostModel, choose_budget, drafting_pays
 from .gating import GateConfig, GateSamples, GateSchedule, best_path_confidence, gate
 from .tree import DraftLevel, DraftTopK, SuperTree, expand_level, priority_order, root_level, segment_rank
 
@@ -158,7 +159,7 @@ class TreePolicy:
         """Upper bound on the nodes of one request the draft model processes per step (the frontiers)."""
         return 1 + self.max_depth * self.expand_width
 
-    def start(self, batch_size: int, budget: int | None = None) -> DraftState:
+    def start(self, batch_size: int, budget: int | None = None, context: float | None = None) -> DraftState:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         return DraftState(
@@ -167,7 +168,13 @@ class TreePolicy:
             active=torch.ones(batch_size, dtype=torch.bool),
             spine_depth=torch.zeros(batch_size, dtype=torch.long),
             failed_at=torch.zeros(batch_size, dtype=torch.long),
+            context=context,
         )
+
+    def drafts(self, batch_size: int, budget: int | None = None, context: float | None = None) -> bool:
+        """Whether a step of `batch_size` requests drafts at all (decided before any draft forward): always,
+        for the fixed shapes."""
+        return True
 
     def frontier(self, prev: DraftLevel, state: DraftState) -> Tensor:
         eligible = state.active.to(prev.request_ids.device)[prev.request_ids]
@@ -381,6 +388,15 @@ class EchoPolicy(TreePolicy):
     seconds at the AR rate of B / t_verify(B) tokens per second, where K = B + the spines so far is the
     verification already claimed (on a steep curve the next token costs more the more are claimed). Selection: `allocate_budget` (P1 depth, P2
     width), then `choose_budget` picks K along that order.
+
+    Draft pricing (with a cost model and a calibration's samples; `echo-always-draft` is the ablation without
+    it): once a level is drafted its time is sunk, and the stops above only weigh what comes next, so a step
+    whose first level cannot pay would still pay for it. Before drafting, `drafts` asks `cost.drafting_pays`
+    whether a typical batch's first level (the calibration's first-level confidences at the batch's quantiles,
+    through the gate and the acceptance model) verified as `choose_budget` would verify it yields more tokens
+    per second than a plain step, with t_draft(B) charged; if not, the step verifies the roots only and no draft
+    forward runs. It decides per batch size and context, from calibration evidence, not from the step's own
+    drafts (which do not exist yet), so under load on a steep verification curve it chooses plain AR steps.
     """
 
     name = "echo"
@@ -390,6 +406,8 @@ class EchoPolicy(TreePolicy):
     gate_variant: ClassVar[str] = "sparse"
     # whether drafting applies the budget-aware early stop (the class docstring)
     budget_stop: ClassVar[bool] = True
+    # whether the step's first draft level is priced before it is drafted (`drafts`; the class docstring)
+    price_drafting: ClassVar[bool] = True
 
     def __init__(self, config: EchoConfig, cost_model: CostModel | None = None,
                  gate_samples: GateSamples | None = None) -> None:
@@ -399,6 +417,9 @@ class EchoPolicy(TreePolicy):
         # calibration's samples (core.acceptance); without them the raw path probabilities
         self.acceptance = None if gate_samples is None else AcceptanceModel.from_samples(
             gate_samples.depths, gate_samples.confidences, gate_samples.accepted)
+        # the calibration's first-level confidences (float64), for the rule before drafting (`drafts`)
+        first = None if gate_samples is None else gate_samples.confidences[gate_samples.depths == 1].double()
+        self.first_level = first if first is not None and first.numel() else None
 
     def acceptance_estimates(self, path_probs: Tensor, depths: Tensor | int) -> Tensor:
         return path_probs if self.acceptance is None else self.acceptance.estimate(path_probs, depths)
@@ -416,14 +437,36 @@ class EchoPolicy(TreePolicy):
     def expand_width(self) -> int:
         return self.config.beam_width
 
-    def start(self, batch_size: int, budget: int | None = None) -> DraftState:
+    def start(self, batch_size: int, budget: int | None = None, context: float | None = None) -> DraftState:
         budget = self.config.k_max if budget is None else budget
         if budget < batch_size:
             raise ValueError(f"K_max = {budget} is below the batch size {batch_size}: every request needs its root")
-        state = super().start(batch_size, budget)
+        state = super().start(batch_size, budget, context)
         state.gate = self.gate_for(batch_size)
-        state.active &= budget > batch_size  # no budget beyond the roots: nobody drafts (plain AR)
+        state.active &= self.drafts(batch_size, budget, context)  # the budget rule before drafting
         return state
+
+    def drafts(self, batch_size: int, budget: int | None = None, context: float | None = None) -> bool:
+        """The budget rule before drafting (the class docstring's draft pricing): False when there is no budget
+        beyond the roots, or when the first level is not expected to pay for its draft forward."""
+        budget = self.config.k_max if budget is None else budget
+        if budget <= batch_size:
+            return False  # no budget beyond the roots: nobody drafts (plain AR)
+        cost = self.cost_model
+        if not self.price_drafting or cost is None or not cost.draft_tokens or self.first_level is None:
+            return True
+        return drafting_pays(self.expected_first_level(batch_size)[:budget - batch_size], batch_size, cost,
+                             float(cost.draft_time(batch_size)), context)
+
+    def expected_first_level(self, batch_size: int) -> Tensor:
+        """Acceptance estimates of a typical batch's first level, best first: the calibration's first-level
+        confidences at the batch's B quantiles ((i + 1/2) / B), cut by the gate where depth 1 is a gate depth."""
+        q = (torch.arange(batch_size, dtype=torch.float64) + 0.5) / batch_size
+        c = torch.quantile(self.first_level, q).flip(0)
+        tau = self.gate_for(batch_size).threshold_at(1)
+        if tau is not None:
+            c = c[gate(c, tau, torch.ones_like(c, dtype=torch.bool))]
+        return self.acceptance_estimates(c, 1)
 
     def observe(self, level: DraftLevel, state: DraftState) -> None:
         c = best_path_confidence(level, state.batch_size).cpu()  # (B,)
@@ -494,6 +537,14 @@ class EchoFixedThresholdPolicy(EchoPolicy):
 
 
 @register
+class EchoAlwaysDraftPolicy(EchoPolicy):
+    """Ablation: ECHO without draft pricing (every step drafts its first level; its time is treated as sunk)."""
+
+    name = "echo-always-draft"
+    price_drafting = False
+
+
+@register
 class EchoNoBudgetStopPolicy(EchoPolicy):
     """Ablation: ECHO without the budget-aware early stop (drafting ends by gates, depth or cost only)."""
 
@@ -513,8 +564,7 @@ def draft_tree(
     policy's max_depth). context: cached tokens per request as the step's attention reads them (for a cost grid).
     """
     levels = [root_level(root_token_ids)]
-    state = policy.start(root_token_ids.numel(), budget)
-    state.context = context
+    state = policy.start(root_token_ids.numel(), budget, context)
     depth_cap = policy.max_depth if max_levels is None else min(policy.max_depth, max_levels)
     for depth in range(1, depth_cap + 1):
         frontier = policy.frontier(levels[-1], state)
@@ -551,6 +601,7 @@ def draft_tree_batched(
     policy: TreePolicy, root_token_ids: Tensor, drafter: LevelDrafter, budget: int | None = None,
     max_levels: int | None = None, context: float | None = None,
     read: Callable[..., tuple[Tensor, ...]] | None = None, send: Callable[[Tensor], Tensor] | None = None,
+    sync_every_level: bool = False,
 ) -> DraftResult:
     """`draft_tree` with the drafting loop on the drafter's device and one host read per sync point.
 
@@ -565,17 +616,18 @@ def draft_tree_batched(
     of deciding less often.
 
     read(*tensors): the tensors on the host, one synchronisation (default: .cpu()); send(tensor): a host index
-    tensor on the drafter's device (default: .to the device of the drafted levels)."""
+    tensor on the drafter's device (default: .to the device of the drafted levels). sync_every_level: a sync
+    point after every level, for a drafter whose reads cost nothing (on a CPU the host and the device are one, and
+    every level drafted for a request the policy has already stopped is a whole draft forward wasted)."""
     if not policy.beam_frontier:
         raise ValueError(f"policy {policy.name!r} does not draft a beam frontier; use draft_tree")
     read = read or (lambda *tensors: tuple(t.cpu() for t in tensors))
     levels = [root_level(root_token_ids.cpu())]
     slots = [torch.zeros(levels[0].num_nodes, dtype=torch.long)]  # each host node's slot in its device level
-    state = policy.start(root_token_ids.numel(), budget)
-    state.context = context
+    state = policy.start(root_token_ids.numel(), budget, context)
     state.frontier_slots = []
     depth_cap = policy.max_depth if max_levels is None else min(policy.max_depth, max_levels)
-    syncs = policy.sync_depths(state)
+    syncs = frozenset(range(1, depth_cap + 1)) if sync_every_level else policy.sync_depths(state)
     rows = torch.nonzero(state.active, as_tuple=True)[0]
     pending: list[tuple[int, Tensor, Tensor, Tensor, Tensor, Tensor]] = []
     replaying = True  # False once the replay met an empty frontier (draft_tree's break)

@@ -188,6 +188,10 @@ class Executor:
                                         self.clock, self.policy.max_depth, self.link)
         # target layers whose inputs every target forward returns for the drafter (an EAGLE-3 head's features)
         self._capture = self.drafter.capture_layers if self.drafter is not None else ()
+        # the batched drafting loop decides after every level where a read costs nothing (the model on the CPU:
+        # a level drafted for requests the policy has already stopped is a whole draft forward wasted there);
+        # on an accelerator it reads at the policy's sync depths only
+        self.sync_every_level = target.device.type == "cpu"
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_slots = list(range(max_batch_size))
@@ -405,7 +409,9 @@ class Executor:
         slots = torch.tensor([r.slot for r in reqs])
         positions = [len(r.output_token_ids) for r in reqs]
         t_step = self.clock.now()
-        planned = self.tracker is None or self.tracker.should_speculate(b)
+        wanted = self.tracker is None or self.tracker.should_speculate(b)  # the AR fallback's choice
+        # the policy's own rule before drafting (the echo family prices its first draft level)
+        planned = wanted and self.policy.drafts(b, self._budget(), float(ctx.max()))
         drafted, packed, speculated = self._draft(reqs, roots, ctx, planned)
         drafter = self.drafter if speculated else None
         t_verify = self.clock.now()
@@ -461,7 +467,8 @@ class Executor:
                 self.running.remove(req)
             self._release(req)
         timings.total = self.clock.now() - t_step
-        if self.tracker is not None and speculated == planned:
+        # the tracker measures its own choices: not a draft failure, nor a step the policy chose to run plain
+        if self.tracker is not None and speculated == planned == wanted:
             produced = int(result.cu_accepted[-1])  # before stop conditions cut anything
             catch_up = drafter.catch_up_seconds if drafter is not None else 0.0
             self.tracker.update(b, speculated, produced, timings.total, catch_up)
@@ -477,12 +484,13 @@ class Executor:
         if speculate and self.drafter is not None:
             try:
                 self.drafter.begin(reqs, self.policy.max_children, self._max_pending(len(reqs)))
-                budget = min(self.config.k_max, self.max_num_tokens) if self.policy.shares_budget else None
+                budget = self._budget()
                 levels = self.tracker.depth_limit(len(reqs)) if self.tracker is not None else None
                 if self.policy.beam_frontier:  # the loop on the draft's device, one read per sync point
                     drafted = draft_tree_batched(self.policy, roots, self.drafter, budget, levels, float(ctx.max()),
                                                  read=lambda *t: self.link.read("draft levels", *t),
-                                                 send=lambda t: self.link.send("draft rows", t))
+                                                 send=lambda t: self.link.send("draft rows", t),
+                                                 sync_every_level=self.sync_every_level)
                 else:
                     drafted = draft_tree(self.policy, roots, self.drafter.draft_fn, budget, levels, float(ctx.max()))
                 return drafted, self._pack(drafted.selected, ctx), True
@@ -492,6 +500,10 @@ class Executor:
         drafted = draft_tree(self._ar_policy, roots, None, None)  # the ar policy, the tracker's choice or a failure
         # after a failure packed on the host: the failure may have been the device's packing kernel
         return drafted, pack(drafted.selected, ctx) if failed else self._pack(drafted.selected, ctx), False
+
+    def _budget(self) -> int | None:
+        """The step's global verification budget (the echo family), None for per-request policies."""
+        return min(self.config.k_max, self.max_num_tokens) if self.policy.shares_budget else None
 
     def _observe(self, reqs: list[Request], ctx: torch.Tensor, result, keep: list[bool], features) -> None:
         """Hand the drafter the verification forward's features of each kept request's accepted path (root and

@@ -92,6 +92,27 @@ def test_batched_loop_equals_level_by_level_loop(config, batch_size, tied, cost)
     slots = torch.cat(batched.state.frontier_slots)
     assert slots.numel() == batched.candidates.total_nodes
     assert int((slots >= 0).sum()) == sum(batched.state.frontier_sizes)
+    # deciding after every level (a CPU drafter) changes what the device drafts, never the result
+    every = draft_tree_batched(make_policy(config, cost), roots, MarkovLevels(table, roots, policy.max_children),
+                               budget, context=100.0, sync_every_level=True)
+    same_result(every, reference)
+
+
+def test_syncing_every_level_drafts_no_level_after_the_host_stopped_everyone():
+    """Everyone passes the gate at depth 1 and fails it at depth 2. Deciding at the first gate only, the device
+    drafts levels 3 and 4 that the host then drops; deciding after every level, it stops after level 2."""
+    config = EchoConfig(policy="echo", beam_width=1, top_k=2, max_depth=4, k_max=64, gate_depths=(1, 2, 4),
+                        gate_thresholds=(0.5, 0.5, 0.0))
+    vocab = 10
+    table = torch.full((vocab, vocab), 0.4 / (vocab - 1))
+    table[:, 0] = 0.6  # c_1 = 0.6 passes, c_2 = 0.36 fails
+    roots = torch.tensor([1, 2, 3, 4])
+    reference = draft_tree(make_policy(config), roots, lambda level, frontier: table[level.token_ids[frontier]], 64)
+    first_gate, every = (MarkovLevels(table, roots, make_policy(config).max_children) for _ in range(2))
+    same_result(draft_tree_batched(make_policy(config), roots, first_gate, 64), reference)
+    same_result(draft_tree_batched(make_policy(config), roots, every, 64, sync_every_level=True), reference)
+    assert reference.state.failed_at.tolist() == [2, 2, 2, 2]
+    assert first_gate.rows_per_level == [4, 4, 4, 4] and every.rows_per_level == [4, 4]
 
 
 def test_requests_stopped_at_the_first_gate_leave_the_device_batch():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from echo_trtllm.core.cost import (CostModel, SpeculationTracker, batch_bucket, break_even_accept_prob, choose_budget,
-                                   interpolate)
+                                   drafting_pays, interpolate)
 
 
 def test_docstring_example_by_hand():
@@ -27,6 +27,31 @@ def test_exhaustive_search_matches_a_naive_loop():
             if r > best + 1e-12:
                 best, best_k = r, b + n
         assert choose_budget(est, b, cost, spent_seconds=0.05) == best_k
+
+
+def test_drafting_pays_by_hand():
+    """Before drafting nothing is sunk: the draft's seconds count against the plain step, B / t_verify(B)."""
+    cost = CostModel.linear(0.1, 0.01)  # plain step at B = 1: 1 / 0.11 = 9.09 tokens/s
+    # one confident candidate, a cheap draft: 1.9 / (0.02 + 0.12) = 13.6 > 9.09
+    assert drafting_pays(torch.tensor([0.9]), 1, cost, draft_seconds=0.02)
+    # a poor candidate: 1.05 / 0.14 = 7.5 < 9.09
+    assert not drafting_pays(torch.tensor([0.05]), 1, cost, draft_seconds=0.02)
+    # a dear draft: 1.9 / (0.2 + 0.12) = 5.9 < 9.09, although choose_budget would verify the candidate once drafted
+    assert not drafting_pays(torch.tensor([0.9]), 1, cost, draft_seconds=0.2)
+    assert choose_budget(torch.tensor([0.9]), 1, cost, spent_seconds=0.2) == 2
+    assert not drafting_pays(torch.zeros(0), 4, cost, draft_seconds=0.0)  # nothing to verify: nothing to gain
+
+
+def test_drafting_pays_matches_a_naive_loop():
+    gen = torch.Generator().manual_seed(1)
+    cost = CostModel((1, 8, 16, 64, 256), (0.20, 0.22, 0.35, 0.70, 2.2), control_seconds=0.003)
+    for b in (1, 4, 16, 64):
+        for _ in range(20):
+            est = torch.sort(torch.rand(b, generator=gen) ** 3, descending=True).values
+            draft = float(torch.rand(1, generator=gen)) * 0.1
+            best = max((b + float(est[:n].sum())) / (draft + 0.003 + float(cost.verify_time(b + n)))
+                       for n in range(1, b + 1))
+            assert drafting_pays(est, b, cost, draft) == (best > b / float(cost.verify_time(b)))
 
 
 def test_linear_cost_like_a_cpu_kernel_means_ar():

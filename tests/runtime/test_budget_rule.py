@@ -7,6 +7,7 @@ import torch
 
 from echo_trtllm.core import EchoConfig
 from echo_trtllm.core.cost import CostModel
+from echo_trtllm.core.gating import GateSamples
 from echo_trtllm.models.llama import CausalLM
 from echo_trtllm.runtime.calibrate import measure_cost_model
 from echo_trtllm.runtime.clock import ModelledClock
@@ -32,10 +33,11 @@ MARGINAL = curve(lambda t: 0.1 * (1 + 0.1 * (t - 1)), lambda t: 0.03 * (1 + 0.1 
 
 
 def run(target, draft, tok, prompts, cost, batch_size=4, max_tokens=24, policy="echo", clock_cost=None,
-        fallback=None):
+        fallback=None, gate_samples=None):
     ex = Executor(target, draft, tok, EchoConfig(policy=policy, k_max=64, max_nodes_per_request=16),
                   max_batch_size=batch_size, max_seq_len=256, cost_model=cost,
-                  clock=ModelledClock(clock_cost or cost or FLAT), fallback=fallback)
+                  clock=ModelledClock(clock_cost or cost or FLAT), fallback=fallback, gate_samples=gate_samples)
+    run.executor = ex
     reqs = [ex.make_request(p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)) for p in prompts]
     for r in reqs:
         ex.submit(r)
@@ -225,3 +227,42 @@ def test_the_budget_rule_prices_each_step_at_the_batchs_own_context(default_pair
     long = [r.verified_tokens / r.batch_size for r in reports if r.batch_size and r.context > 24]
     assert short and long
     assert min(short) > 1.5 and max(long) <= 1.0 + 1e-9, (short, long)
+
+
+def confident_samples(n: int = 64) -> GateSamples:
+    """Calibration evidence of a draft whose first level is confident and accepted (a second level too)."""
+    depths = torch.cat([torch.ones(n, dtype=torch.long), torch.full((n,), 2)])
+    conf = torch.cat([torch.full((n,), 0.9), torch.full((n,), 0.6)])
+    return GateSamples(depths, conf, torch.ones(2 * n, dtype=torch.bool), max_depth=6)
+
+
+def test_pure_echo_prices_its_first_draft_level_before_drafting(default_pair, prompts, ar_outputs):
+    """Pure ECHO (no AR fallback) with calibration evidence. On LINEAR no first level can pay: no step drafts (no
+    draft forward, roots only) and the modelled decode time is AR's, while the ablation without draft pricing
+    drafts in every step and costs more. On FLAT every step drafts. Outputs stay AR's."""
+    target, draft, tok = default_pair
+    _, ar = run(target, None, tok, prompts[:8], None, policy="ar", clock_cost=LINEAR)
+    outs, priced = run(target, draft, tok, prompts[:8], LINEAR, fallback=False, gate_samples=confident_samples())
+    assert outs == ar_outputs
+    assert not any(r.speculated or (r.draft is not None and r.draft.state.frontier_sizes) for r in priced)
+    assert decode_seconds(priced) == pytest.approx(decode_seconds(ar))
+    outs, always = run(target, draft, tok, prompts[:8], LINEAR, policy="echo-always-draft", fallback=False,
+                       gate_samples=confident_samples())
+    assert outs == ar_outputs
+    assert all(r.speculated for r in always if r.batch_size)
+    assert decode_seconds(always) > 1.05 * decode_seconds(priced)
+    outs, flat = run(target, draft, tok, prompts[:8], FLAT, fallback=False, gate_samples=confident_samples())
+    assert outs == ar_outputs and all(r.speculated for r in flat if r.batch_size)
+
+
+def test_steps_the_policy_runs_plain_are_not_the_fallbacks_measurements(default_pair, prompts, ar_outputs):
+    """With the AR fallback on and a policy that declines to draft: the tracker wanted to probe speculation, the
+    policy ran plain steps, and the tracker counts no speculative step it did not see."""
+    target, draft, tok = default_pair
+    outs, reports = run(target, draft, tok, prompts[:8], MARGINAL, fallback=True, clock_cost=MARGINAL,
+                        gate_samples=GateSamples(torch.ones(64, dtype=torch.long), torch.full((64,), 0.9),
+                                                 torch.zeros(64, dtype=torch.bool), max_depth=6))
+    assert outs == ar_outputs and not any(r.speculated for r in reports)
+    tracker = run.executor.tracker
+    assert all(r.spec_steps == 0 for r in tracker.buckets.values())
+    assert any(r.ar_steps >= tracker.min_ar_steps for r in tracker.buckets.values())
