@@ -159,13 +159,14 @@ def fit_step_overhead(cost: CostModel, steps: list[tuple[int, float, float]]) ->
 
 
 def budget_rates(estimates: Tensor, batch_size: int, cost: CostModel, spent_seconds: float = 0.0,
-                 context: float | None = None) -> Tensor:
+                 context: float | None = None, weight: float = 1.0) -> Tensor:
     """Expected emitted tokens per second of the step for n = 0, 1, ..., len(estimates) candidates verified
-    (the module docstring's rate; n = 0 verifies the roots only)."""
+    (the module docstring's rate; n = 0 verifies the roots only). weight: tokens each candidate stands for
+    (1 for real candidates; B / M when M quantiles of a distribution stand for B requests, `drafting_pays`)."""
     if estimates.ndim != 1:
         raise ValueError(f"estimates must be 1-D, got shape {tuple(estimates.shape)}")
-    n = torch.arange(estimates.numel() + 1, dtype=torch.float64)  # candidates taken
-    gain = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(estimates.double(), 0)])
+    n = torch.arange(estimates.numel() + 1, dtype=torch.float64) * weight  # tokens taken
+    gain = weight * torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(estimates.double(), 0)])
     speculative = n > 0
     seconds = spent_seconds + cost.control_seconds * speculative + cost.verify_time(batch_size + n, context)
     return (batch_size + gain) / seconds
@@ -183,11 +184,14 @@ def choose_budget(estimates: Tensor, batch_size: int, cost: CostModel, spent_sec
 
 
 def drafting_pays(estimates: Tensor, batch_size: int, cost: CostModel, draft_seconds: float,
-                  context: float | None = None) -> bool:
+                  context: float | None = None, weight: float = 1.0) -> bool:
     """The budget rule before drafting, when nothing is sunk yet: whether a step that drafts (paying
     `draft_seconds`) and then verifies the best prefix of `estimates` is expected to emit more tokens per second
-    than a plain step, B / t_verify(B). estimates: the expected candidates' acceptance estimates, best first."""
-    rates = budget_rates(estimates, batch_size, cost, draft_seconds, context)
+    than a plain step, B / t_verify(B). estimates: the expected candidates' acceptance estimates, best first, each
+    standing for `weight` requests (a ratio of expected tokens to expected seconds: with M quantiles of the
+    acceptance distribution at weight B / M, verifying the best k is "verify when the estimate beats the k-th",
+    and t_verify is linear between its measured points)."""
+    rates = budget_rates(estimates, batch_size, cost, draft_seconds, context, weight)
     plain = batch_size / float(cost.verify_time(batch_size, context))
     return rates.numel() > 1 and float(rates[1:].max()) > plain
 

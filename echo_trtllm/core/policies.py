@@ -392,9 +392,10 @@ class EchoPolicy(TreePolicy):
     Draft pricing (with a cost model and a calibration's samples; `echo-always-draft` is the ablation without
     it): once a level is drafted its time is sunk, and the stops above only weigh what comes next, so a step
     whose first level cannot pay would still pay for it. Before drafting, `drafts` asks `cost.drafting_pays`
-    whether a typical batch's first level (the calibration's first-level confidences at the batch's quantiles,
-    through the gate and the acceptance model) verified as `choose_budget` would verify it yields more tokens
-    per second than a plain step, with t_draft(B) charged; if not, the step verifies the roots only and no draft
+    whether the batch's first level as the calibration expects it (`expected_first_level`: quantiles of the
+    first-level confidences, through the gate and the acceptance model, each standing for its share of the B
+    requests), verified as `choose_budget` would verify it, yields more expected tokens per expected second than
+    a plain step, with t_draft(B) charged; if not, the step verifies the roots only and no draft
     forward runs. It decides per batch size and context, from calibration evidence, not from the step's own
     drafts (which do not exist yet), so under load on a steep verification curve it chooses plain AR steps.
     """
@@ -408,6 +409,8 @@ class EchoPolicy(TreePolicy):
     budget_stop: ClassVar[bool] = True
     # whether the step's first draft level is priced before it is drafted (`drafts`; the class docstring)
     price_drafting: ClassVar[bool] = True
+    # quantiles of the first-level distribution the rule reads at least (`expected_first_level`)
+    FIRST_LEVEL_POINTS: ClassVar[int] = 64
 
     def __init__(self, config: EchoConfig, cost_model: CostModel | None = None,
                  gate_samples: GateSamples | None = None) -> None:
@@ -455,18 +458,22 @@ class EchoPolicy(TreePolicy):
         cost = self.cost_model
         if not self.price_drafting or cost is None or not cost.draft_tokens or self.first_level is None:
             return True
-        return drafting_pays(self.expected_first_level(batch_size)[:budget - batch_size], batch_size, cost,
-                             float(cost.draft_time(batch_size)), context)
+        est, weight = self.expected_first_level(batch_size)
+        est = est[:max(0, int((budget - batch_size) / weight))]  # what the budget can verify
+        return drafting_pays(est, batch_size, cost, float(cost.draft_time(batch_size)), context, weight)
 
-    def expected_first_level(self, batch_size: int) -> Tensor:
-        """Acceptance estimates of a typical batch's first level, best first: the calibration's first-level
-        confidences at the batch's B quantiles ((i + 1/2) / B), cut by the gate where depth 1 is a gate depth."""
-        q = (torch.arange(batch_size, dtype=torch.float64) + 0.5) / batch_size
+    def expected_first_level(self, batch_size: int) -> tuple[Tensor, float]:
+        """A batch's first level as the calibration expects it: acceptance estimates at M = max(B, 64) quantiles
+        ((i + 1/2) / M) of the first-level confidences, best first, cut by the gate where depth 1 is a gate
+        depth, each standing for B / M requests (the weight). With M > B the rule weighs the distribution's tail:
+        a lone request is confident now and then, and the median alone would say never."""
+        m = max(batch_size, self.FIRST_LEVEL_POINTS)
+        q = (torch.arange(m, dtype=torch.float64) + 0.5) / m
         c = torch.quantile(self.first_level, q).flip(0)
         tau = self.gate_for(batch_size).threshold_at(1)
         if tau is not None:
             c = c[gate(c, tau, torch.ones_like(c, dtype=torch.bool))]
-        return self.acceptance_estimates(c, 1)
+        return self.acceptance_estimates(c, 1), batch_size / m
 
     def observe(self, level: DraftLevel, state: DraftState) -> None:
         c = best_path_confidence(level, state.batch_size).cpu()  # (B,)

@@ -28,15 +28,33 @@ def echo(policy="echo", cost=FLAT, gate_samples=None, **config):
     return make_policy(EchoConfig(policy=policy, max_depth=3, **{"k_max": 256, **config}), cost, gate_samples)
 
 
-def test_the_typical_first_level_is_the_calibrations_quantiles_through_the_acceptance_model():
+def test_the_expected_first_level_is_the_calibrations_quantiles_through_the_acceptance_model():
     conf = [i / 100 for i in range(1, 100)]
     policy = echo(gate_samples=samples(conf), gate_depths=(2,), gate_thresholds=(0.1,))
-    q = torch.quantile(torch.tensor(conf, dtype=torch.float64), torch.tensor([0.25, 0.75], dtype=torch.float64))
-    expected = policy.acceptance.estimate(q.flip(0), 1)
-    assert torch.allclose(policy.expected_first_level(2), expected)
-    # a gate at depth 1 cuts the requests a typical batch would lose there
+    for b, m in ((2, 64), (100, 100)):  # at least 64 points, B when B is larger
+        q = (torch.arange(m, dtype=torch.float64) + 0.5) / m
+        expected = policy.acceptance.estimate(torch.quantile(torch.tensor(conf, dtype=torch.float64), q).flip(0), 1)
+        est, weight = policy.expected_first_level(b)
+        assert torch.allclose(est, expected) and weight == pytest.approx(b / m)
+    # a gate at depth 1 cuts the points a batch would lose there: confidences 0.5 and above pass
     gated = echo(gate_samples=samples(conf), gate_depths=(1,), gate_thresholds=(0.5,))
-    assert gated.expected_first_level(4).numel() == 2  # quantiles 0.125, 0.375 fail; 0.625, 0.875 pass
+    assert gated.expected_first_level(4)[0].numel() == 32
+
+
+def test_expected_rates_weigh_each_quantile_by_its_share_of_the_batch():
+    """B = 1 with a draft that is confident one step in four (c = 0.99, accepted) and useless otherwise: the median
+    request says never draft, but drafting every step and verifying only when confident pays on a cost where a
+    second verified token costs 30 % of a step and the draft 1 %. By hand, the ratio of expectations:
+    (1 + 0.25 * 1.0) / (0.01 + 0.1 + 0.25 * 0.03) = 10.64 tokens/s against the plain step's 1 / 0.1 = 10."""
+    cost = CostModel((1, 2), (0.1, 0.13), (1, 2), (0.01, 0.02))
+    conf = [0.99] * 25 + [0.01] * 75
+    acc = torch.tensor([True] * 25 + [False] * 75)
+    policy = echo(cost=cost, gate_samples=samples(conf, accepted=acc), gate_depths=(3,), gate_thresholds=(0.0,))
+    assert policy.drafts(1)
+    assert (1 + 0.25) / (0.01 + 0.1 + 0.25 * 0.03) > 10
+    dear = CostModel((1, 2), (0.1, 0.13), (1, 2), (0.03, 0.04))  # (1.25) / (0.03 + 0.1075) = 9.09 < 10
+    assert not echo(cost=dear, gate_samples=samples(conf, accepted=acc), gate_depths=(3,),
+                    gate_thresholds=(0.0,)).drafts(1)
 
 
 def test_confident_drafts_on_a_flat_curve_draft_and_a_linear_curve_does_not():
@@ -82,14 +100,17 @@ def test_the_rule_reads_the_context_the_step_attends():
     assert policy.drafts(8, context=16) and not policy.drafts(8, context=1024)
 
 
-@pytest.mark.parametrize("b", [1, 7, 64])
-def test_the_rule_equals_drafting_pays_on_the_typical_batch_by_hand(b):
-    """The decision recomputed here from its definition: quantiles, estimates, best verified prefix vs AR."""
+@pytest.mark.parametrize("b", [1, 7, 64, 100])
+def test_the_rule_equals_the_ratio_of_expectations_by_hand(b):
+    """The decision recomputed here from its definition: M quantiles, estimates, best verified prefix weighted by
+    B / M, against AR."""
     gen = torch.Generator().manual_seed(b)
     conf = torch.rand(200, generator=gen)
     policy = echo(cost=FLAT, gate_samples=samples(conf.tolist()), gate_depths=(3,), gate_thresholds=(0.1,))
-    q = (torch.arange(b, dtype=torch.float64) + 0.5) / b
+    m = max(b, 64)
+    q = (torch.arange(m, dtype=torch.float64) + 0.5) / m
     est = policy.acceptance.estimate(torch.quantile(conf.double(), q).flip(0), 1)
+    w = b / m
     draft = float(FLAT.draft_time(b))
-    best = max((b + float(est[:n].sum())) / (draft + float(FLAT.verify_time(b + n))) for n in range(1, b + 1))
+    best = max((b + w * float(est[:n].sum())) / (draft + float(FLAT.verify_time(b + w * n))) for n in range(1, m + 1))
     assert policy.drafts(b) == (best > b / float(FLAT.verify_time(b)))
