@@ -91,3 +91,35 @@ def test_flipping_one_packed_mask_bit_changes_that_row_and_its_descendants_only(
     packed.packed_mask[6 + 2, 0] &= ~(1 << 1)
     changed = (_verify(target, packed, ctx, cache) - before).abs().amax(dim=1) > 1e-4
     assert changed.tolist() == [False] * 8 + [True]
+
+
+def test_a_ragged_batch_attends_in_groups_and_equals_each_root_paths_causal_forward(default_pair):
+    """Requests with one new token and requests with trees in one batch: on the CPU the attention splits them
+    (one row for the single tokens over their own longest context, N_max rows for the trees) instead of padding
+    every request to the widest tree. Every node's logits still equal a causal forward of its root path, and the
+    padded single-group layout (grouping switched off) gives the same logits."""
+    target = default_pair[0]
+    gen = torch.Generator().manual_seed(3)
+    vocab = target.config.vocab_size
+    sizes = [1, 6, 1, 3, 1]
+    parents = [random_parents(n, gen) if n > 1 else torch.tensor([-1]) for n in sizes]
+    tree = SuperTree.from_parents(parents, [torch.randint(0, vocab, (p.numel(),), generator=gen) for p in parents])
+    ctx = torch.tensor([9, 4, 30, 7, 2])
+    contexts = [torch.randint(0, vocab, (int(c),), generator=gen) for c in ctx]
+    cache = target.allocate_cache(len(sizes), 64)
+    target(chain_batch(contexts, torch.zeros(len(sizes), dtype=torch.long), torch.arange(len(sizes)), "none"), cache)
+    batch = tree_batch(pack(tree, ctx), ctx, torch.arange(len(sizes)))
+    groups = batch.attention_groups()
+    assert [(g[0].tolist(), g[3], g[4]) for g in groups] == [([0, 2, 4], 1, 31), ([1, 3], 6, 10)]
+    logits = target(batch, cache)
+    padded = tree_batch(pack(tree, ctx), ctx, torch.arange(len(sizes)))
+    padded.__dict__["_groups"] = None  # the one padded group
+    torch.testing.assert_close(logits, target(padded, cache), rtol=1e-5, atol=1e-5)
+    ref_cache = target.allocate_cache(1, 64)
+    for node in range(tree.total_nodes):
+        i = int(tree.request_ids[node])
+        start = int(tree.cu_num_nodes[i])
+        path = [start + a for a in naive_ancestors(parents[i].tolist(), node - start)]
+        chain = torch.cat([contexts[i], tree.token_ids[path]])
+        ref = target(chain_batch([chain], torch.tensor([0]), torch.tensor([0])), ref_cache)[0]
+        torch.testing.assert_close(logits[node], ref, rtol=1e-4, atol=1e-4, msg=f"node {node} of request {i}")
