@@ -13,7 +13,8 @@
 #   4. per batch size, one bench on held-out prompts: AR, every method pure with its tuned shape, ECHO also
 #      with the AR fallback.
 # Environment: BS (batch sizes), MAXTOK, ROUNDS, WARMUP, OUT (default docs/bench), PY; SRC_B, SRC_TOKENS, CONTEXT (tuning);
-# TAG (suffix of the simulation's and the benches' file names, so a rerun keeps earlier results);
+# TAG (suffix of the calibration's, the simulation's and the benches' file names, so a rerun keeps earlier
+# results; the tuning trace is shared);
 # DROP (tuned methods left out of the bench, a regex of policy names, e.g. "eagle2|ddd": a B = 64 round is long);
 # MAXSEQ (context per request, default 1024: the bench holds one engine per method at once, so at B = 64 the Qwen
 # pair's float32 KV caches need MAXSEQ=448 to fit 24 GiB; HumanEval's longest eval prompt is 391 tokens).
@@ -45,7 +46,7 @@ case "$WHICH" in
   *) echo "usage: $0 qwen|default" >&2; exit 2 ;;
 esac
 COMMON=("${MODEL[@]}" --dtype float32 --prompt-set humaneval)
-CAL=$OUT/$NAME-calibration.json
+CAL=$OUT/$NAME${TAG:-}-calibration.json
 if [ ! -f "$CAL" ]; then
   $PY -m echo_trtllm.cli calibrate "${COMMON[@]}" --num-prompts 8 --batch-size 4 --max-tokens 16 --grid --repeats 2 \
     --cost-tokens 1,2,4,8,16,32,64,128,256 --output "$CAL"

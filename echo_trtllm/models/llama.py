@@ -214,33 +214,6 @@ class ForwardBatch:
                               (self.input_ids, self.position_ids, self.slots, self.token_request, self.token_local,
                                self.write_pos, self.attn_mask, self.logits_index)))
 
-    def attention_groups(self) -> list[tuple[Tensor, Tensor, Tensor, int, int]] | None:
-        """A ragged batch on the CPU, split for attention: the requests with one new token (under load, most of
-        a Super-Tree's requests) attend as (B_1, 1 row, L_1 keys), the others as (B_2, N_max, L_2), instead of
-        every request padded to the widest tree's N_max query rows over the longest context (on this CPU a 64-request
-        attention over 330 keys costs 0.36 s per forward at 1 row, 0.74 s at 5). Each group: (request indices,
-        token indices, each token's request position within the group, rows, keys); L_g = the group's last written
-        position + 1, beyond which none of its tokens attends. None: one padded group (an even batch, or an
-        accelerator, where one launch over the padded layout beats host-side grouping). Computed once per batch."""
-        if "_groups" in self.__dict__:
-            return self.__dict__["_groups"]
-        groups = None
-        b, n_max, _ = self.attn_mask.shape
-        if self.attn_mask.device.type == "cpu" and n_max > 1:
-            gen = torch.bincount(self.token_request, minlength=b)
-            single = gen == 1
-            if bool(single.any()) and not bool(single.all()):
-                groups = []
-                for sel in (single, ~single):
-                    rows = torch.nonzero(sel, as_tuple=True)[0]
-                    tokens = torch.nonzero(sel[self.token_request], as_tuple=True)[0]
-                    position = torch.full((b,), -1, dtype=torch.long)
-                    position[rows] = torch.arange(rows.numel())
-                    groups.append((rows, tokens, position[self.token_request[tokens]], int(gen[rows].max()),
-                                   int(self.write_pos[tokens].max()) + 1))
-        self.__dict__["_groups"] = groups
-        return groups
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -275,30 +248,16 @@ class Attention(nn.Module):
         tok_slot = batch.slots[batch.token_request]  # (T,)
         ck[tok_slot, :, batch.write_pos] = k.to(ck.dtype)
         cv[tok_slot, :, batch.write_pos] = v.to(cv.dtype)
-        groups = batch.attention_groups()
-        if groups is None:
-            b, n_max, l_max = batch.attn_mask.shape
-            out = self._attend(q, ck, cv, batch.slots, batch.attn_mask, batch.token_request, batch.token_local,
-                               n_max, l_max)
-        else:
-            out = q.new_empty(t, self.h, self.hd)
-            for rows, tokens, position, n, keys in groups:
-                out[tokens] = self._attend(q[tokens], ck, cv, batch.slots[rows], batch.attn_mask[rows, :n, :keys],
-                                           position, batch.token_local[tokens], n, keys)
-        return self.o_proj(out.reshape(t, self.h * self.hd))
-
-    def _attend(self, q: Tensor, ck: Tensor, cv: Tensor, slots: Tensor, mask: Tensor, request: Tensor,
-                local: Tensor, n: int, length: int) -> Tensor:
-        """Attention of q (T, H, hd), token t being row local[t] of request request[t] of these slots, over the
-        first `length` cache positions of each slot under mask (B, n, length); returns (T, H, hd)."""
-        keys = ck[slots, :, :length].to(q.dtype)  # (B, H_kv, L, hd)
-        values = cv[slots, :, :length].to(q.dtype)
-        qp = q.new_zeros(slots.numel(), n, self.h, self.hd)
-        qp[request, local] = q
+        b, n_max, l_max = batch.attn_mask.shape
+        keys = ck[batch.slots, :, :l_max].to(q.dtype)  # (B, H_kv, L_max, hd)
+        values = cv[batch.slots, :, :l_max].to(q.dtype)
+        qp = q.new_zeros(b, n_max, self.h, self.hd)
+        qp[batch.token_request, batch.token_local] = q
         out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), keys, values, attn_mask=mask[:, None], enable_gqa=self.h != self.h_kv
+            qp.transpose(1, 2), keys, values, attn_mask=batch.attn_mask[:, None], enable_gqa=self.h != self.h_kv
         )
-        return out.transpose(1, 2)[request, local]
+        out = out.transpose(1, 2)[batch.token_request, batch.token_local]  # (T, H, hd)
+        return self.o_proj(out.reshape(t, self.h * self.hd))
 
 
 class MLP(nn.Module):
