@@ -52,7 +52,7 @@ __all__ = [
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
 # the verification grid (`measure_verify_grid`): tokens per forward x cached tokens per request
 # tokens per verification on the grid: dense where decisions are made, a batch's B roots up to about 2B tokens
-# (verification is not linear between 64 and 256 tokens, docs/calibration.md); above 64, multiples of 64
+# (verification is convex between 64 and 256 tokens on a CPU, docs/calibration.md); above 64, multiples of 64
 # (64 requests x n tokens each)
 GRID_TOKENS = (1, 4, 16, 32, 64, 128, 192, 256)
 GRID_CONTEXTS = (64, 256, 1024)
