@@ -423,6 +423,7 @@ class EchoPolicy(TreePolicy):
         # the calibration's first-level confidences (float64), for the rule before drafting (`drafts`)
         first = None if gate_samples is None else gate_samples.confidences[gate_samples.depths == 1].double()
         self.first_level = first if first is not None and first.numel() else None
+        self._first_level_by_batch: dict[int, tuple[Tensor, float]] = {}
 
     def acceptance_estimates(self, path_probs: Tensor, depths: Tensor | int) -> Tensor:
         return path_probs if self.acceptance is None else self.acceptance.estimate(path_probs, depths)
@@ -466,14 +467,17 @@ class EchoPolicy(TreePolicy):
         """A batch's first level as the calibration expects it: acceptance estimates at M = max(B, 64) quantiles
         ((i + 1/2) / M) of the first-level confidences, best first, cut by the gate where depth 1 is a gate
         depth, each standing for B / M requests (the weight). With M > B the rule weighs the distribution's tail:
-        a lone request is confident now and then, and the median alone would say never."""
+        a lone request is confident now and then, and the median alone would say never. Kept per batch size."""
+        if batch_size in self._first_level_by_batch:
+            return self._first_level_by_batch[batch_size]
         m = max(batch_size, self.FIRST_LEVEL_POINTS)
         q = (torch.arange(m, dtype=torch.float64) + 0.5) / m
         c = torch.quantile(self.first_level, q).flip(0)
         tau = self.gate_for(batch_size).threshold_at(1)
         if tau is not None:
             c = c[gate(c, tau, torch.ones_like(c, dtype=torch.bool))]
-        return self.acceptance_estimates(c, 1), batch_size / m
+        self._first_level_by_batch[batch_size] = self.acceptance_estimates(c, 1), batch_size / m
+        return self._first_level_by_batch[batch_size]
 
     def observe(self, level: DraftLevel, state: DraftState) -> None:
         c = best_path_confidence(level, state.batch_size).cpu()  # (B,)

@@ -25,9 +25,11 @@ def test_host_link_counts_reads_as_syncs_and_bytes():
 def test_a_step_reads_its_levels_at_sync_points_and_the_accepted_path_once(pair_llm, prompts, policy, temperature):
     """Beam policies run the batched drafting loop: one read at the policy's first decision depth (echo: its first
     gate), one after the last level, one for the accepted path: <= 3 syncs per step. The static tree's frontier is
-    its choice trie, drafted level by level: one read per level."""
+    its choice trie, drafted level by level: one read per level. (The accelerator form, which the runtime uses
+    off the CPU; on the CPU it reads after every level, the next test.)"""
     config = EchoConfig(policy=policy, k_max=64)
     with pair_llm(speculative_config=config, max_batch_size=4, cost_model=None, iter_stats_max_iterations=200) as llm:
+        llm.executor.sync_every_level = False
         llm.generate(prompts[:4], [SamplingParams(max_tokens=10, temperature=temperature, seed=i, ignore_eos=True)
                                    for i in range(4)], use_tqdm=False)
         reports = llm.get_stats()
@@ -51,3 +53,20 @@ def test_a_step_reads_its_levels_at_sync_points_and_the_accepted_path_once(pair_
         assert t.syncs == count + 1 <= 3, t.reads  # nothing else is read back
         # per drafted row and level at most: frontier slots (int64 + bool), then k children (float32 + int64)
         assert size <= 4 * config.max_depth * width * (9 + k * 12)
+
+
+def test_on_the_cpu_a_step_reads_after_every_drafted_level(pair_llm, prompts):
+    """Where a read costs nothing the batched loop decides after every level: one read per level the device
+    drafted (the replay's levels, at most one more that found its frontier empty), one for the accepted path."""
+    with pair_llm(speculative_config=EchoConfig(policy="echo", k_max=64), max_batch_size=4, cost_model=None,
+                  iter_stats_max_iterations=200) as llm:
+        assert llm.executor.sync_every_level  # the models are on the CPU
+        llm.generate(prompts[:4], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), use_tqdm=False)
+        reports = llm.get_stats()
+    spec = [r for r in reports if r.speculated]
+    assert len(spec) >= 3
+    for r in spec:
+        levels = len(r.draft.state.frontier_sizes)
+        count = r.traffic.reads["draft levels"][0]
+        assert levels <= count <= levels + 1 and r.traffic.syncs == count + 1, r.traffic.reads
+    assert max(r.traffic.reads["draft levels"][0] for r in spec) >= 3  # deeper than the first gate and the end
