@@ -15,7 +15,8 @@ where the candidates come in the scheduler's order (P1 depth, then P2 width; any
 counts the bonus token every request gets, and t_spent is the drafting time already spent this step (sunk: it is
 charged to every choice). Whether to draft at all is decided before drafting, where the draft's time is not sunk
 yet: `drafting_pays` (the echo family's rule, from the acceptance its calibration expects at the first level) and
-the executor's `SpeculationTracker` (measured throughput, the +fallback mode). n = 0 verifies roots only. Because the whole curve is evaluated, a flat region (verification nearly free) is filled and a steep one
+the executor's `SpeculationTracker` (measured throughput, the +fallback mode). n = 0 verifies roots only.
+Because the whole curve is evaluated, a flat region (verification nearly free) is filled and a steep one
 (compute-bound, or a CPU kernel whose cost is linear in T) is left alone.
 
 Example: B = 1, estimates [0.9, 0.5, 0.1], t_verify(T) = 0.1 + 0.01·T, t_spent = 0.02:
@@ -39,8 +40,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["CostModel", "budget_rates", "choose_budget", "drafting_pays", "fit_step_overhead", "interpolate", "level_cost_ratio", "break_even_accept_prob", "batch_bucket",
-           "SpeculationTracker"]
+__all__ = ["CostModel", "budget_rates", "choose_budget", "drafting_pays", "fit_step_overhead", "interpolate",
+           "level_cost_ratio", "break_even_accept_prob", "batch_bucket", "SpeculationTracker"]
 
 
 def interpolate(xs: tuple[float, ...], ys: tuple[float, ...], x: Tensor) -> Tensor:

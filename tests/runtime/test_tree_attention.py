@@ -19,9 +19,27 @@ def _setup(target, batch_size: int, seed: int):
     tree = SuperTree.from_parents(parents, [torch.randint(0, vocab, (p.numel(),), generator=gen) for p in parents])
     ctx = torch.randint(1, 12, (batch_size,), generator=gen)
     contexts = [torch.randint(0, vocab, (int(c),), generator=gen) for c in ctx]
-    cache = target.allocate_cache(batch_size, 64)
-    target(chain_batch(contexts, torch.zeros(batch_size, dtype=torch.long), torch.arange(batch_size), "none"), cache)
-    return parents, tree, ctx, contexts, cache
+    return parents, tree, ctx, contexts, _prefill(target, contexts)
+
+
+def _prefill(target, contexts):
+    """A fresh cache with context b prefilled into slot b."""
+    b = len(contexts)
+    cache = target.allocate_cache(b, 64)
+    target(chain_batch(contexts, torch.zeros(b, dtype=torch.long), torch.arange(b), "none"), cache)
+    return cache
+
+
+def _assert_each_node_equals_its_root_path(target, logits, tree, parents, contexts):
+    """Every node's verification logits == a causal forward of its request's context and the node's root path."""
+    ref_cache = target.allocate_cache(1, 64)
+    for node in range(tree.total_nodes):
+        i = int(tree.request_ids[node])
+        start = int(tree.cu_num_nodes[i])
+        path = [start + a for a in naive_ancestors(parents[i].tolist(), node - start)]
+        chain = torch.cat([contexts[i], tree.token_ids[path]])
+        ref = target(chain_batch([chain], torch.tensor([0]), torch.tensor([0])), ref_cache)[0]
+        torch.testing.assert_close(logits[node], ref, rtol=1e-4, atol=1e-4, msg=f"node {node} of request {i}")
 
 
 def _verify(target, packed, ctx, cache):
@@ -35,14 +53,7 @@ def test_tree_verification_equals_causal_forward_of_each_root_path(default_pair,
     packed = pack(tree, ctx)
     logits = _verify(target, packed, ctx, cache)  # (N_tot, V)
     assert logits.shape == (tree.total_nodes, target.config.vocab_size)
-    ref_cache = target.allocate_cache(1, 64)
-    for node in range(tree.total_nodes):
-        i = int(tree.request_ids[node])
-        start = int(tree.cu_num_nodes[i])
-        path = [start + a for a in naive_ancestors(parents[i].tolist(), node - start)]
-        chain = torch.cat([contexts[i], tree.token_ids[path]])
-        ref = target(chain_batch([chain], torch.tensor([0]), torch.tensor([0])), ref_cache)[0]
-        torch.testing.assert_close(logits[node], ref, rtol=1e-4, atol=1e-4, msg=f"node {node} of request {i}")
+    _assert_each_node_equals_its_root_path(target, logits, tree, parents, contexts)
 
 
 def test_fixed_stride_layout_gives_the_same_logits(default_pair):
@@ -104,14 +115,5 @@ def test_a_ragged_batch_equals_each_root_paths_causal_forward(default_pair):
     tree = SuperTree.from_parents(parents, [torch.randint(0, vocab, (p.numel(),), generator=gen) for p in parents])
     ctx = torch.tensor([9, 4, 30, 7, 2])
     contexts = [torch.randint(0, vocab, (int(c),), generator=gen) for c in ctx]
-    cache = target.allocate_cache(len(sizes), 64)
-    target(chain_batch(contexts, torch.zeros(len(sizes), dtype=torch.long), torch.arange(len(sizes)), "none"), cache)
-    logits = _verify(target, pack(tree, ctx), ctx, cache)
-    ref_cache = target.allocate_cache(1, 64)
-    for node in range(tree.total_nodes):
-        i = int(tree.request_ids[node])
-        start = int(tree.cu_num_nodes[i])
-        path = [start + a for a in naive_ancestors(parents[i].tolist(), node - start)]
-        chain = torch.cat([contexts[i], tree.token_ids[path]])
-        ref = target(chain_batch([chain], torch.tensor([0]), torch.tensor([0])), ref_cache)[0]
-        torch.testing.assert_close(logits[node], ref, rtol=1e-4, atol=1e-4, msg=f"node {node} of request {i}")
+    logits = _verify(target, pack(tree, ctx), ctx, _prefill(target, contexts))
+    _assert_each_node_equals_its_root_path(target, logits, tree, parents, contexts)
