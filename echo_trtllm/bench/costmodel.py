@@ -10,12 +10,13 @@ entries with their shape options) at each batch size on held-out prompts and com
     verify   the target forward over the step's T tokens: measured, against the grid at the step's context (the
              batch's longest cached context, as the runtime's padded attention reads it: `verify_time(T, context)`)
              and against the context-blind curve (`verify_time(T)`)
-             and against the grid plus the step overhead fitted as `calibrate` fits it (on calibration prompts,
-             at one batch size, `--fit-batch-size`)
-    draft    the step's drafting (draft forwards and the drafting loop's host work): measured, against the
-             draft curve at every level's frontier size + the model's control seconds
-    step     the whole step: measured, against the grid's verification + the fitted overhead + the draft curve at
-             every level's frontier size + the model's control seconds
+    verify side  the step's seconds outside drafting (the tree's inputs, the target forward, acceptance, commit):
+             measured, against the grid plus the step overhead fitted as `calibrate` fits it (on calibration
+             prompts, at one batch size, `--fit-batch-size`)
+    draft    the step's drafting (draft forwards and the drafting loop's host work, selection and packing):
+             measured, against the draft curve at every level's frontier size plus the fitted overhead per level
+             (`draft_level_time`) + the model's control seconds
+    step     the whole step: measured, against the verify side's and the draft side's predictions summed
 
 Reported per batch size: median absolute relative error, and the ratio of summed predicted to summed measured
 seconds (bias). Wall-clock timings on a shared machine: the medians say more than any single step.
@@ -30,7 +31,7 @@ import statistics
 import time
 
 from echo_trtllm.core import EchoConfig
-from echo_trtllm.core.cost import CostModel, fit_step_overhead
+from echo_trtllm.core.cost import CostModel
 
 __all__ = ["compare_steps"]
 
@@ -41,36 +42,35 @@ def _errors(pred: list[float], meas: list[float]) -> dict:
             "predicted_over_measured": round(sum(pred) / sum(meas), 4) if sum(meas) > 0 else None}
 
 
-def measured_steps(reports) -> list[tuple[int, float, float]]:
-    """(tokens verified, context read, verify seconds) of every step that verified something."""
-    return [(r.verified_tokens, r.context, r.timings.verify) for r in reports if r.batch_size and r.verified_tokens]
-
-
 def compare_steps(reports, cost: CostModel) -> dict:
-    """Errors of the cost model's predictions over executed step reports (steps that verified something):
-    the grid alone, the grid plus the cost model's fitted step overhead, the context-blind curve, and the whole
-    step (grid + overhead + the draft curve per level + control)."""
+    """Errors of the cost model's predictions over executed step reports (steps that verified something): the
+    forward against the grid alone and the context-blind curve, the verify side against the grid plus the fitted
+    step overhead, the draft side (speculative steps) against `draft_level_time` per level plus control, and the
+    whole step against both sides."""
     bare = dataclasses.replace(cost, step_overhead_seconds=0.0)
-    meas_v, grid_v, fitted_v, curve_v, meas_s, pred_s, meas_d, pred_d = [], [], [], [], [], [], [], []
+    meas_v, grid_v, curve_v, meas_side, pred_side, meas_s, pred_s, meas_d, pred_d = ([] for _ in range(9))
     for rep in reports:
         if not rep.batch_size or rep.verified_tokens == 0:
             continue
-        t, c = rep.verified_tokens, rep.context
-        meas_v.append(rep.timings.verify)
+        t, c, tm = rep.verified_tokens, rep.context, rep.timings
+        meas_v.append(tm.verify)
         grid_v.append(float(bare.verify_time(t, c)))
-        fitted_v.append(float(cost.verify_time(t, c)))
         curve_v.append(float(bare.verify_time(t)))
-        draft = sum(float(cost.draft_time(f)) for f in rep.draft.state.frontier_sizes) if rep.draft else 0.0
-        meas_s.append(rep.timings.total)
-        pred_s.append(fitted_v[-1] + draft + (cost.control_seconds if rep.speculated else 0.0))
+        meas_side.append(tm.total - tm.draft_model - tm.control)
+        pred_side.append(float(cost.verify_time(t, c)))
+        draft = 0.0
         if rep.speculated:
-            meas_d.append(rep.timings.draft_model + rep.timings.control)
-            pred_d.append(draft + cost.control_seconds)
+            draft = sum(float(cost.draft_level_time(f)) for f in rep.draft.state.frontier_sizes) + cost.control_seconds
+            meas_d.append(tm.draft_model + tm.control)
+            pred_d.append(draft)
+        meas_s.append(tm.total)
+        pred_s.append(pred_side[-1] + draft)
     return {"steps": len(meas_v),
             "mean_verified_tokens": round(statistics.mean(r.verified_tokens for r in reports if r.batch_size), 2),
             "mean_context_read": round(statistics.mean(r.context for r in reports if r.batch_size), 1),
-            "verify_grid": _errors(grid_v, meas_v), "verify_grid_overhead": _errors(fitted_v, meas_v),
-            "verify_curve": _errors(curve_v, meas_v), "step_grid": _errors(pred_s, meas_s),
+            "mean_step_seconds": round(statistics.mean(meas_s), 5) if meas_s else None,
+            "verify_grid": _errors(grid_v, meas_v), "verify_curve": _errors(curve_v, meas_v),
+            "verify_side": _errors(pred_side, meas_side), "step_grid": _errors(pred_s, meas_s),
             "speculative_steps": len(meas_d), "draft": _errors(pred_d, meas_d) if meas_d else None}
 
 
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seq-len", type=int, default=1024)
     args = ap.parse_args(argv)
     from echo_trtllm.bench.run import make_engine, parse_method
-    from echo_trtllm.runtime.calibrate import Calibration
+    from echo_trtllm.runtime.calibrate import Calibration, fit_overheads
 
     methods = [(m, *parse_method(m)) for m in args.methods.split(",")]  # refused by name before loading
     target, tok = load_model(args.model, dtype=args.dtype)
@@ -117,7 +117,8 @@ def main(argv=None) -> int:
 
     if calibration is not None:
         cost = calibration.cost_model
-        print(f"cost model of {args.calibration} (step overhead {cost.step_overhead_seconds * 1e3:.2f} ms)", flush=True)
+        print(f"cost model of {args.calibration} (step overhead {cost.step_overhead_seconds * 1e3:.2f} ms, per "
+              f"draft level {cost.draft_level_overhead_seconds * 1e3:.2f} ms)", flush=True)
     else:
         t0 = time.perf_counter()
         cost = measure_cost_model(target, draft, repeats=args.repeats, grid=True)
@@ -128,9 +129,9 @@ def main(argv=None) -> int:
             llm.generate([cal_prompts[i % len(cal_prompts)] for i in range(fb)], params, use_tqdm=False)  # warm-up
             llm.get_stats()
             llm.generate([cal_prompts[(fb + i) % len(cal_prompts)] for i in range(fb)], params, use_tqdm=False)
-            cost = dataclasses.replace(cost, step_overhead_seconds=fit_step_overhead(cost, measured_steps(llm.get_stats())))
-        print(f"step overhead fitted at B={fb} on calibration prompts: {cost.step_overhead_seconds * 1e3:.2f} ms",
-              flush=True)
+            cost = fit_overheads(cost, llm.get_stats())
+        print(f"fitted at B={fb} on calibration prompts: step overhead {cost.step_overhead_seconds * 1e3:.2f} ms, "
+              f"per draft level {cost.draft_level_overhead_seconds * 1e3:.2f} ms", flush=True)
     rows = []
     for b in (int(x) for x in args.batch_sizes.split(",")):
         for spec, name, shape in methods:
@@ -140,17 +141,14 @@ def main(argv=None) -> int:
                 llm.generate([prompts[(b + i) % len(prompts)] for i in range(b)], params, use_tqdm=False)
                 row = {"method": spec, "batch_size": b, **compare_steps(llm.get_stats(), cost)}
             rows.append(row)
-            draft_err = row["draft"]
+            err = {k: row[k] for k in ("verify_grid", "verify_curve", "verify_side", "step_grid")}
             print(f"{spec} B={b}: {row['steps']} steps, T {row['mean_verified_tokens']}, context "
-                  f"{row['mean_context_read']}: verify error grid {row['verify_grid']['median_abs_rel_error']:.1%} "
-                  f"(bias {row['verify_grid']['predicted_over_measured']:.2f}), grid + overhead "
-                  f"{row['verify_grid_overhead']['median_abs_rel_error']:.1%} (bias "
-                  f"{row['verify_grid_overhead']['predicted_over_measured']:.2f}), curve "
-                  f"{row['verify_curve']['median_abs_rel_error']:.1%} (bias "
-                  f"{row['verify_curve']['predicted_over_measured']:.2f}); whole step "
-                  f"{row['step_grid']['median_abs_rel_error']:.1%} (bias {row['step_grid']['predicted_over_measured']:.2f})"
-                  + (f"; draft bias {draft_err['predicted_over_measured']:.2f} over {row['speculative_steps']} "
-                     f"speculative steps" if draft_err else ""), flush=True)
+                  f"{row['mean_context_read']}: " + ", ".join(
+                      f"{k} {e['median_abs_rel_error']:.1%} (bias {e['predicted_over_measured']:.2f})"
+                      for k, e in err.items())
+                  + (f"; draft {row['draft']['median_abs_rel_error']:.1%} (bias "
+                     f"{row['draft']['predicted_over_measured']:.2f}) over {row['speculative_steps']} speculative "
+                     f"steps" if row["draft"] else ""), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "cost_model": json.loads(cost.to_json()), "dtype": args.dtype,

@@ -7,7 +7,9 @@ segment. Under load the KV reads are part of a step: with a measured grid (`grid
 of a verification over T tokens whose requests hold C cached tokens each), `verify_time(T, context=C)`
 interpolates bilinearly in (T, C); without a grid, or without a context, it is the curve t_verify(T). The runtime
 passes the context its attention reads per request: its padded layout attends the batch's longest context for
-every request (a paged-attention engine would pass the mean). `choose_budget` picks how many candidates to verify:
+every request (a paged-attention engine would pass the mean). Real steps spend host time around the forwards: a
+fitted overhead per step (tree inputs, acceptance, commit) is part of every `verify_time`, and one per draft level
+(top-k, gate, bookkeeping) of every `draft_level_time`. `choose_budget` picks how many candidates to verify:
 
     K = B + n,  n maximising  (B + sum of the n best candidates' acceptance estimates) / (t_spent + t_verify(B + n))
 
@@ -40,8 +42,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["CostModel", "budget_rates", "choose_budget", "drafting_pays", "fit_step_overhead", "interpolate",
-           "level_cost_ratio", "break_even_accept_prob", "batch_bucket", "SpeculationTracker"]
+__all__ = ["CostModel", "budget_rates", "choose_budget", "drafting_pays", "fit_draft_overhead", "fit_step_overhead",
+           "interpolate", "level_cost_ratio", "break_even_accept_prob", "batch_bucket", "SpeculationTracker"]
 
 
 def interpolate(xs: tuple[float, ...], ys: tuple[float, ...], x: Tensor) -> Tensor:
@@ -77,9 +79,13 @@ class CostModel:
     grid_tokens: tuple[int, ...] = ()
     grid_contexts: tuple[int, ...] = ()
     grid_seconds: tuple[tuple[float, ...], ...] = ()
-    # host seconds a real verification step spends beyond the timed forward (building the tree's inputs,
-    # acceptance, commit), added to every verify_time; fitted from real steps (`fit_step_overhead`)
+    # host seconds a real step spends beyond the target's forward (building the tree's inputs, acceptance,
+    # commit), added to every verify_time; fitted from real steps (`fit_step_overhead`)
     step_overhead_seconds: float = 0.0
+    # host seconds a real draft level spends beyond the draft's forward (the drafting loop's top-k, gate and
+    # bookkeeping, the selection and packing it leads to), added to every draft_level_time; fitted from real
+    # steps (`fit_draft_overhead`)
+    draft_level_overhead_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("verify", "draft"):
@@ -91,8 +97,9 @@ class CostModel:
                 raise ValueError(f"CostModel.{name}_seconds must be positive, got {ys}")
         if not self.verify_tokens:
             raise ValueError("CostModel needs at least one verify point")
-        if not (self.step_overhead_seconds >= 0.0):
-            raise ValueError(f"CostModel.step_overhead_seconds must be >= 0, got {self.step_overhead_seconds}")
+        for name in ("step_overhead_seconds", "draft_level_overhead_seconds"):
+            if not (getattr(self, name) >= 0.0):
+                raise ValueError(f"CostModel.{name} must be >= 0, got {getattr(self, name)}")
         if self.grid_tokens or self.grid_contexts or self.grid_seconds:
             for name in ("grid_tokens", "grid_contexts"):
                 if not getattr(self, name):
@@ -119,9 +126,17 @@ class CostModel:
         return interpolate(self.grid_tokens, at_context, tokens).clamp(min=1e-9) + self.step_overhead_seconds
 
     def draft_time(self, tokens: Tensor | int) -> Tensor:
+        """Seconds of one draft forward over `tokens` tokens (0 without a draft curve)."""
         if not self.draft_tokens:
             return torch.zeros_like(torch.as_tensor(tokens, dtype=torch.float64))
         return interpolate(self.draft_tokens, self.draft_seconds, torch.as_tensor(tokens))
+
+    def draft_level_time(self, frontier: Tensor | int) -> Tensor:
+        """Seconds of one level of tree drafting over a frontier of `frontier` tokens: its draft forward plus the
+        fitted host work of a level (0 without a draft curve)."""
+        if not self.draft_tokens:
+            return self.draft_time(frontier)
+        return self.draft_time(frontier) + self.draft_level_overhead_seconds
 
     @classmethod
     def linear(cls, fixed: float, per_token: float, max_tokens: int = 4096) -> "CostModel":
@@ -156,6 +171,18 @@ def fit_step_overhead(cost: CostModel, steps: list[tuple[int, float, float]]) ->
         raise ValueError("fit_step_overhead needs at least one measured step")
     base = dataclasses.replace(cost, step_overhead_seconds=0.0)
     residuals = sorted(m - float(base.verify_time(t, c)) for t, c, m in steps)
+    return max(0.0, residuals[len(residuals) // 2])
+
+
+def fit_draft_overhead(cost: CostModel, steps: list[tuple[list[int], float]]) -> float:
+    """The host seconds per draft level the draft forward timings miss: the median over real speculative steps
+    (every level's frontier size, measured drafting seconds: draft forwards and the host work around them, the
+    selection and packing included) of (measured - the draft curve summed over the levels) / levels, at least 0.
+    Steps that drafted no level are skipped; a step's per-step host work is spread over its levels."""
+    residuals = sorted((m - sum(float(cost.draft_time(f)) for f in frontiers)) / len(frontiers)
+                       for frontiers, m in steps if frontiers)
+    if not residuals:
+        raise ValueError("fit_draft_overhead needs at least one measured step that drafted a level")
     return max(0.0, residuals[len(residuals) // 2])
 
 
@@ -199,14 +226,14 @@ def drafting_pays(estimates: Tensor, batch_size: int, cost: CostModel, draft_sec
 
 def level_cost_ratio(cost: CostModel, batch_size: int, draft_width: int = 0) -> float:
     """What one more draft level costs, as a fraction of a plain step, when every request of a batch of B gets
-    it: one draft forward over B * draft_width tokens plus the verification of B more tokens,
-    (t_draft(B * draft_width) + t_verify(2B) - t_verify(B)) / t_verify(B). A level yields p tokens per request
+    it: one draft level over B * draft_width tokens (forward and host work) plus the verification of B more
+    tokens, (t_level(B * draft_width) + t_verify(2B) - t_verify(B)) / t_verify(B). A level yields p tokens per request
     where a step yields one, so it pays when p exceeds this ratio; at 1 or more it cannot pay at all."""
     b = max(1, batch_size)
     base = float(cost.verify_time(b))
     extra = float(cost.verify_time(2 * b)) - base
     if draft_width > 0 and cost.draft_tokens:
-        extra += float(cost.draft_time(b * draft_width))
+        extra += float(cost.draft_level_time(b * draft_width))
     return extra / base
 
 

@@ -461,7 +461,7 @@ class EchoPolicy(TreePolicy):
             return True
         est, weight = self.expected_first_level(batch_size)
         est = est[:max(0, int((budget - batch_size) / weight))]  # what the budget can verify
-        return drafting_pays(est, batch_size, cost, float(cost.draft_time(batch_size)), context, weight)
+        return drafting_pays(est, batch_size, cost, float(cost.draft_level_time(batch_size)), context, weight)
 
     def expected_first_level(self, batch_size: int) -> tuple[Tensor, float]:
         """A batch's first level as the calibration expects it: acceptance estimates at M = max(B, 64) quantiles
@@ -510,7 +510,7 @@ class EchoPolicy(TreePolicy):
         step = float(cost.verify_time(b, ctx))
         # the verification already claimed: every request's root and its spine so far (priority 1)
         claimed = b + int(state.spine_depth.sum())
-        seconds = (float(cost.draft_time(n * self.expand_width))
+        seconds = (float(cost.draft_level_time(n * self.expand_width))
                    + float(cost.verify_time(claimed + n, ctx)) - float(cost.verify_time(claimed, ctx)))
         # tokens the next level may add, at most (the best nodes' acceptance estimates)
         gain = float(self.acceptance_estimates(state.confidence[-1][state.active], len(state.confidence)).sum())
@@ -522,7 +522,7 @@ class EchoPolicy(TreePolicy):
             tree, state.spine_depth.to(tree.token_ids.device), int(state.budget), self.config.max_nodes_per_request
         )
         if self.cost_model is not None and alloc.order.numel():
-            drafted = sum(float(self.cost_model.draft_time(f)) for f in state.frontier_sizes)  # sunk this step
+            drafted = sum(float(self.cost_model.draft_level_time(f)) for f in state.frontier_sizes)  # sunk this step
             order = alloc.order
             estimates = self.acceptance_estimates(tree.path_probs[order], tree.depths[order])
             k = choose_budget(estimates, state.batch_size, self.cost_model, drafted, state.context)

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from echo_trtllm.core.config import EchoConfig
 from echo_trtllm.jsonfile import read_json_object
-from echo_trtllm.core.cost import CostModel, break_even_accept_prob, fit_step_overhead
+from echo_trtllm.core.cost import CostModel, break_even_accept_prob, fit_draft_overhead, fit_step_overhead
 from echo_trtllm.core.gating import GateCalibration, GateSamples, calibrate_gate
 from echo_trtllm.models.eagle3 import Eagle3Head
 from echo_trtllm.models.llama import CausalLM
@@ -46,6 +46,7 @@ __all__ = [
     "LOAD_REPEATS",
     "gate_samples",
     "collect_gate_samples",
+    "fit_overheads",
     "calibrate",
 ]
 
@@ -267,6 +268,23 @@ def collect_gate_samples(executor, prompts: list[str], params, progress=None) ->
     return d, c, a, steps
 
 
+def fit_overheads(cost: CostModel, reports) -> CostModel:
+    """`cost` with the host work of real steps (executor step reports) fitted: the step overhead from the
+    verification side of every step that verified something (its seconds outside drafting: the tree's inputs, the
+    target's forward, acceptance, commit) and the per-level draft overhead from every speculative step's drafting
+    (draft forwards and the host work around them) over its levels' frontier sizes. A term without steps to fit
+    it keeps its value."""
+    verify = [(r.verified_tokens, r.context, r.timings.total - r.timings.draft_model - r.timings.control)
+              for r in reports if r.batch_size and r.verified_tokens]
+    drafting = [(list(r.draft.state.frontier_sizes), r.timings.draft_model + r.timings.control)
+                for r in reports if r.batch_size and r.speculated and r.draft is not None]
+    if verify:
+        cost = dataclasses.replace(cost, step_overhead_seconds=fit_step_overhead(cost, verify))
+    if cost.draft_tokens and any(frontiers for frontiers, _ in drafting):
+        cost = dataclasses.replace(cost, draft_level_overhead_seconds=fit_draft_overhead(cost, drafting))
+    return cost
+
+
 def warmup_config(config: EchoConfig, batch_size: int) -> EchoConfig:
     """The echo config of the warm-up: every gate open (tau = 0 at every depth), room for every spine."""
     depths = tuple(range(1, config.max_depth + 1))
@@ -290,21 +308,20 @@ def calibrate(target: CausalLM, draft: CausalLM, tokenizer, config: EchoConfig, 
     ex = Executor(target, draft, tokenizer, warm, max_batch_size=batch_size, max_seq_len=max_seq_len)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     t0 = time.perf_counter()
-    measured: list[tuple[int, float, float]] = []  # (tokens, context, verify seconds) of every verifying step
+    reports = []
 
     def observe(report) -> None:
-        if report.batch_size and report.verified_tokens:
-            measured.append((report.verified_tokens, report.context, report.timings.verify))
+        reports.append(report)
         if progress is not None:
             progress(report)
 
     depths, conf, acc, steps = collect_gate_samples(ex, prompts, params, observe)
-    if measured:  # what the forward timings miss of a real step (the warm-up's own steps)
-        cost = dataclasses.replace(cost, step_overhead_seconds=fit_step_overhead(cost, measured))
+    cost = fit_overheads(cost, reports)  # what the forward timings miss of a real step (the warm-up's own steps)
     lam = break_even_accept_prob(cost, batch_size, config.beam_width)
     gate = calibrate_gate(depths, conf, acc, config.max_depth, num_sweet_spots=num_sweet_spots, min_accept_prob=lam)
     warmup = {"prompts": len(prompts), "batch_size": batch_size, "max_tokens": max_tokens, "steps": steps,
               "step_overhead_seconds": round(cost.step_overhead_seconds, 6),
+              "draft_level_overhead_seconds": round(cost.draft_level_overhead_seconds, 6),
               "draft_width": config.beam_width,
               "samples": int(depths.numel()), "seconds": round(time.perf_counter() - t0, 3)}
     samples = {"depths": depths.tolist(), "confidences": conf.tolist(), "accepted":

@@ -17,4 +17,7 @@ def test_predicted_vs_measured_per_method(tmp_path):
     assert rows["ar"]["mean_verified_tokens"] == 2
     chain = rows["chain:num_draft_tokens=1"]
     assert chain["speculative_steps"] == chain["steps"] > 0 and chain["draft"]["predicted_over_measured"] > 0
-    assert report["cost_model"]["grid_seconds"] and report["cost_model"]["step_overhead_seconds"] >= 0
+    assert all(r["verify_side"]["predicted_over_measured"] > 0 and r["step_grid"]["predicted_over_measured"] > 0
+               for r in rows.values())
+    model = report["cost_model"]
+    assert model["grid_seconds"] and model["step_overhead_seconds"] >= 0 and model["draft_level_overhead_seconds"] >= 0

@@ -65,3 +65,32 @@ def test_the_step_overhead_is_the_median_residual_of_real_steps():
         CostModel((1,), (0.1,), step_overhead_seconds=-0.001)
     with pytest.raises(ValueError, match="at least one measured step"):
         fit_step_overhead(cost, [])
+
+
+def test_the_draft_level_overhead_is_the_median_per_level_residual_of_real_steps():
+    """Real drafting costs the draft forwards plus host work per level; the fit is the median over steps of
+    (measured - the draft curve over the step's frontiers) / levels, added to every draft_level_time (not to the
+    forward's draft_time), kept in JSON; steps that drafted nothing do not count."""
+    import dataclasses
+
+    from echo_trtllm.core.cost import fit_draft_overhead, level_cost_ratio
+
+    cost = CostModel((1, 64), (0.01, 0.05), (1, 64), (0.001, 0.004))
+    fwd = lambda f: float(cost.draft_time(f))  # noqa: E731
+    steps = [(fr, sum(fwd(f) + 0.002 for f in fr)) for fr in ([4], [4, 8], [4, 8, 8], [16, 2])]
+    steps += [([4, 4], 0.9), ([], 0.5)]  # a slow outlier; a step that drafted no level
+    overhead = fit_draft_overhead(cost, steps)
+    assert overhead == pytest.approx(0.002)
+    fitted = dataclasses.replace(cost, draft_level_overhead_seconds=overhead)
+    assert float(fitted.draft_level_time(8)) == pytest.approx(fwd(8) + 0.002)
+    assert float(fitted.draft_time(8)) == pytest.approx(fwd(8))
+    assert fit_draft_overhead(fitted, steps) == pytest.approx(0.002)  # refitting does not count it twice
+    assert CostModel.from_json(fitted.to_json()) == fitted
+    # a level's price includes it: B = 4, one forward over 4 tokens
+    assert level_cost_ratio(fitted, 4, 1) == pytest.approx(level_cost_ratio(cost, 4, 1) + 0.002 / float(cost.verify_time(4)))
+    assert float(CostModel((1,), (0.1,), draft_level_overhead_seconds=0.5).draft_level_time(3)) == 0.0  # no draft curve
+    assert fit_draft_overhead(cost, [([4], 0.0)]) == 0.0
+    with pytest.raises(ValueError, match="draft_level_overhead_seconds must be >= 0"):
+        CostModel((1,), (0.1,), draft_level_overhead_seconds=-0.001)
+    with pytest.raises(ValueError, match="drafted a level"):
+        fit_draft_overhead(cost, [([], 0.1)])

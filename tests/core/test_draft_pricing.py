@@ -55,6 +55,10 @@ def test_expected_rates_weigh_each_quantile_by_its_share_of_the_batch():
     dear = CostModel((1, 2), (0.1, 0.13), (1, 2), (0.03, 0.04))  # (1.25) / (0.03 + 0.1075) = 9.09 < 10
     assert not echo(cost=dear, gate_samples=samples(conf, accepted=acc), gate_depths=(3,),
                     gate_thresholds=(0.0,)).drafts(1)
+    # the same with the cheap forward and 20 ms of host work per draft level (`draft_level_overhead_seconds`)
+    hosted = CostModel((1, 2), (0.1, 0.13), (1, 2), (0.01, 0.02), draft_level_overhead_seconds=0.02)
+    assert not echo(cost=hosted, gate_samples=samples(conf, accepted=acc), gate_depths=(3,),
+                    gate_thresholds=(0.0,)).drafts(1)
 
 
 def test_confident_drafts_on_a_flat_curve_draft_and_a_linear_curve_does_not():

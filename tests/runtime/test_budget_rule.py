@@ -266,3 +266,43 @@ def test_steps_the_policy_runs_plain_are_not_the_fallbacks_measurements(default_
     tracker = run.executor.tracker
     assert all(r.spec_steps == 0 for r in tracker.buckets.values())
     assert any(r.ar_steps >= tracker.min_ar_steps for r in tracker.buckets.values())
+
+
+class HostWorkClock(ModelledClock):
+    """A modelled clock on which every forward also costs a fixed host term (the work a real step does around
+    its forwards): `target_extra` seconds per target forward, `draft_extra` per draft forward."""
+
+    def __init__(self, cost, target_extra: float, draft_extra: float) -> None:
+        super().__init__(cost)
+        self.extra = {"target": target_extra, "draft": draft_extra}
+
+    def forward(self, kind, tokens):
+        self.time += self.extra[kind]
+        return super().forward(kind, tokens)
+
+
+def test_the_fitted_overheads_are_the_host_work_of_the_runtimes_own_steps(default_pair, prompts):
+    """`fit_overheads` on the executor's step reports finds the host terms the clock charged beyond the cost
+    model's forwards: 3 ms per step on the verification side and the 2 ms charged per draft forward on the draft
+    side (one forward per level: the median step has no catch-up forward), while a clock with no host work fits
+    neither."""
+    from echo_trtllm.runtime.calibrate import fit_overheads
+
+    target, draft, tok = default_pair
+    config = EchoConfig(policy="chain", num_draft_tokens=3)
+    fitted = {}
+    for extra in ((0.0, 0.0), (0.003, 0.002)):
+        ex = Executor(target, draft, tok, config, max_batch_size=4, max_seq_len=256, cost_model=FLAT,
+                      clock=HostWorkClock(FLAT, *extra), fallback=False)
+        for p in prompts[:4]:
+            ex.submit(ex.make_request(p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)))
+        reports = []
+        while ex.has_work:
+            reports.append(ex.step())
+        assert all(r.speculated and len(r.draft.state.frontier_sizes) == 3 for r in reports if r.batch_size)
+        fitted[extra] = fit_overheads(FLAT, reports)
+    bare, host = fitted[(0.0, 0.0)], fitted[(0.003, 0.002)]
+    assert bare.step_overhead_seconds == pytest.approx(0.0, abs=1e-9)
+    assert bare.draft_level_overhead_seconds == pytest.approx(0.0, abs=1e-9)
+    assert host.step_overhead_seconds == pytest.approx(0.003)
+    assert host.draft_level_overhead_seconds == pytest.approx(0.002)
