@@ -16,6 +16,7 @@
 # TAG (suffix of the calibration's, the simulation's and the benches' file names, so a rerun keeps earlier
 # results; the tuning trace is shared);
 # DROP (tuned methods left out of the bench, a regex of policy names, e.g. "eagle2|ddd": a B = 64 round is long);
+# NO_ABLATION=1 (leave out the echo-always-draft row; a B = 64 round is long);
 # MAXSEQ (context per request, default 1024: the bench holds one engine per method at once, so at B = 64 the Qwen
 # pair's float32 KV caches need MAXSEQ=448 to fit 24 GiB; HumanEval's longest eval prompt is 391 tokens).
 set -euo pipefail
@@ -69,7 +70,9 @@ for B in $BS; do
   echo "B=$B tuned: $M" >&2
   # AR listed too: its row (and the warning when its own spread over rounds exceeds 10 %) is in the table;
   # echo-always-draft (ECHO's shape without draft pricing) is the ablation of the rule before drafting
-  $PY -m echo_trtllm.cli bench "${COMMON[@]}" --methods "ar,$M,${E/#echo/echo-always-draft},$E:fallback=on" \
+  A=",${E/#echo/echo-always-draft}"
+  [ -z "${NO_ABLATION:-}" ] || A=""
+  $PY -m echo_trtllm.cli bench "${COMMON[@]}" --methods "ar,$M$A,$E:fallback=on" \
     --batch-sizes "$B" --fallback off \
     --max-tokens "$MAXTOK" --max-seq-len "$MAXSEQ" --rounds "$ROUNDS" --warmup-rounds "$WARMUP" --calibration "$CAL" \
     --json "$OUT/$NAME${TAG:-}-b$B.json" --markdown "$OUT/$NAME${TAG:-}-b$B.md" --trace "$OUT/$NAME${TAG:-}-b$B-trace.json"
