@@ -13,6 +13,8 @@
 #   4. per batch size, one bench on held-out prompts: AR, every method pure with its tuned shape, ECHO also
 #      with the AR fallback.
 # Environment: BS (batch sizes), MAXTOK, ROUNDS, WARMUP, OUT (default docs/bench), PY; SRC_B, SRC_TOKENS, CONTEXT (tuning);
+# DTYPE (default float32: an AVX2-only CPU has no bf16 instructions; bfloat16 where it has them, docs/dtype.md);
+# TRACE (the tuning trace, default $OUT/$NAME-tune-trace.json, shared by every TAG; give another to trace anew);
 # TAG (suffix of the calibration's, the simulation's and the benches' file names, so a rerun keeps earlier
 # results; the tuning trace is shared);
 # DROP (tuned methods left out of the bench, a regex of policy names, e.g. "eagle2|ddd": a B = 64 round is long);
@@ -46,20 +48,21 @@ case "$WHICH" in
     NAME=default-eagle3-tuned ;;
   *) echo "usage: $0 qwen|default" >&2; exit 2 ;;
 esac
-COMMON=("${MODEL[@]}" --dtype float32 --prompt-set humaneval)
+COMMON=("${MODEL[@]}" --dtype "${DTYPE:-float32}" --prompt-set humaneval)
+TRACE=${TRACE:-$OUT/$NAME-tune-trace.json}
 CAL=$OUT/$NAME${TAG:-}-calibration.json
 if [ ! -f "$CAL" ]; then
   $PY -m echo_trtllm.cli calibrate "${COMMON[@]}" --num-prompts 8 --batch-size 4 --max-tokens 16 --grid --repeats 2 \
     --cost-tokens 1,2,4,8,16,32,64,128,256 --output "$CAL"
 fi
-if [ ! -f "$OUT/$NAME-tune-trace.json" ]; then
+if [ ! -f "$TRACE" ]; then
   $PY -m echo_trtllm.cli bench "${COMMON[@]}" --methods "$SRC" --batch-sizes "$SRC_B" --fallback off \
-    --prompt-split calibration --max-tokens "$SRC_TOKENS" --rounds 1 --warmup-rounds 0 --calibration "$CAL" --trace "$OUT/$NAME-tune-trace.json" \
-    --json "$OUT/$NAME-tune-source.json"
+    --prompt-split calibration --max-tokens "$SRC_TOKENS" --rounds 1 --warmup-rounds 0 --calibration "$CAL" --trace "$TRACE" \
+    --json "${TRACE%-trace.json}-source.json"
 fi
 # one simulation file per set of batch sizes: a later run for other batch sizes keeps the earlier one
 SIM=$OUT/$NAME${TAG:-}-tune-sim$( [ "$BS" = "1 4 16 64" ] || echo "-b$(echo $BS | tr ' ' -)" )
-$PY -m echo_trtllm.cli simulate --trace "$OUT/$NAME-tune-trace.json" --calibration "$CAL" --tree-source "$SRC" \
+$PY -m echo_trtllm.cli simulate --trace "$TRACE" --calibration "$CAL" --tree-source "$SRC" \
   --methods "$($PY -m echo_trtllm.bench.tune --grid)" --batch-sizes "$(echo $BS | tr ' ' ,)" --steps 40 \
   --context "$CONTEXT" \
   --json "$SIM.json" > "$SIM.md"
