@@ -11,8 +11,11 @@ accepted.
     samples at depth 2, sorted by confidence:  c = 0.1  0.2  0.4  0.5  0.8     accepted = 0  1  0  1  1
     pooled:                                     [0.1] [0.2, 0.4] [0.5] [0.8] -> 0, 0.5, 1, 1
 
-A depth with fewer than `min_samples` samples, or without both outcomes, keeps the raw path probability (no
-evidence to correct it with). Between fitted blocks the estimate is the value of the block at or left of c (below
+A depth with fewer than `min_samples` samples keeps the raw path probability (no evidence to correct it with). A
+depth with enough samples and one outcome only (every node rejected, or every node accepted) is one block, valued
+(k + 1/2) / (n + 1) for k accepted of n (the Krichevsky-Trofimov estimate: 0 of 60 gives 0.008, not 0): until
+2026-12-01 such a depth kept the raw probability, so a depth the warm-up had never seen accepted (the Qwen
+EAGLE-3 head at depths 4-6, 0 of 60) was priced at the head's own confidence and ECHO drafted on into it. Between fitted blocks the estimate is the value of the block at or left of c (below
 the first block: the first block's value).
 """
 
@@ -68,7 +71,12 @@ class AcceptanceModel:
         for d in sorted(set(depths.tolist())):
             sel = depths == d
             acc = accepted[sel].double()
-            if int(sel.sum()) < min_samples or acc.min() == acc.max():
+            n = int(sel.sum())
+            if n < min_samples:
+                continue
+            if acc.min() == acc.max():  # one outcome: one block at the smoothed rate (module docstring)
+                fits[int(d)] = (confidences[sel].double().min().reshape(1),
+                                torch.tensor([(float(acc.sum()) + 0.5) / (n + 1)], dtype=torch.float64))
                 continue
             fits[int(d)] = isotonic_fit(confidences[sel], acc)
         return cls(fits)

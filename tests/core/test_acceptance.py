@@ -51,11 +51,21 @@ def test_a_depth_without_enough_evidence_keeps_the_raw_probability():
     accepted = torch.rand(200, generator=gen) < c / 2  # an overconfident draft: accepted half as often
     accepted[100:190] = True  # depth 2: one outcome only
     model = AcceptanceModel.from_samples(depths, c, accepted)
-    assert set(model.fits) == {1}
+    assert set(model.fits) == {1, 2}
     q = torch.tensor([0.9, 0.9, 0.9])
     est = model.estimate(q, torch.tensor([1, 2, 3]))
-    assert est[1] == pytest.approx(0.9) and est[2] == pytest.approx(0.9)
+    assert est[2] == pytest.approx(0.9)  # depth 3: 10 samples, the raw probability
     assert est[0] < 0.75  # corrected down at depth 1
+    # depth 2, 90 of 90 accepted: every confidence gets (90 + 1/2) / 91, whatever its value
+    assert model.estimate(torch.tensor([0.01, 0.9]), 2).tolist() == pytest.approx([90.5 / 91] * 2)
+
+
+def test_a_depth_never_accepted_is_priced_near_zero_not_at_its_confidence():
+    """60 confident nodes at depth 4, none accepted (the Qwen EAGLE-3 head's deep levels): the estimate is
+    (0 + 1/2) / 61, so a cost rule stops drafting there instead of trusting the head's confidence."""
+    c = torch.linspace(0.2, 0.9, 60)
+    model = AcceptanceModel.from_samples(torch.full((60,), 4), c, torch.zeros(60, dtype=torch.bool))
+    assert model.estimate(torch.tensor([0.95, 0.5, 0.1]), 4).tolist() == pytest.approx([0.5 / 61] * 3)
 
 
 def test_echo_weighs_candidates_by_the_calibrated_estimates():
