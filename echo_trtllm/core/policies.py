@@ -512,8 +512,11 @@ class EchoPolicy(TreePolicy):
         claimed = b + int(state.spine_depth.sum())
         seconds = (float(cost.draft_level_time(n * self.expand_width))
                    + float(cost.verify_time(claimed + n, ctx)) - float(cost.verify_time(claimed, ctx)))
-        # tokens the next level may add, at most (the best nodes' acceptance estimates)
-        gain = float(self.acceptance_estimates(state.confidence[-1][state.active], len(state.confidence)).sum())
+        # tokens the next level may add, at most: its best nodes' path probabilities are at most this level's, so
+        # their estimates at the next depth bound them (the estimates rise with the path probability at every
+        # depth). The next depth's map, not this one's: a depth the calibration never saw accepted prices the
+        # level that would draft it near zero
+        gain = float(self.acceptance_estimates(state.confidence[-1][state.active], len(state.confidence) + 1).sum())
         if gain * step <= seconds * b:
             state.active = torch.zeros_like(state.active)
 

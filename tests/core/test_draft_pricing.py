@@ -118,3 +118,29 @@ def test_the_rule_equals_the_ratio_of_expectations_by_hand(b):
     draft = float(FLAT.draft_time(b))
     best = max((b + w * float(est[:n].sum())) / (draft + float(FLAT.verify_time(b + w * n))) for n in range(1, m + 1))
     assert policy.drafts(b) == (best > b / float(FLAT.verify_time(b)))
+
+
+def test_the_cost_stop_prices_the_next_level_at_the_next_depths_acceptance():
+    """After a confident first level, drafting a second level pays when depth 2 is accepted as often as depth 1,
+    and stops when the calibration never saw depth 2 accepted (60 of 60 rejected: estimate 1/122), however
+    confident the head is; without calibration evidence the raw probability decides (it goes on)."""
+    from echo_trtllm.core.policies import DraftState
+
+    c = torch.linspace(0.3, 0.99, 60)
+    acc = torch.rand(60, generator=torch.Generator().manual_seed(0)) < c
+    depth2_like_depth1 = GateSamples(torch.cat([torch.ones(60, dtype=torch.long), torch.full((60,), 2)]),
+                                     torch.cat([c, c]), torch.cat([acc, acc]), max_depth=3)
+    depth2_never = GateSamples(torch.cat([torch.ones(60, dtype=torch.long), torch.full((60,), 2)]),
+                               torch.cat([c, c]), torch.cat([acc, torch.zeros(60, dtype=torch.bool)]), max_depth=3)
+    cost = CostModel(TOKENS, tuple(0.1 + 0.001 * t for t in TOKENS), TOKENS, tuple(0.002 for _ in TOKENS))
+
+    def drafts_on(gate_samples) -> bool:
+        policy = echo(cost=cost, gate_samples=gate_samples, gate_depths=(3,), gate_thresholds=(0.0,))
+        state = DraftState(4, 64, torch.ones(4, dtype=torch.bool), torch.ones(4, dtype=torch.long),
+                           confidence=[torch.full((4,), 0.9)], context=64.0)
+        policy._cost_stop(state)
+        return bool(state.active.all())
+
+    assert drafts_on(depth2_like_depth1)
+    assert not drafts_on(depth2_never)
+    assert drafts_on(None)
