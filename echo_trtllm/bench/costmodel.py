@@ -56,12 +56,12 @@ def compare_steps(reports, cost: CostModel) -> dict:
         meas_v.append(tm.verify)
         grid_v.append(float(bare.verify_time(t, c)))
         curve_v.append(float(bare.verify_time(t)))
-        meas_side.append(tm.total - tm.draft_model - tm.control)
+        meas_side.append(tm.verify_side)
         pred_side.append(float(cost.verify_time(t, c)))
         draft = 0.0
         if rep.speculated:
-            draft = sum(float(cost.draft_level_time(f)) for f in rep.draft.state.frontier_sizes) + cost.control_seconds
-            meas_d.append(tm.draft_model + tm.control)
+            draft = cost.drafting_time(rep.draft.state.frontier_sizes) + cost.control_seconds
+            meas_d.append(tm.drafting)
             pred_d.append(draft)
         meas_s.append(tm.total)
         pred_s.append(pred_side[-1] + draft)

@@ -194,7 +194,7 @@ def simulate_method(method: str, records: list[dict], batch_size: int, cost: Cos
         elif replay:
             per_verified, per_emitted, frontiers = replay_step(runner, batch, budget, context)
             verified, emitted = sum(per_verified), sum(per_emitted)
-            draft_time = sum(float(cost.draft_level_time(f)) for f in frontiers)
+            draft_time = cost.drafting_time(frontiers)
         else:
             levels = max(r["levels"] for r in batch)
             drafted = sum(len(r["probs"]) for r in batch)

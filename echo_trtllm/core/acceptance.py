@@ -15,8 +15,9 @@ A depth with fewer than `min_samples` samples keeps the raw path probability (no
 depth with enough samples and one outcome only (every node rejected, or every node accepted) is one block, valued
 (k + 1/2) / (n + 1) for k accepted of n (the Krichevsky-Trofimov estimate: 0 of 60 gives 0.008, not 0): until
 2026-12-01 such a depth kept the raw probability, so a depth the warm-up had never seen accepted (the Qwen
-EAGLE-3 head at depths 4-6, 0 of 60) was priced at the head's own confidence and ECHO drafted on into it. Between fitted blocks the estimate is the value of the block at or left of c (below
-the first block: the first block's value).
+EAGLE-3 head at depths 4-6, 0 of 60) was priced at the head's own confidence and ECHO drafted on into it.
+Between fitted blocks the estimate is the value of the block at or left of c (below the first block: the first
+block's value).
 """
 
 from __future__ import annotations

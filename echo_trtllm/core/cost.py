@@ -138,6 +138,10 @@ class CostModel:
             return self.draft_time(frontier)
         return self.draft_time(frontier) + self.draft_level_overhead_seconds
 
+    def drafting_time(self, frontier_sizes: list[int]) -> float:
+        """Seconds of a step's drafting over levels with these frontier sizes: `draft_level_time` summed."""
+        return sum(float(self.draft_level_time(f)) for f in frontier_sizes)
+
     @classmethod
     def linear(cls, fixed: float, per_token: float, max_tokens: int = 4096) -> "CostModel":
         """t(T) = fixed + per_token · T (a synthetic curve for tests and what-ifs)."""

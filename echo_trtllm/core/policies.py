@@ -525,7 +525,7 @@ class EchoPolicy(TreePolicy):
             tree, state.spine_depth.to(tree.token_ids.device), int(state.budget), self.config.max_nodes_per_request
         )
         if self.cost_model is not None and alloc.order.numel():
-            drafted = sum(float(self.cost_model.draft_level_time(f)) for f in state.frontier_sizes)  # sunk this step
+            drafted = self.cost_model.drafting_time(state.frontier_sizes)  # sunk this step
             order = alloc.order
             estimates = self.acceptance_estimates(tree.path_probs[order], tree.depths[order])
             k = choose_budget(estimates, state.batch_size, self.cost_model, drafted, state.context)

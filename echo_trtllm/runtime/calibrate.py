@@ -274,9 +274,9 @@ def fit_overheads(cost: CostModel, reports) -> CostModel:
     target's forward, acceptance, commit) and the per-level draft overhead from every speculative step's drafting
     (draft forwards and the host work around them) over its levels' frontier sizes. A term without steps to fit
     it keeps its value."""
-    verify = [(r.verified_tokens, r.context, r.timings.total - r.timings.draft_model - r.timings.control)
+    verify = [(r.verified_tokens, r.context, r.timings.verify_side)
               for r in reports if r.batch_size and r.verified_tokens]
-    drafting = [(list(r.draft.state.frontier_sizes), r.timings.draft_model + r.timings.control)
+    drafting = [(list(r.draft.state.frontier_sizes), r.timings.drafting)
                 for r in reports if r.batch_size and r.speculated and r.draft is not None]
     if verify:
         cost = dataclasses.replace(cost, step_overhead_seconds=fit_step_overhead(cost, verify))

@@ -91,6 +91,16 @@ class StepTimings:
     control: float = 0.0
     verify: float = 0.0
 
+    @property
+    def drafting(self) -> float:
+        """The drafting side: the draft's forwards and the host work around them (selection, packing)."""
+        return self.draft_model + self.control
+
+    @property
+    def verify_side(self) -> float:
+        """Everything outside drafting: the tree's inputs, the target's forward, acceptance, commit."""
+        return self.total - self.drafting
+
 
 @dataclass
 class StepReport:

@@ -87,7 +87,9 @@ def test_the_draft_level_overhead_is_the_median_per_level_residual_of_real_steps
     assert fit_draft_overhead(fitted, steps) == pytest.approx(0.002)  # refitting does not count it twice
     assert CostModel.from_json(fitted.to_json()) == fitted
     # a level's price includes it: B = 4, one forward over 4 tokens
-    assert level_cost_ratio(fitted, 4, 1) == pytest.approx(level_cost_ratio(cost, 4, 1) + 0.002 / float(cost.verify_time(4)))
+    assert level_cost_ratio(fitted, 4, 1) == pytest.approx(
+        level_cost_ratio(cost, 4, 1) + 0.002 / float(cost.verify_time(4)))
+    assert fitted.drafting_time([4, 8]) == pytest.approx(fwd(4) + fwd(8) + 2 * 0.002)
     assert float(CostModel((1,), (0.1,), draft_level_overhead_seconds=0.5).draft_level_time(3)) == 0.0  # no draft curve
     assert fit_draft_overhead(cost, [([4], 0.0)]) == 0.0
     with pytest.raises(ValueError, match="draft_level_overhead_seconds must be >= 0"):
