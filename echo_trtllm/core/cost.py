@@ -38,6 +38,7 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -268,9 +269,11 @@ class ModeRates:
     ar_start_seconds: list[float] = field(default_factory=list)  # the first AR steps, whose median seeds AR
     probe_every: int = 8
     steps_since_probe: int = 0
-    # draft levels a speculative step may use: starts at 1, doubles after a step that beat AR, halves after one
-    # that did not
+    # draft levels a speculative step may use: starts at 1 (the policy's deepest with a prior that expects
+    # speculation to pay), doubles after a step that beat AR, halves after one that did not
     depth: int = 1
+    # speculative steps run before AR is measured (SpeculationTracker.prior)
+    prior_steps: int = 0
 
     @property
     def spec_rate(self) -> float | None:
@@ -306,7 +309,12 @@ class SpeculationTracker:
     may draft (`depth_limit`) doubles after each speculative step that beat the AR rate and halves after one that
     did not, up to `max_depth` (slow start: a probe costs about one draft forward until deeper trees have shown
     they pay, instead of a whole tree built on overconfident drafts). From then on the better mode runs and the
-    other is re-measured by a probe every `probe_every` steps. A speculative step right after AR steps also makes the draft model catch up on the
+    other is re-measured by a probe every `probe_every` steps. With a calibrated `prior` (the policy's rule before
+    drafting, which reads the calibration's first-level acceptance and the cost curve) that expects speculation to
+    pay at a batch size, the order flips there: the bucket's first `min_probe_every` steps speculate with the
+    policy's full depth (what the pure policy would do), then AR is measured for `min_ar_steps` steps, and the
+    measured rates decide from then on; a server's first requests no longer pay an AR start and a slow start that a
+    calibration already answered. A speculative step right after AR steps also makes the draft model catch up on the
     tokens it skipped; that one-off cost is charged to exploration, not to the speculative rate
     (`update(..., one_off_seconds=...)`).
 
@@ -327,12 +335,17 @@ class SpeculationTracker:
     draft_width: int = 0
     # the policy's deepest draft level (the depth limit's ceiling)
     max_depth: int = 1 << 30
+    # batch size -> whether a calibration expects a speculative step to beat a plain one (None: no prior)
+    prior: Callable[[int], bool] | None = None
     buckets: dict[int, ModeRates] = field(default_factory=dict)
 
     def rates(self, batch_size: int) -> ModeRates:
         key = batch_bucket(batch_size)
         if key not in self.buckets:
-            self.buckets[key] = ModeRates(probe_every=self.min_probe_every)
+            r = ModeRates(probe_every=self.min_probe_every)
+            if self.prior is not None and self.can_pay(batch_size) and self.prior(batch_size):
+                r.prior_steps, r.depth = self.min_probe_every, self.max_depth
+            self.buckets[key] = r
         return self.buckets[key]
 
     def depth_limit(self, batch_size: int) -> int:
@@ -348,7 +361,9 @@ class SpeculationTracker:
             return False
         r = self.rates(batch_size)
         if r.ar_steps < self.min_ar_steps:
-            return False  # measure AR first: steps that cannot lose
+            # the calibration's choice first where it expects speculation to pay, then AR's measurement: steps
+            # that cannot lose
+            return r.spec_steps < r.prior_steps
         if r.spec_rate is None:
             return True  # then speculation, once
         better = r.spec_better()
@@ -385,6 +400,8 @@ class SpeculationTracker:
         if not speculated and n <= self.min_ar_steps:
             r.ar_start_seconds.append(steady)
             r.ar_seconds = statistics.median(r.ar_start_seconds)
+            if r.prior_steps and n == self.min_ar_steps:
+                r.steps_since_probe = 0  # both modes measured now: the probe spacing starts here
         else:
             setattr(r, f"{mode}_seconds", ema(getattr(r, f"{mode}_seconds"), steady))
         if was_probe:

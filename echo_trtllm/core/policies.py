@@ -176,6 +176,12 @@ class TreePolicy:
         for the fixed shapes."""
         return True
 
+    @property
+    def speculation_prior(self):
+        """batch size -> whether a calibration expects speculation to beat a plain step (the AR fallback's prior,
+        `SpeculationTracker.prior`); None without a calibrated rule (the fixed shapes have none)."""
+        return None
+
     def frontier(self, prev: DraftLevel, state: DraftState) -> Tensor:
         eligible = state.active.to(prev.request_ids.device)[prev.request_ids]
         return top_per_request(prev, eligible, self.expand_width, state.batch_size)
@@ -462,6 +468,14 @@ class EchoPolicy(TreePolicy):
         est, weight = self.expected_first_level(batch_size)
         est = est[:max(0, int((budget - batch_size) / weight))]  # what the budget can verify
         return drafting_pays(est, batch_size, cost, float(cost.draft_level_time(batch_size)), context, weight)
+
+    @property
+    def speculation_prior(self):
+        """The rule before drafting (`drafts`) where it reads a calibration (first-level samples and a draft
+        cost); None where it would always say yes."""
+        cost = self.cost_model
+        informed = self.price_drafting and cost is not None and bool(cost.draft_tokens) and self.first_level is not None
+        return self.drafts if informed else None
 
     def expected_first_level(self, batch_size: int) -> tuple[Tensor, float]:
         """A batch's first level as the calibration expects it: acceptance estimates at M = max(B, 64) quantiles

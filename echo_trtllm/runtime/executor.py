@@ -169,7 +169,7 @@ class Executor:
         default = cost_model is not None and self.policy.shares_budget
         if self.policy.needs_draft_model and (fallback or (fallback is None and default)):
             self.tracker = SpeculationTracker(cost=cost_model, draft_width=self.policy.expand_width,
-                                              max_depth=self.policy.max_depth)
+                                              max_depth=self.policy.max_depth, prior=self.policy.speculation_prior)
         self._ar_policy = make_policy(EchoConfig(policy="ar"))  # plain AR steps (tracker's choice, draft failure)
         draft_vocab = None if draft is None else (
             draft.config.layer.vocab_size if isinstance(draft, Eagle3Head) else draft.config.vocab_size)

@@ -193,3 +193,39 @@ def test_tracker_depth_limit_starts_at_one_doubles_when_speculation_pays_and_hal
     tr.update(4, True, 4, 2.0)  # 0.5 per request per second: did not pay
     assert tr.depth_limit(4) == 3
     assert tr.depth_limit(1) == 1  # other buckets start at one level
+
+
+def test_tracker_with_a_prior_that_expects_speculation_to_pay_speculates_first_then_measures_ar():
+    """Where the calibration says speculation pays, a bucket's first min_probe_every steps speculate with the
+    policy's full depth, then AR is measured, then the measured rates decide; where it says no (or at another
+    bucket), the safe AR start is unchanged."""
+    asked = []
+
+    def prior(b):
+        asked.append(b)
+        return b < 8
+
+    tr = SpeculationTracker(max_depth=5, min_ar_steps=2, min_probe_every=3, prior=prior)
+    chosen = []
+    for _ in range(3):
+        chosen.append(tr.should_speculate(1))
+        assert tr.depth_limit(1) == 5
+        tr.update(1, True, 1, 1.0)  # 1 token per request per second: as slow as AR will be
+    for _ in range(2):
+        chosen.append(tr.should_speculate(1))
+        tr.update(1, False, 1, 0.5)  # AR: 2 per second
+    assert chosen == [True, True, True, False, False]
+    assert not tr.should_speculate(1)  # measured: AR wins, the prior no longer matters
+    assert not tr.should_speculate(16) and tr.depth_limit(16) == 1  # the prior says no there: AR first
+    assert asked == [1, 16]  # asked once per bucket
+    # measured the other way round, speculation keeps running
+    tr2 = SpeculationTracker(max_depth=5, min_ar_steps=1, min_probe_every=4, prior=lambda b: True)
+    for spec, emitted, seconds in [(True, 3, 1.0)] * 4 + [(False, 1, 1.0)]:
+        assert tr2.should_speculate(1) == spec
+        tr2.update(1, spec, emitted, seconds)
+    assert tr2.should_speculate(1)
+
+
+def test_tracker_prior_cannot_override_a_cost_curve_that_forbids_speculation():
+    tr = SpeculationTracker(cost=CostModel((1, 10, 16), (1.0, 1.0, 3.0)), prior=lambda b: True)
+    assert not tr.should_speculate(8)

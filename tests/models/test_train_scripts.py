@@ -48,3 +48,29 @@ def test_training_refuses_fewer_than_three_ttt_steps(monkeypatch):
 
     with pytest.raises(SystemExit):
         train_eagle3.main(["--target", "x", "--out", "y", "--ttt", "2"])
+
+
+def test_text_windows_capture_what_the_generating_forward_captures_for_the_same_tokens(monkeypatch):
+    """A text window read in one forward gives the features, last hidden states and top-1 that the generating
+    path's prompt forward gives for the same tokens (two code paths, one meaning)."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import train_eagle3
+    from echo_trtllm.models.loader import load_model
+
+    target, tok = load_model(str(Path(__file__).resolve().parents[2] / "echo_trtllm/models/default/target"))
+    layers = target.eagle3_layers()
+    gen = torch.Generator().manual_seed(0)
+    docs = train_eagle3.corpus_documents("stdlib")
+    windows = train_eagle3.prompt_windows(tok, docs, 3, 12, gen, held_out=False)
+    ids, feats, lasts, tops = train_eagle3.capture_text(target, layers, windows, batch=2)
+    assert ids.tolist() == windows
+    g_ids, g_feats, g_lasts, g_tops = train_eagle3.generate_and_capture(target, layers, windows, 4, 0, batch=3)
+    assert torch.equal(g_ids[:, :12], ids)
+    # the generating path's prompt forward covers tokens 0 .. 11; the text path reads tokens 0 .. 10 (the last
+    # token's features are never used)
+    torch.testing.assert_close(feats[:, :11], g_feats[:, :11], atol=1e-4, rtol=1e-4)  # other batch shapes
+    torch.testing.assert_close(lasts[:, :11], g_lasts[:, :11], atol=1e-4, rtol=1e-4)
+    assert torch.equal(tops[:, :11], g_tops[:, :11])
+    assert not feats[:, 11].any()

@@ -268,6 +268,23 @@ def test_steps_the_policy_runs_plain_are_not_the_fallbacks_measurements(default_
     assert any(r.ar_steps >= tracker.min_ar_steps for r in tracker.buckets.values())
 
 
+def test_a_calibrated_fallback_starts_where_its_calibration_points(default_pair, prompts, ar_outputs):
+    """ECHO with the AR fallback and calibration evidence: where the calibration expects speculation to pay
+    (a confident first level on FLAT) the first step already speculates with the policy's own depth (no AR start,
+    no one-level slow start), and the run costs at most 10 % more modelled time than pure ECHO (measuring AR); where it
+    expects a loss (first levels rejected on MARGINAL) the first step is plain AR. Outputs stay AR's."""
+    target, draft, tok = default_pair
+    outs, on = run(target, draft, tok, prompts[:8], FLAT, fallback=True, gate_samples=confident_samples())
+    assert outs == ar_outputs
+    assert on[0].speculated and len(on[0].draft.state.frontier_sizes) > 1
+    _, pure = run(target, draft, tok, prompts[:8], FLAT, fallback=False, gate_samples=confident_samples())
+    assert decode_seconds(on) <= 1.10 * decode_seconds(pure)  # 1.06 here; 1.16 with the AR start (no prior)
+    rejected = GateSamples(torch.ones(64, dtype=torch.long), torch.full((64,), 0.9), torch.zeros(64, dtype=torch.bool),
+                           max_depth=6)
+    outs, off = run(target, draft, tok, prompts[:8], MARGINAL, fallback=True, gate_samples=rejected)
+    assert outs == ar_outputs and not off[0].speculated
+
+
 class HostWorkClock(ModelledClock):
     """A modelled clock on which every forward also costs a fixed host term (the work a real step does around
     its forwards): `target_extra` seconds per target forward, `draft_extra` per draft forward."""
