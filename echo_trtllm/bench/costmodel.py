@@ -60,7 +60,7 @@ def compare_steps(reports, cost: CostModel) -> dict:
         pred_side.append(float(cost.verify_time(t, c)))
         draft = 0.0
         if rep.speculated:
-            draft = cost.drafting_time(rep.draft.state.frontier_sizes) + cost.control_seconds
+            draft = cost.drafting_time(rep.draft.state.frontier_sizes, c) + cost.control_seconds
             meas_d.append(tm.drafting)
             pred_d.append(draft)
         meas_s.append(tm.total)

@@ -194,11 +194,12 @@ def simulate_method(method: str, records: list[dict], batch_size: int, cost: Cos
         elif replay:
             per_verified, per_emitted, frontiers = replay_step(runner, batch, budget, context)
             verified, emitted = sum(per_verified), sum(per_emitted)
-            draft_time = cost.drafting_time(frontiers)
+            draft_time = cost.drafting_time(frontiers, context)
         else:
             levels = max(r["levels"] for r in batch)
             drafted = sum(len(r["probs"]) for r in batch)
-            draft_time = levels * float(cost.draft_level_time(max(1, -(-drafted // max(levels, 1))))) if levels else 0.0
+            per_level = max(1, -(-drafted // max(levels, 1)))
+            draft_time = levels * float(cost.draft_level_time(per_level, context)) if levels else 0.0
             if policy.shares_budget:  # a trace without its trees: the candidates merged in probability order
                 cands = sorted(((-p, rank, j, a) for j, r in enumerate(batch)
                                 for rank, (p, a) in enumerate(zip(r["probs"], r["accepted"]))))

@@ -76,7 +76,7 @@ class CostModel:
     control_seconds: float = 0.0
     device: str = ""
     # verification by tokens and cached context per request: grid_seconds[i][j] at grid_tokens[i] tokens,
-    # grid_contexts[j] cached tokens per request (runtime.calibrate.measure_verify_grid)
+    # grid_contexts[j] cached tokens per request (runtime.calibrate.measure_grid)
     grid_tokens: tuple[int, ...] = ()
     grid_contexts: tuple[int, ...] = ()
     grid_seconds: tuple[tuple[float, ...], ...] = ()
@@ -87,6 +87,10 @@ class CostModel:
     # bookkeeping, the selection and packing it leads to), added to every draft_level_time; fitted from real
     # steps (`fit_draft_overhead`)
     draft_level_overhead_seconds: float = 0.0
+    # one draft forward by tokens and cached context per request, on the verification grid's axes
+    # (draft_grid_seconds[i][j] at grid_tokens[i], grid_contexts[j]; runtime.calibrate.measure_grid): under load a
+    # draft level reads B requests' contexts, which the one-request curve above does not see
+    draft_grid_seconds: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("verify", "draft"):
@@ -106,10 +110,14 @@ class CostModel:
                 if not getattr(self, name):
                     raise ValueError(f"CostModel.{name} must be strictly increasing integers >= 1, got ()")
                 _check_axis(name, getattr(self, name))
-            if len(self.grid_seconds) != len(self.grid_tokens) or any(
-                    len(row) != len(self.grid_contexts) or any(y <= 0 for y in row) for row in self.grid_seconds):
-                raise ValueError("CostModel.grid_seconds must be len(grid_tokens) rows of len(grid_contexts) "
-                                 "positive seconds")
+            for name in ("grid_seconds", "draft_grid_seconds"):
+                rows = getattr(self, name)
+                if (name == "grid_seconds" or rows) and (len(rows) != len(self.grid_tokens) or any(
+                        len(row) != len(self.grid_contexts) or any(y <= 0 for y in row) for row in rows)):
+                    raise ValueError(f"CostModel.{name} must be len(grid_tokens) rows of len(grid_contexts) "
+                                     "positive seconds")
+        elif self.draft_grid_seconds:
+            raise ValueError("CostModel.draft_grid_seconds needs the grid's axes (grid_tokens, grid_contexts)")
 
     @property
     def has_grid(self) -> bool:
@@ -122,26 +130,33 @@ class CostModel:
         tokens = torch.as_tensor(tokens)
         if context is None or not self.grid_seconds:
             return interpolate(self.verify_tokens, self.verify_seconds, tokens) + self.step_overhead_seconds
-        c = torch.tensor(float(context))
-        at_context = tuple(float(interpolate(self.grid_contexts, row, c)) for row in self.grid_seconds)
-        return interpolate(self.grid_tokens, at_context, tokens).clamp(min=1e-9) + self.step_overhead_seconds
+        return self._read_grid(self.grid_seconds, tokens, context) + self.step_overhead_seconds
 
-    def draft_time(self, tokens: Tensor | int) -> Tensor:
-        """Seconds of one draft forward over `tokens` tokens (0 without a draft curve)."""
+    def _read_grid(self, rows: tuple[tuple[float, ...], ...], tokens: Tensor, context: float) -> Tensor:
+        """Bilinear in tokens and context on the grid's axes, extrapolated along its edges."""
+        c = torch.tensor(float(context))
+        at_context = tuple(float(interpolate(self.grid_contexts, row, c)) for row in rows)
+        return interpolate(self.grid_tokens, at_context, tokens).clamp(min=1e-9)
+
+    def draft_time(self, tokens: Tensor | int, context: float | None = None) -> Tensor:
+        """Seconds of one draft forward over `tokens` tokens (0 without a draft curve); with `context` and a draft
+        grid, read from the grid like `verify_time`."""
         if not self.draft_tokens:
             return torch.zeros_like(torch.as_tensor(tokens, dtype=torch.float64))
+        if context is not None and self.draft_grid_seconds:
+            return self._read_grid(self.draft_grid_seconds, torch.as_tensor(tokens), context)
         return interpolate(self.draft_tokens, self.draft_seconds, torch.as_tensor(tokens))
 
-    def draft_level_time(self, frontier: Tensor | int) -> Tensor:
-        """Seconds of one level of tree drafting over a frontier of `frontier` tokens: its draft forward plus the
-        fitted host work of a level (0 without a draft curve)."""
+    def draft_level_time(self, frontier: Tensor | int, context: float | None = None) -> Tensor:
+        """Seconds of one level of tree drafting over a frontier of `frontier` tokens: its draft forward (at
+        `context`, see `draft_time`) plus the fitted host work of a level (0 without a draft curve)."""
         if not self.draft_tokens:
             return self.draft_time(frontier)
-        return self.draft_time(frontier) + self.draft_level_overhead_seconds
+        return self.draft_time(frontier, context) + self.draft_level_overhead_seconds
 
-    def drafting_time(self, frontier_sizes: list[int]) -> float:
+    def drafting_time(self, frontier_sizes: list[int], context: float | None = None) -> float:
         """Seconds of a step's drafting over levels with these frontier sizes: `draft_level_time` summed."""
-        return sum(float(self.draft_level_time(f)) for f in frontier_sizes)
+        return sum(float(self.draft_level_time(f, context)) for f in frontier_sizes)
 
     @classmethod
     def linear(cls, fixed: float, per_token: float, max_tokens: int = 4096) -> "CostModel":
@@ -157,7 +172,8 @@ class CostModel:
         for key in ("verify_tokens", "verify_seconds", "draft_tokens", "draft_seconds", "grid_tokens",
                     "grid_contexts"):
             d[key] = tuple(d.get(key, ()))
-        d["grid_seconds"] = tuple(tuple(row) for row in d.get("grid_seconds", ()))
+        for key in ("grid_seconds", "draft_grid_seconds"):
+            d[key] = tuple(tuple(row) for row in d.get(key, ()))
         return cls(**d)
 
     def save(self, path: str | Path) -> None:
@@ -179,13 +195,14 @@ def fit_step_overhead(cost: CostModel, steps: list[tuple[int, float, float]]) ->
     return max(0.0, residuals[len(residuals) // 2])
 
 
-def fit_draft_overhead(cost: CostModel, steps: list[tuple[list[int], float]]) -> float:
+def fit_draft_overhead(cost: CostModel, steps: list[tuple[list[int], float, float | None]]) -> float:
     """The host seconds per draft level the draft forward timings miss: the median over real speculative steps
     (every level's frontier size, measured drafting seconds: draft forwards and the host work around them, the
-    selection and packing included) of (measured - the draft curve summed over the levels) / levels, at least 0.
-    Steps that drafted no level are skipped; a step's per-step host work is spread over its levels."""
-    residuals = sorted((m - sum(float(cost.draft_time(f)) for f in frontiers)) / len(frontiers)
-                       for frontiers, m in steps if frontiers)
+    selection and packing included; the context the step read, None: unknown) of (measured - the draft forwards
+    at that context summed over the levels) / levels, at least 0. Steps that drafted no level are skipped; a
+    step's per-step host work is spread over its levels."""
+    residuals = sorted((m - sum(float(cost.draft_time(f, context)) for f in frontiers)) / len(frontiers)
+                       for frontiers, m, context in steps if frontiers)
     if not residuals:
         raise ValueError("fit_draft_overhead needs at least one measured step that drafted a level")
     return max(0.0, residuals[len(residuals) // 2])

@@ -467,7 +467,8 @@ class EchoPolicy(TreePolicy):
             return True
         est, weight = self.expected_first_level(batch_size)
         est = est[:max(0, int((budget - batch_size) / weight))]  # what the budget can verify
-        return drafting_pays(est, batch_size, cost, float(cost.draft_level_time(batch_size)), context, weight)
+        return drafting_pays(est, batch_size, cost, float(cost.draft_level_time(batch_size, context)), context,
+                             weight)
 
     @property
     def speculation_prior(self):
@@ -524,7 +525,7 @@ class EchoPolicy(TreePolicy):
         step = float(cost.verify_time(b, ctx))
         # the verification already claimed: every request's root and its spine so far (priority 1)
         claimed = b + int(state.spine_depth.sum())
-        seconds = (float(cost.draft_level_time(n * self.expand_width))
+        seconds = (float(cost.draft_level_time(n * self.expand_width, ctx))
                    + float(cost.verify_time(claimed + n, ctx)) - float(cost.verify_time(claimed, ctx)))
         # tokens the next level may add, at most: its best nodes' path probabilities are at most this level's, so
         # their estimates at the next depth bound them (the estimates rise with the path probability at every
@@ -539,7 +540,7 @@ class EchoPolicy(TreePolicy):
             tree, state.spine_depth.to(tree.token_ids.device), int(state.budget), self.config.max_nodes_per_request
         )
         if self.cost_model is not None and alloc.order.numel():
-            drafted = self.cost_model.drafting_time(state.frontier_sizes)  # sunk this step
+            drafted = self.cost_model.drafting_time(state.frontier_sizes, state.context)  # sunk this step
             order = alloc.order
             estimates = self.acceptance_estimates(tree.path_probs[order], tree.depths[order])
             k = choose_budget(estimates, state.batch_size, self.cost_model, drafted, state.context)

@@ -42,7 +42,7 @@ __all__ = [
     "fastest_seconds",
     "measure_forward_seconds",
     "measure_cost_model",
-    "measure_verify_grid",
+    "measure_grid",
     "LOAD_REPEATS",
     "gate_samples",
     "collect_gate_samples",
@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
-# the verification grid (`measure_verify_grid`): tokens per forward x cached tokens per request
+# the verification grid (`measure_grid`): tokens per forward x cached tokens per request
 # tokens per verification on the grid: dense where decisions are made, a batch's B roots up to about 2B tokens
 # (verification is convex between 64 and 256 tokens on a CPU, docs/calibration.md); above 64, multiples of 64
 # (64 requests x n tokens each)
@@ -88,11 +88,7 @@ def measure_forward_seconds(model: CausalLM | Eagle3Head, tokens: tuple[int, ...
     their values)."""
     cache = model.allocate_cache(1, context + max(tokens))
     gen = torch.Generator().manual_seed(0)
-    if isinstance(model, Eagle3Head):
-        vocab, width = model.config.layer.vocab_size, 3 * model.config.target_hidden_size
-        run = lambda batch, cache: model(batch, cache, torch.zeros(batch.input_ids.numel(), width))  # noqa: E731
-    else:
-        vocab, run = model.config.vocab_size, model
+    vocab, run = _forward_fn(model)
     ids = torch.randint(0, vocab, (context + max(tokens),), generator=gen)
     run(chain_batch([ids[:context]], torch.tensor([0]), torch.tensor([0]), logits="none"), cache)
     out = []
@@ -114,29 +110,43 @@ def nondecreasing(seconds: tuple[float, ...]) -> tuple[float, ...]:
     return tuple(reversed(out))
 
 
+def _forward_fn(model: CausalLM | Eagle3Head):
+    """(vocabulary size, run(batch, cache) -> logits) for a target or draft model or an EAGLE-3 head; a head reads
+    features of zeros (its cost does not depend on their values)."""
+    if isinstance(model, Eagle3Head):
+        width = 3 * model.config.target_hidden_size
+
+        def run(batch, cache):
+            return model(batch, cache, torch.zeros(batch.input_ids.numel(), width))[0]
+
+        return model.config.layer.vocab_size, run
+    return model.config.vocab_size, lambda batch, cache: model(batch, cache)
+
+
 @torch.inference_mode()
-def measure_verify_grid(target: CausalLM, tokens: tuple[int, ...] = GRID_TOKENS,
-                        contexts: tuple[int, ...] = GRID_CONTEXTS, max_requests: int = 64,
-                        repeats: int = 3) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[float, ...], ...]]:
-    """Seconds of a verification over T tokens whose requests each hold C cached tokens, for T x C on the grid:
+def measure_grid(model: CausalLM | Eagle3Head, tokens: tuple[int, ...] = GRID_TOKENS,
+                 contexts: tuple[int, ...] = GRID_CONTEXTS, max_requests: int = 64,
+                 repeats: int = 3) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[float, ...], ...]]:
+    """Seconds of a forward over T tokens whose requests each hold C cached tokens, for T x C on the grid:
     min(T, max_requests) requests with T / requests new tokens each (one per request up to max_requests, as a
-    decode step of that batch), fastest of `repeats`. Timed as the runtime's verification phase is: building the
-    batch (its attention mask), the forward, the logits to the host. The cached entries are left as allocated
+    decode step or a draft level of that batch), fastest of `repeats`. Timed as the runtime's phases are: building
+    the batch (its attention mask), the forward, the logits to the host. The cached entries are left as allocated
     (zeros): what a forward costs does not depend on their values, so no prefill is needed. Made non-decreasing
-    in T per C."""
+    in T per C. The target's grid prices verification, a draft model's or head's a draft level."""
     tokens, contexts = tuple(sorted(set(tokens))), tuple(sorted(set(contexts)))
+    vocab, run = _forward_fn(model)
     gen = torch.Generator().manual_seed(0)
     rows = []
     for t in tokens:
         r = min(t, max_requests)
         n = -(-t // r)
-        cache = target.allocate_cache(r, max(contexts) + n)
+        cache = model.allocate_cache(r, max(contexts) + n)
         row = []
         for c in contexts:
-            chains = list(torch.randint(0, target.config.vocab_size, (r, n), generator=gen))
+            chains = list(torch.randint(0, vocab, (r, n), generator=gen))
             row.append(fastest_seconds(
-                lambda: target(chain_batch(chains, torch.full((r,), c), torch.arange(r), logits="all"), cache).cpu(),
-                repeats, target.device))
+                lambda: run(chain_batch(chains, torch.full((r,), c), torch.arange(r), logits="all"), cache).cpu(),
+                repeats, model.device))
         rows.append(row)
         del cache
     columns = [nondecreasing(tuple(rows[i][j] for i in range(len(tokens)))) for j in range(len(contexts))]
@@ -147,13 +157,15 @@ def measure_verify_grid(target: CausalLM, tokens: tuple[int, ...] = GRID_TOKENS,
 def measure_cost_model(target: CausalLM, draft: CausalLM | Eagle3Head | None, tokens: tuple[int, ...] = DEFAULT_TOKENS,
                        context: int = 64, repeats: int = 5, grid: bool = False) -> CostModel:
     """t_verify(T) (and t_draft(T) with a draft) at each T in `tokens`, made non-decreasing; with grid=True also
-    the verification grid by tokens and context (`measure_verify_grid`). With `repeats=LOAD_REPEATS` and no grid
-    this is what an uncalibrated engine measures at load."""
+    the verification grid by tokens and context (`measure_grid`), and the draft's on the same axes. With
+    `repeats=LOAD_REPEATS` and no grid this is what an uncalibrated engine measures at load."""
     tokens = tuple(sorted(set(tokens)))
     verify = nondecreasing(measure_forward_seconds(target, tokens, context, repeats))
     draft_times = nondecreasing(measure_forward_seconds(draft, tokens, context, repeats)) if draft else ()
-    g = measure_verify_grid(target, repeats=min(repeats, 3)) if grid else ((), (), ())
-    return CostModel(tokens, verify, tokens if draft else (), draft_times, 0.0, str(target.device), *g)
+    g = measure_grid(target, repeats=min(repeats, 3)) if grid else ((), (), ())
+    draft_grid = measure_grid(draft, g[0], g[1], repeats=min(repeats, 3))[2] if grid and draft else ()
+    return CostModel(tokens, verify, tokens if draft else (), draft_times, 0.0, str(target.device), *g,
+                     draft_grid_seconds=draft_grid)
 
 
 @dataclass
@@ -276,11 +288,11 @@ def fit_overheads(cost: CostModel, reports) -> CostModel:
     it keeps its value."""
     verify = [(r.verified_tokens, r.context, r.timings.verify_side)
               for r in reports if r.batch_size and r.verified_tokens]
-    drafting = [(list(r.draft.state.frontier_sizes), r.timings.drafting)
+    drafting = [(list(r.draft.state.frontier_sizes), r.timings.drafting, r.context)
                 for r in reports if r.batch_size and r.speculated and r.draft is not None]
     if verify:
         cost = dataclasses.replace(cost, step_overhead_seconds=fit_step_overhead(cost, verify))
-    if cost.draft_tokens and any(frontiers for frontiers, _ in drafting):
+    if cost.draft_tokens and any(frontiers for frontiers, _, _ in drafting):
         cost = dataclasses.replace(cost, draft_level_overhead_seconds=fit_draft_overhead(cost, drafting))
     return cost
 

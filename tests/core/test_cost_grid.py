@@ -77,8 +77,8 @@ def test_the_draft_level_overhead_is_the_median_per_level_residual_of_real_steps
 
     cost = CostModel((1, 64), (0.01, 0.05), (1, 64), (0.001, 0.004))
     fwd = lambda f: float(cost.draft_time(f))  # noqa: E731
-    steps = [(fr, sum(fwd(f) + 0.002 for f in fr)) for fr in ([4], [4, 8], [4, 8, 8], [16, 2])]
-    steps += [([4, 4], 0.9), ([], 0.5)]  # a slow outlier; a step that drafted no level
+    steps = [(fr, sum(fwd(f) + 0.002 for f in fr), None) for fr in ([4], [4, 8], [4, 8, 8], [16, 2])]
+    steps += [([4, 4], 0.9, None), ([], 0.5, None)]  # a slow outlier; a step that drafted no level
     overhead = fit_draft_overhead(cost, steps)
     assert overhead == pytest.approx(0.002)
     fitted = dataclasses.replace(cost, draft_level_overhead_seconds=overhead)
@@ -91,8 +91,34 @@ def test_the_draft_level_overhead_is_the_median_per_level_residual_of_real_steps
         level_cost_ratio(cost, 4, 1) + 0.002 / float(cost.verify_time(4)))
     assert fitted.drafting_time([4, 8]) == pytest.approx(fwd(4) + fwd(8) + 2 * 0.002)
     assert float(CostModel((1,), (0.1,), draft_level_overhead_seconds=0.5).draft_level_time(3)) == 0.0  # no draft curve
-    assert fit_draft_overhead(cost, [([4], 0.0)]) == 0.0
+    assert fit_draft_overhead(cost, [([4], 0.0, None)]) == 0.0
     with pytest.raises(ValueError, match="draft_level_overhead_seconds must be >= 0"):
         CostModel((1,), (0.1,), draft_level_overhead_seconds=-0.001)
     with pytest.raises(ValueError, match="drafted a level"):
-        fit_draft_overhead(cost, [([], 0.1)])
+        fit_draft_overhead(cost, [([], 0.1, None)])
+
+
+def test_a_draft_grid_prices_levels_at_the_steps_context_and_the_fit_reads_it():
+    """With a draft grid on the verification grid's axes, a draft level is read at the step's context (a level
+    over 16 requests at context 1000 costs 4x one at context 100 here), without a context from the one-request
+    curve; the per-level host fit subtracts the forwards at each step's own context, so steps that cost exactly
+    the grid's forwards leave no overhead (the curve would call the context's cost host work)."""
+    import dataclasses
+
+    from echo_trtllm.core.cost import fit_draft_overhead
+
+    cost = CostModel((1, 16), (0.01, 0.03), (1, 16), (0.001, 0.002), **GRID,
+                     draft_grid_seconds=((0.001, 0.002), (0.002, 0.008)))
+    assert float(cost.draft_time(16, 1000)) == pytest.approx(0.008)
+    assert float(cost.draft_time(8.5, 550)) == pytest.approx(0.00325)  # rows (0.0015, 0.005), halfway
+    assert float(cost.draft_time(16)) == pytest.approx(0.002)  # no context: the curve
+    with_host = dataclasses.replace(cost, draft_level_overhead_seconds=0.001)
+    assert with_host.drafting_time([16, 16], 1000) == pytest.approx(2 * 0.009)
+    assert CostModel.from_json(cost.to_json()) == cost
+    steps = [([16], 0.008, 1000.0), ([16, 16], 0.016, 1000.0), ([1], 0.001, 100.0)]
+    assert fit_draft_overhead(cost, steps) == 0.0
+    assert fit_draft_overhead(cost, [(f, m, None) for f, m, _ in steps]) == pytest.approx(0.006)
+    with pytest.raises(ValueError, match="draft_grid_seconds"):
+        CostModel((1,), (0.01,), **GRID, draft_grid_seconds=((0.001,), (0.002,)))
+    with pytest.raises(ValueError, match="grid's axes"):
+        CostModel((1,), (0.01,), draft_grid_seconds=((0.001,),))

@@ -138,3 +138,25 @@ def test_calibration_needs_prompts(default_pair):
     target, draft, tok = default_pair
     with pytest.raises(ValueError, match="at least one warm-up prompt"):
         calibrate(target, draft, tok, EchoConfig(), [], cost_tokens=(1,), repeats=1)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "draft model"])
+def test_the_draft_grid_is_measured_on_the_verification_grids_axes(default_pair, kind):
+    """calibrate --grid measures the draft's forwards by tokens x context like the target's (a draft level under
+    load reads every request's context); both are made non-decreasing in tokens, and the cost model reads the
+    draft grid at a context."""
+    from echo_trtllm.models.eagle3 import load_eagle3
+    from echo_trtllm.runtime.calibrate import measure_cost_model, measure_grid
+
+    target, draft, _ = default_pair
+    if kind == "eagle3":
+        draft = load_eagle3(DEFAULT_DRAFT.parent / "eagle3", target)
+    tokens, contexts, rows = measure_grid(draft, (1, 4, 16), (8, 64), repeats=1)
+    assert (tokens, contexts) == ((1, 4, 16), (8, 64)) and len(rows) == 3 and all(len(r) == 2 for r in rows)
+    assert all(rows[i][j] <= rows[i + 1][j] for i in range(2) for j in range(2)) and min(map(min, rows)) > 0
+    if kind != "eagle3":
+        return  # the whole calibration grid once
+    cost = measure_cost_model(target, draft, tokens=(1, 4), repeats=1, grid=True)
+    assert len(cost.draft_grid_seconds) == len(cost.grid_tokens) > 0
+    assert all(len(r) == len(cost.grid_contexts) for r in cost.draft_grid_seconds)
+    assert float(cost.draft_time(4, cost.grid_contexts[-1])) == pytest.approx(cost.draft_grid_seconds[1][-1])
