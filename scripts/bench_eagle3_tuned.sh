@@ -13,6 +13,7 @@
 #   4. per batch size, one bench on held-out prompts: AR, every method pure with its tuned shape, ECHO also
 #      with the AR fallback.
 # Environment: BS (batch sizes), MAXTOK, ROUNDS, WARMUP, OUT (default docs/bench), PY; SRC_B, SRC_TOKENS, CONTEXT (tuning);
+# CAL_PROMPTS, CAL_TOKENS (the calibration's warm-up);
 # DTYPE (default float32: an AVX2-only CPU has no bf16 instructions; bfloat16 where it has them, docs/dtype.md);
 # TRACE (the tuning trace, default $OUT/$NAME-tune-trace.json, shared by every TAG; give another to trace anew);
 # TAG (suffix of the calibration's, the simulation's and the benches' file names, so a rerun keeps earlier
@@ -37,6 +38,10 @@ SRC="eagle2:total_tokens=8:max_depth=6"
 SRC_B=${SRC_B:-16}
 SRC_TOKENS=${SRC_TOKENS:-32}
 CONTEXT=${CONTEXT:-192}  # the cost grid is read at this context (HumanEval prompt + output, tokens)
+# the calibration's warm-up: 24 of the 41 calibration-side HumanEval prompts, 32 tokens each (~100 steps at B = 4,
+# ~400 gate samples per depth; 8 prompts x 16 tokens gave ~50 and a depth-1 threshold cut from a dozen rejections)
+CAL_PROMPTS=${CAL_PROMPTS:-24}
+CAL_TOKENS=${CAL_TOKENS:-32}
 case "$WHICH" in
   qwen)
     TARGET=$($PY -m echo_trtllm.models.fetch qwen2.5-coder-1.5b)
@@ -52,7 +57,8 @@ COMMON=("${MODEL[@]}" --dtype "${DTYPE:-float32}" --prompt-set humaneval)
 TRACE=${TRACE:-$OUT/$NAME-tune-trace.json}
 CAL=$OUT/$NAME${TAG:-}-calibration.json
 if [ ! -f "$CAL" ]; then
-  $PY -m echo_trtllm.cli calibrate "${COMMON[@]}" --num-prompts 8 --batch-size 4 --max-tokens 16 --grid --repeats 2 \
+  $PY -m echo_trtllm.cli calibrate "${COMMON[@]}" --num-prompts "$CAL_PROMPTS" --batch-size 4 --max-tokens "$CAL_TOKENS" \
+    --grid --repeats 2 \
     --cost-tokens 1,2,4,8,16,32,64,128,256 --output "$CAL"
 fi
 if [ ! -f "$TRACE" ]; then

@@ -11,13 +11,17 @@ accepted.
     samples at depth 2, sorted by confidence:  c = 0.1  0.2  0.4  0.5  0.8     accepted = 0  1  0  1  1
     pooled:                                     [0.1] [0.2, 0.4] [0.5] [0.8] -> 0, 0.5, 1, 1
 
-A depth with fewer than `min_samples` samples keeps the raw path probability (no evidence to correct it with). A
-depth with enough samples and one outcome only (every node rejected, or every node accepted) is one block, valued
-(k + 1/2) / (n + 1) for k accepted of n (the Krichevsky-Trofimov estimate: 0 of 60 gives 0.008, not 0): until
-2026-12-01 such a depth kept the raw probability, so a depth the warm-up had never seen accepted (the Qwen
-EAGLE-3 head at depths 4-6, 0 of 60) was priced at the head's own confidence and ECHO drafted on into it.
-Between fitted blocks the estimate is the value of the block at or left of c (below the first block: the first
-block's value).
+A depth with fewer than `min_samples` samples keeps the raw path probability (no evidence to correct it with).
+Every fitted block is valued (k + 1/2) / (n + 1) for its k accepted of n samples (the Krichevsky-Trofimov
+estimate: 0 of 60 gives 0.008, not 0), and blocks whose smoothed values would fall are pooled again, so the map
+stays non-decreasing (`smoothed_blocks`). A finite warm-up never shows a probability of exactly 0 or 1: with the
+raw block means, a low-confidence block of 0 of 7 made the budget rule refuse nodes that verification at B = 1
+would have taken almost for free (the Qwen EAGLE-3 head's second calibration: ECHO verified nothing beyond the
+root in half of its B = 1 steps). A depth with one outcome only (every node rejected, or every node accepted)
+is one such block: until 2026-12-01 it kept the raw probability, so a depth the warm-up had never seen accepted
+(the Qwen head's first version at depths 4-6, 0 of 60) was priced at the head's own confidence and ECHO drafted on
+into it. Between fitted blocks the estimate is the value of the block at or left of c (below the first block: the
+first block's value).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["isotonic_fit", "AcceptanceModel", "MIN_SAMPLES"]
+__all__ = ["isotonic_fit", "smoothed_blocks", "AcceptanceModel", "MIN_SAMPLES"]
 
 MIN_SAMPLES = 20  # samples a depth needs before its estimate replaces the raw path probability
 
@@ -58,6 +62,35 @@ def isotonic_fit(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
                                                                    dtype=torch.float64)
 
 
+def smoothed_blocks(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """The isotonic fit of 0/1 outcomes y at x with every block valued (k + 1/2) / (n + 1), adjacent blocks
+    pooled while their raw or smoothed values do not rise (the module docstring): (block starts,
+    block values), both ascending, values strictly rising."""
+    starts, _ = isotonic_fit(x, y)
+    block = torch.searchsorted(starts, x.double(), right=True) - 1
+    ks = torch.bincount(block, weights=y.double(), minlength=starts.numel()).tolist()
+    ns = torch.bincount(block, minlength=starts.numel()).tolist()
+    out_starts: list[float] = []
+    out_k: list[float] = []
+    out_n: list[int] = []
+
+    def value(i: int) -> float:
+        return (out_k[i] + 0.5) / (out_n[i] + 1)
+
+    for start, k, n in zip(starts.tolist(), ks, ns):
+        out_starts.append(start)
+        out_k.append(k)
+        out_n.append(n)
+        # equal raw means pool too: blocks the fit could not tell apart are one block of evidence
+        while len(out_k) > 1 and (out_k[-2] * out_n[-1] >= out_k[-1] * out_n[-2] or value(-2) >= value(-1)):
+            k_last, n_last = out_k.pop(), out_n.pop()
+            out_starts.pop()
+            out_k[-1] += k_last
+            out_n[-1] += n_last
+    return (torch.tensor(out_starts, dtype=torch.float64),
+            torch.tensor([value(i) for i in range(len(out_k))], dtype=torch.float64))
+
+
 @dataclass(frozen=True)
 class AcceptanceModel:
     """Per depth, an isotonic map from path probability to acceptance probability (module docstring)."""
@@ -75,11 +108,7 @@ class AcceptanceModel:
             n = int(sel.sum())
             if n < min_samples:
                 continue
-            if acc.min() == acc.max():  # one outcome: one block at the smoothed rate (module docstring)
-                fits[int(d)] = (confidences[sel].double().min().reshape(1),
-                                torch.tensor([(float(acc.sum()) + 0.5) / (n + 1)], dtype=torch.float64))
-                continue
-            fits[int(d)] = isotonic_fit(confidences[sel], acc)
+            fits[int(d)] = smoothed_blocks(confidences[sel], acc)
         return cls(fits)
 
     def estimate(self, confidences: Tensor, depths: Tensor | int) -> Tensor:

@@ -80,3 +80,34 @@ def test_echo_weighs_candidates_by_the_calibrated_estimates():
     assert torch.equal(raw.acceptance_estimates(p, torch.tensor([1, 2])), p)
     est = policy.acceptance_estimates(p, torch.tensor([1, 2]))
     assert bool((est < p).all()) and bool((est >= 0).all())
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_every_block_is_valued_by_its_own_samples_smoothed_and_the_map_rises(seed):
+    """Against a direct count: each block's value is (k + 1/2) / (n + 1) of the samples whose confidence falls in
+    it; values are strictly rising, never 0 or 1; and with distinct raw means that KT smoothing keeps in order,
+    the blocks are the isotonic fit's."""
+    from echo_trtllm.core.acceptance import smoothed_blocks
+
+    gen = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 60, (1,), generator=gen))
+    x = torch.rand(n, generator=gen).double()
+    y = (torch.rand(n, generator=gen) < x).double()
+    starts, values = smoothed_blocks(x, y)
+    assert bool((values[1:] > values[:-1]).all()) and bool(((values > 0) & (values < 1)).all())
+    block = (torch.searchsorted(starts, x, right=True) - 1).clamp(min=0)
+    for i in range(starts.numel()):
+        sel = block == i
+        assert int(sel.sum()) > 0
+        assert float(values[i]) == pytest.approx((float(y[sel].sum()) + 0.5) / (int(sel.sum()) + 1))
+
+
+def test_a_block_never_accepted_is_not_priced_at_zero():
+    """Seven low-confidence nodes rejected, then accepted ones: the low block is 0.5 / 8, not 0 (a budget rule
+    reading 0 refuses a node whose verification is nearly free at B = 1)."""
+    x = torch.tensor([0.1, 0.12, 0.15, 0.2, 0.25, 0.3, 0.33, 0.5, 0.6, 0.9], dtype=torch.float64)
+    y = torch.tensor([0.0] * 7 + [1.0, 0.0, 1.0])
+    model = AcceptanceModel.from_samples(torch.ones(10, dtype=torch.long), x.float(), y.bool(), min_samples=5)
+    assert model.estimate(torch.tensor([0.2]), 1).item() == pytest.approx(0.5 / 8)
+    # then blocks 1 of 2 (0.5, 0.6) and 1 of 1 (0.9): 1.5 / 3 and 1.5 / 2
+    assert model.estimate(torch.tensor([0.55, 0.95]), 1).tolist() == pytest.approx([0.5, 0.75])
