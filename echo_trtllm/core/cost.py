@@ -306,6 +306,10 @@ class ModeRates:
         return self.spec_rate > self.ar_rate
 
 
+# the AR fallback's calibrated start applies only where a draft level costs less than this share of a plain step
+PRIOR_MAX_LEVEL_COST = 0.10
+
+
 @dataclass
 class SpeculationTracker:
     """Decides before drafting whether a step should speculate at all (echo family with a cost model).
@@ -331,7 +335,8 @@ class SpeculationTracker:
     pay at a batch size, the order flips there: the bucket's first `min_probe_every` steps speculate with the
     policy's full depth (what the pure policy would do), then AR is measured for `min_ar_steps` steps, and the
     measured rates decide from then on; a server's first requests no longer pay an AR start and a slow start that a
-    calibration already answered. A speculative step right after AR steps also makes the draft model catch up on the
+    calibration already answered. Only in verification's flat region (`trusts_prior`): under load the AR-first
+    start is kept. A speculative step right after AR steps also makes the draft model catch up on the
     tokens it skipped; that one-off cost is charged to exploration, not to the speculative rate
     (`update(..., one_off_seconds=...)`).
 
@@ -360,7 +365,7 @@ class SpeculationTracker:
         key = batch_bucket(batch_size)
         if key not in self.buckets:
             r = ModeRates(probe_every=self.min_probe_every)
-            if self.prior is not None and self.can_pay(batch_size) and self.prior(batch_size):
+            if self.prior is not None and self.trusts_prior(batch_size) and self.prior(batch_size):
                 r.prior_steps, r.depth = self.min_probe_every, self.max_depth
             self.buckets[key] = r
         return self.buckets[key]
@@ -368,6 +373,14 @@ class SpeculationTracker:
     def depth_limit(self, batch_size: int) -> int:
         """Draft levels the next speculative step at this batch size may use."""
         return min(self.rates(batch_size).depth, self.max_depth)
+
+    def trusts_prior(self, batch_size: int) -> bool:
+        """Whether the calibrated start may apply at this batch size: only where one more draft level costs less
+        than PRIOR_MAX_LEVEL_COST of a plain step (verification's flat region), so that the cost model's own error
+        cannot flip the sign of its prediction. Under load the prediction was wrong: on the Qwen EAGLE-3 pair at
+        B = 16 (a level 14-16 % of a step) it expected a first level to gain 24-30 %, the calibrated start kept
+        speculating, and ECHO +fallback ran 0.88 x AR against 0.98 with the AR-first start (docs/benchmarks.md)."""
+        return self.cost is None or level_cost_ratio(self.cost, batch_size, self.draft_width) < PRIOR_MAX_LEVEL_COST
 
     def can_pay(self, batch_size: int) -> bool:
         """False when the cost curve says one more level cannot pay even if surely accepted."""

@@ -229,3 +229,16 @@ def test_tracker_with_a_prior_that_expects_speculation_to_pay_speculates_first_t
 def test_tracker_prior_cannot_override_a_cost_curve_that_forbids_speculation():
     tr = SpeculationTracker(cost=CostModel((1, 10, 16), (1.0, 1.0, 3.0)), prior=lambda b: True)
     assert not tr.should_speculate(8)
+
+
+def test_the_calibrated_start_is_kept_out_of_the_load_regime():
+    """A prior that says "speculate" is taken only where a draft level costs under PRIOR_MAX_LEVEL_COST of a plain
+    step; on a curve where a level costs 40 % of a step the bucket starts with AR."""
+    from echo_trtllm.core.cost import PRIOR_MAX_LEVEL_COST, level_cost_ratio
+
+    flat = CostModel((1, 64), (1.0, 1.02), (1, 64), (0.01, 0.01))
+    dear = CostModel((1, 64), (1.0, 1.0 + 63 * 0.14), (1, 64), (0.01, 0.01))
+    assert level_cost_ratio(flat, 4, 1) < PRIOR_MAX_LEVEL_COST < level_cost_ratio(dear, 4, 1) < 1.0
+    for cost, first in ((flat, True), (dear, False)):
+        tr = SpeculationTracker(cost=cost, draft_width=1, prior=lambda b: True)
+        assert tr.trusts_prior(4) == first and tr.should_speculate(4) == first
