@@ -7,8 +7,8 @@ there it only prints its directory.
 Recipe (`training.json` records what it did; docs/eagle3.md has both recipes' results): 256 windows of 48 tokens of
 the Python standard library's source, each continued by the target for 48 tokens, plus 2,000 windows of 96 tokens of
 that source read as they are (one target forward each: the first recipe's 160 regenerated windows alone were
-memorised, held-out top-1 0.36 against 0.80 on its training batches); target in bfloat16 and head steps autocast to
-bfloat16 where the CPU has bf16 instructions, float32 elsewhere (`auto`); a draft vocabulary of the 8,192 most
+memorised, held-out top-1 0.36 against 0.80 on its training batches); target and head steps in the dtype the runtime's
+`auto` picks (bfloat16 where it runs the target faster, as on an AMX Xeon; float32 on an AVX2-only CPU); a draft vocabulary of the 8,192 most
 frequent tokens; the head's MLP 4,096 wide (the target's is 8,960); fc starting as the identity on the highest
 feature layer; TTT unroll 4; up to 800 steps of 16 sequences, stopping at 85 minutes in all (on the 2-core AMX Xeon:
 84.1 minutes, 676 steps, held-out top-1 0.44 / 0.37 / 0.34 / 0.31). On an AVX2-only CPU (float32) the data stage is

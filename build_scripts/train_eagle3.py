@@ -321,16 +321,6 @@ def save_head(head: Eagle3Head, cfg: dict, dv_ids: torch.Tensor, out: Path, meta
     (out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def resolve_dtype(name: str) -> str:
-    """'auto': bfloat16 where the CPU has bf16 instructions (AVX512-BF16 or AMX), else float32 (an AVX2-only CPU
-    runs bf16 matrices slower than float32, docs/dtype.md)."""
-    if name != "auto":
-        return name
-    from echo_trtllm.bench.run import cpu_flags
-
-    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(cpu_flags()) else "float32"
-
-
 def lr_at(base: float, step: int, steps: int, elapsed: float, budget: float | None) -> float:
     """Warm-up over 50 steps, then a cosine to 0 over the run, whose progress is the larger of the share of steps
     done and the share of the training time budget spent (a run stopped by --time-limit ends decayed)."""
@@ -346,10 +336,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="output directory of the head")
     ap.add_argument("--corpus", default="stdlib", choices=["stdlib", "stdlib+plays"])
     ap.add_argument("--dtype", default="float32",
-                    help="target dtype for data generation: float32, bfloat16, or auto (bfloat16 on a CPU with bf16 "
-                         "instructions, else float32)")
+                    help="target dtype for data generation: float32, bfloat16, or auto (the runtime's choice: "
+                         "whichever runs this target's linears faster here, docs/dtype.md)")
     ap.add_argument("--train-dtype", default="float32",
-                    help="head training: float32, bfloat16 (autocast matmuls, float32 weights and loss), or auto")
+                    help="head training: float32, bfloat16 (autocast matmuls, float32 weights and loss), or auto "
+                         "(the target's dtype)")
     ap.add_argument("--sequences", type=int, default=512, help="training sequences")
     ap.add_argument("--text-windows", type=int, default=0,
                     help="training windows of corpus text read as they are (prompt-len + new-tokens tokens each)")
@@ -378,10 +369,12 @@ def main(argv=None) -> int:
         value = getattr(args, name)
         if value not in ("float32", "bfloat16", "auto"):
             ap.error(f"--{name.replace('_', '-')} must be float32, bfloat16 or auto, got {value!r}")
-        setattr(args, name, resolve_dtype(value))
     t_start = time.time()
     torch.manual_seed(args.seed)
     target, tok = load_model(args.target, dtype=args.dtype)
+    args.dtype = str(target.dtype).removeprefix("torch.")  # what "auto" chose, for training.json
+    if args.train_dtype == "auto":
+        args.train_dtype = args.dtype  # bf16 matrices for the head where they are the faster ones for the target
     layers = target.eagle3_layers()
     docs = corpus_documents(args.corpus)
     gen = torch.Generator().manual_seed(args.seed)
