@@ -36,8 +36,21 @@ __all__ = ["isotonic_fit", "smoothed_blocks", "AcceptanceModel", "MIN_SAMPLES"]
 MIN_SAMPLES = 20  # samples a depth needs before its estimate replaces the raw path probability
 
 
-def isotonic_fit(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-    """Pool adjacent violators on (x, y): returns (block starts in x, block values), both ascending; equal x pool."""
+def _pool(starts: list[float], sums: list[float], counts: list[int], falls) -> None:
+    """Pool the last two blocks while `falls(k_prev, n_prev, k_last, n_last)` (pool adjacent violators)."""
+    while len(sums) > 1 and falls(sums[-2], counts[-2], sums[-1], counts[-1]):
+        s_last, c_last = sums.pop(), counts.pop()
+        sums[-1] += s_last
+        counts[-1] += c_last
+        starts.pop()
+
+
+def _mean_falls(k0: float, n0: int, k1: float, n1: int) -> bool:
+    return k0 / n0 > k1 / n1
+
+
+def _isotonic_blocks(x: Tensor, y: Tensor) -> tuple[list[float], list[float], list[int]]:
+    """Pool adjacent violators on (x, y): each block's start in x, sum of y and count, ascending; equal x pool."""
     order = torch.argsort(x.double(), stable=True)
     xs, ys = x.double()[order].tolist(), y.double()[order].tolist()
     starts: list[float] = []
@@ -53,42 +66,41 @@ def isotonic_fit(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
             sums.append(yi)
             counts.append(1)
         prev = xi
-        while len(sums) > 1 and sums[-2] / counts[-2] > sums[-1] / counts[-1]:
-            s_last, c_last = sums.pop(), counts.pop()
-            sums[-1] += s_last
-            counts[-1] += c_last
-            starts.pop()
+        _pool(starts, sums, counts, _mean_falls)
+    return starts, sums, counts
+
+
+def isotonic_fit(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """Pool adjacent violators on (x, y): returns (block starts in x, block values), both ascending; equal x pool."""
+    starts, sums, counts = _isotonic_blocks(x, y)
     return torch.tensor(starts, dtype=torch.float64), torch.tensor([s / c for s, c in zip(sums, counts)],
                                                                    dtype=torch.float64)
+
+
+def _smoothed(k: float, n: int) -> float:
+    return (k + 0.5) / (n + 1)
+
+
+def _smoothed_falls(k0: float, n0: int, k1: float, n1: int) -> bool:
+    # equal raw means pool too: blocks the fit could not tell apart are one block of evidence
+    return k0 * n1 >= k1 * n0 or _smoothed(k0, n0) >= _smoothed(k1, n1)
 
 
 def smoothed_blocks(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
     """The isotonic fit of 0/1 outcomes y at x with every block valued (k + 1/2) / (n + 1), adjacent blocks
     pooled while their raw or smoothed values do not rise (the module docstring): (block starts,
     block values), both ascending, values strictly rising."""
-    starts, _ = isotonic_fit(x, y)
-    block = torch.searchsorted(starts, x.double(), right=True) - 1
-    ks = torch.bincount(block, weights=y.double(), minlength=starts.numel()).tolist()
-    ns = torch.bincount(block, minlength=starts.numel()).tolist()
-    out_starts: list[float] = []
-    out_k: list[float] = []
-    out_n: list[int] = []
-
-    def value(i: int) -> float:
-        return (out_k[i] + 0.5) / (out_n[i] + 1)
-
-    for start, k, n in zip(starts.tolist(), ks, ns):
-        out_starts.append(start)
-        out_k.append(k)
-        out_n.append(n)
-        # equal raw means pool too: blocks the fit could not tell apart are one block of evidence
-        while len(out_k) > 1 and (out_k[-2] * out_n[-1] >= out_k[-1] * out_n[-2] or value(-2) >= value(-1)):
-            k_last, n_last = out_k.pop(), out_n.pop()
-            out_starts.pop()
-            out_k[-1] += k_last
-            out_n[-1] += n_last
-    return (torch.tensor(out_starts, dtype=torch.float64),
-            torch.tensor([value(i) for i in range(len(out_k))], dtype=torch.float64))
+    fitted_starts, fitted_sums, fitted_counts = _isotonic_blocks(x, y)
+    starts: list[float] = []
+    sums: list[float] = []
+    counts: list[int] = []
+    for start, k, n in zip(fitted_starts, fitted_sums, fitted_counts):
+        starts.append(start)
+        sums.append(k)
+        counts.append(n)
+        _pool(starts, sums, counts, _smoothed_falls)
+    return (torch.tensor(starts, dtype=torch.float64),
+            torch.tensor([_smoothed(k, n) for k, n in zip(sums, counts)], dtype=torch.float64))
 
 
 @dataclass(frozen=True)
