@@ -32,7 +32,7 @@ batch-size bucket, and probes the mode it is not using.
 from __future__ import annotations
 
 import dataclasses
-
+import functools
 import json
 import math
 import statistics
@@ -49,11 +49,14 @@ __all__ = ["CostModel", "budget_rates", "choose_budget", "drafting_pays", "fit_d
 
 def interpolate(xs: tuple[float, ...], ys: tuple[float, ...], x: Tensor) -> Tensor:
     """Piecewise-linear y(x) through the points, extrapolated along the first/last segment."""
-    px = torch.tensor(xs, dtype=torch.float64)
-    py = torch.tensor(ys, dtype=torch.float64)
+    return _interpolate(torch.tensor(xs, dtype=torch.float64), torch.tensor(ys, dtype=torch.float64), x)
+
+
+def _interpolate(px: Tensor, py: Tensor, x: Tensor) -> Tensor:
+    """`interpolate` on float64 tensors; py may carry trailing dimensions (n, ...): every column at once."""
     x = x.double()
     if px.numel() == 1:
-        return py.expand_as(x) * (x / px[0])  # one point: proportional
+        return py[0] * (x / px[0])  # one point: proportional
     i = torch.searchsorted(px, x).clamp(1, px.numel() - 1)
     x0, x1, y0, y1 = px[i - 1], px[i], py[i - 1], py[i]
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
@@ -129,14 +132,34 @@ class CostModel:
         its edges)."""
         tokens = torch.as_tensor(tokens)
         if context is None or not self.grid_seconds:
-            return interpolate(self.verify_tokens, self.verify_seconds, tokens) + self.step_overhead_seconds
-        return self._read_grid(self.grid_seconds, tokens, context) + self.step_overhead_seconds
+            return _interpolate(*self._tables["verify"], tokens) + self.step_overhead_seconds
+        return self._read_grid("grid", tokens, context) + self.step_overhead_seconds
 
-    def _read_grid(self, rows: tuple[tuple[float, ...], ...], tokens: Tensor, context: float) -> Tensor:
-        """Bilinear in tokens and context on the grid's axes, extrapolated along its edges."""
-        c = torch.tensor(float(context))
-        at_context = tuple(float(interpolate(self.grid_contexts, row, c)) for row in rows)
-        return interpolate(self.grid_tokens, at_context, tokens).clamp(min=1e-9)
+    @functools.cached_property
+    def _tables(self) -> dict:
+        """The curves and grids as float64 tensors, built once (the budget rule reads them dozens of times a step),
+        and the grids' token curves at the contexts read so far (`_read_grid`)."""
+        t = functools.partial(torch.tensor, dtype=torch.float64)
+        return {"verify": (t(self.verify_tokens), t(self.verify_seconds)),
+                "draft": (t(self.draft_tokens), t(self.draft_seconds)) if self.draft_tokens else None,
+                "axes": (t(self.grid_tokens), t(self.grid_contexts)),
+                "grid": t(self.grid_seconds).T if self.grid_seconds else None,  # (contexts, tokens)
+                "draft_grid": t(self.draft_grid_seconds).T if self.draft_grid_seconds else None,
+                "at_context": {}}
+
+    def _read_grid(self, name: str, tokens: Tensor, context: float) -> Tensor:
+        """Bilinear in tokens and context on the grid's axes, extrapolated along its edges: the grid's token curve
+        at `context` (interpolated along the context axis, kept per context: a step reads one context many
+        times), then read at `tokens`."""
+        tables = self._tables
+        px, pc = tables["axes"]
+        key = (name, float(context))
+        curve = tables["at_context"].get(key)
+        if curve is None:
+            if len(tables["at_context"]) >= 256:
+                tables["at_context"].clear()
+            curve = tables["at_context"][key] = _interpolate(pc, tables[name], torch.tensor(float(context)))
+        return _interpolate(px, curve, tokens).clamp(min=1e-9)
 
     def draft_time(self, tokens: Tensor | int, context: float | None = None) -> Tensor:
         """Seconds of one draft forward over `tokens` tokens (0 without a draft curve); with `context` and a draft
@@ -144,8 +167,8 @@ class CostModel:
         if not self.draft_tokens:
             return torch.zeros_like(torch.as_tensor(tokens, dtype=torch.float64))
         if context is not None and self.draft_grid_seconds:
-            return self._read_grid(self.draft_grid_seconds, torch.as_tensor(tokens), context)
-        return interpolate(self.draft_tokens, self.draft_seconds, torch.as_tensor(tokens))
+            return self._read_grid("draft_grid", torch.as_tensor(tokens), context)
+        return _interpolate(*self._tables["draft"], torch.as_tensor(tokens))
 
     def draft_level_time(self, frontier: Tensor | int, context: float | None = None) -> Tensor:
         """Seconds of one level of tree drafting over a frontier of `frontier` tokens: its draft forward (at

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from echo_trtllm.core.cost import CostModel, choose_budget
+from echo_trtllm.core.cost import CostModel, choose_budget, interpolate
 
 GRID = dict(grid_tokens=(1, 16), grid_contexts=(100, 1000), grid_seconds=((0.010, 0.020), (0.030, 0.120)))
 
@@ -21,6 +21,29 @@ def test_bilinear_in_tokens_and_context_and_the_curve_without_a_context():
     assert float(CostModel((1, 16), (0.01, 0.03)).verify_time(16, 1000)) == pytest.approx(0.03)
     torch.testing.assert_close(cost.verify_time(torch.tensor([1, 16]), 100),
                                torch.tensor([0.010, 0.030], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("tokens_axis,contexts_axis", [((1, 4, 16, 64), (64, 256, 1024)), ((1, 16), (100,)),
+                                                         ((8,), (64, 512))])
+def test_the_grid_reads_match_row_by_row_interpolation(tokens_axis, contexts_axis):
+    """The tensor tables and the per-context token curves (built once, kept per context) read exactly what
+    interpolating each row along the contexts and then along the tokens reads, in and beyond the grid, for the
+    verification and the draft grid, with one-point axes (proportional) included, and again from the kept curve."""
+    gen = torch.Generator().manual_seed(3)
+    rows = lambda: tuple(tuple(float(x) for x in row) for row in  # noqa: E731
+                         torch.rand(len(tokens_axis), len(contexts_axis), generator=gen).add(0.01).cumsum(0))
+    grid, draft_grid = rows(), rows()
+    cost = CostModel((1, 16), (0.01, 0.03), (1, 16), (0.001, 0.002), grid_tokens=tokens_axis,
+                     grid_contexts=contexts_axis, grid_seconds=grid, draft_grid_seconds=draft_grid)
+    tokens = torch.tensor([1, 3, 8, 16, 40, 64, 200])
+    for context in (10.0, 64.0, 100.0, 300.5, 1024.0, 3000.0, 300.5):
+        for table, read in ((grid, cost.verify_time), (draft_grid, cost.draft_time)):
+            c = torch.tensor(context)
+            at_context = tuple(float(interpolate(contexts_axis, row, c)) for row in table)
+            expected = interpolate(tokens_axis, at_context, tokens).clamp(min=1e-9)
+            torch.testing.assert_close(read(tokens, context), expected)
+            assert float(read(5, context)) == pytest.approx(float(interpolate(tokens_axis, at_context,
+                                                                              torch.tensor(5)).clamp(min=1e-9)))
 
 
 def test_the_grid_round_trips_through_json_and_bad_grids_are_refused():
