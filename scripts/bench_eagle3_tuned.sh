@@ -12,7 +12,8 @@
 #      each policy through the runtime's drafting loop) and pick each method's fastest shape per batch size;
 #   4. per batch size, one bench on held-out prompts: AR, every method pure with its tuned shape, ECHO also
 #      with the AR fallback.
-# Environment: BS (batch sizes), MAXTOK, ROUNDS, WARMUP, OUT (default docs/bench), PY; SRC_B, SRC_TOKENS, CONTEXT (tuning);
+# Environment: BS (batch sizes), MAXTOK, ROUNDS, WARMUP, WAVES (requests per cell = WAVES x B, B in flight: the
+# batch stays full until the last wave drains; default 1, one closed batch), OUT (default docs/bench), PY; SRC_B, SRC_TOKENS, CONTEXT (tuning);
 # CAL_PROMPTS, CAL_TOKENS (the calibration's warm-up);
 # DTYPE (default float32: an AVX2-only CPU has no bf16 instructions; bfloat16 where it has them, docs/dtype.md);
 # TRACE (the tuning trace, default $OUT/$NAME-tune-trace.json, shared by every TAG; give another to trace anew);
@@ -83,6 +84,7 @@ for B in $BS; do
   [ -z "${NO_ABLATION:-}" ] || A=""
   $PY -m echo_trtllm.cli bench "${COMMON[@]}" --methods "ar,$M$A,$E:fallback=on" \
     --batch-sizes "$B" --fallback off \
-    --max-tokens "$MAXTOK" --max-seq-len "$MAXSEQ" --rounds "$ROUNDS" --warmup-rounds "$WARMUP" --calibration "$CAL" \
+    --max-tokens "$MAXTOK" --max-seq-len "$MAXSEQ" --rounds "$ROUNDS" --warmup-rounds "$WARMUP" --waves "${WAVES:-1}" \
+    --calibration "$CAL" \
     --json "$OUT/$NAME${TAG:-}-b$B.json" --markdown "$OUT/$NAME${TAG:-}-b$B.md" --trace "$OUT/$NAME${TAG:-}-b$B-trace.json"
 done

@@ -7,7 +7,8 @@ line is echo_trtllm/cli/bench.py).
 Every method runs through the public API: one `LLM` per method, batch size and temperature, built on the same
 loaded models, reused across rounds (as a server's engine is: the echo family's tracker keeps what it learnt).
 For each batch size and round, every method runs the same requests (batch_size requests, one per slot, submitted
-at once with `LLM.generate`), AR first in even rounds and last in odd ones, so ratios are measured side by side
+at once with `LLM.generate`; with `waves` > 1, waves x batch_size requests kept batch_size at a time in flight, so
+the batch stays full until the last wave drains, as under a server's sustained load), AR first in even rounds and last in odd ones, so ratios are measured side by side
 and a drift of the machine's speed favours no side; each method's ratio to AR is taken per round, and medians
 over rounds are reported with their spread (min and max, and every round's ratio in the JSON). Per-step figures come from `LLM.get_stats()`.
 
@@ -129,6 +130,11 @@ class BenchConfig:
     # (every method, "+fallback" rows), "off" ("pure" rows: every step speculates); several modes run each
     # method once per mode
     fallback: tuple[str, ...] = ("auto",)
+    # requests per cell and round = waves x batch size, at most batch size in flight: with 1 (one closed batch)
+    # the batch drains at the end of every round, and speculation's requests, which finish at different steps,
+    # leave a tail of small steps that AR's (all finishing together) does not; with more waves the batch stays
+    # full until the last one (a serving engine's sustained load at that concurrency)
+    waves: int = 1
 
     def __post_init__(self) -> None:
         bad = [m for m in self.methods if split_fallback(m)[0].split(":")[0] not in POLICY_NAMES]
@@ -143,7 +149,7 @@ class BenchConfig:
             raise ValueError(f"batch_sizes must be integers >= 1, got {self.batch_sizes}")
         if not self.temperatures or any(not t >= 0 for t in self.temperatures):
             raise ValueError(f"temperatures must be numbers >= 0, got {self.temperatures}")
-        for name in ("max_tokens", "rounds"):
+        for name in ("max_tokens", "rounds", "waves"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup_rounds < 0:
@@ -222,13 +228,15 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def run_cell(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int, temperature: float,
-             seed: int = 0) -> dict:
-    """One method at one batch size: batch_size requests submitted at once to `llm`, run to completion.
+             seed: int = 0, waves: int = 1) -> dict:
+    """One method at one batch size: waves x batch_size requests submitted at once to `llm` (whose batch holds
+    batch_size: in-flight batching admits the next request as one finishes), run to completion.
 
     `llm` must keep step reports (iter_stats_max_iterations > 0); the cell reads them with get_stats()."""
+    n = waves * batch_size
     params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=0.95 if temperature else 1.0,
-                             seed=seed + i, ignore_eos=True) for i in range(batch_size)]
-    cell_prompts = [prompts[(seed + i) % len(prompts)] for i in range(batch_size)]
+                             seed=seed + i, ignore_eos=True) for i in range(n)]
+    cell_prompts = [prompts[(seed + i) % len(prompts)] for i in range(n)]
     llm.get_stats()  # drop anything left from before
     t0 = time.perf_counter()
     outputs = llm.generate(cell_prompts, params, use_tqdm=False)
@@ -365,7 +373,8 @@ def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibr
                             cell = hf_assisted_cell(hf[0], hf[1] if m != "hf-ar" else None, tokenizer, prompts,
                                                     cfg.max_tokens, n, seed=rnd * b)
                         else:
-                            cell = run_cell(engines[m], prompts, b, cfg.max_tokens, temp, seed=rnd * b)
+                            cell = run_cell(engines[m], prompts, b, cfg.max_tokens, temp,
+                                            seed=rnd * b * cfg.waves, waves=cfg.waves)
                         round_cells[m] = cell
                         if rnd >= cfg.warmup_rounds:
                             samples[m].append(cell)

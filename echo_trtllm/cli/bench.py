@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "shapes without touching eval prompts) or on all of it")
     ap.add_argument("--rounds", type=int, default=1, help="timed rounds (medians and min-max reported)")
     ap.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds first (same engines)")
+    ap.add_argument("--waves", type=int, default=1,
+                    help="requests per cell and round = WAVES x batch size, at most batch size in flight (in-flight "
+                         "batching refills the batch as requests finish: sustained load); 1 (default): one closed "
+                         "batch per round, which drains at its end")
     ap.add_argument("--hf-assisted", type=lambda t: [x for x in t.split(",") if x], default=[],
                     help="at B=1, T=0 also run HF transformers generate(): plain and assisted by the same draft with "
                          "these num_assistant_tokens, e.g. heuristic,4,8")
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             methods=tuple(m for m in args.methods.split(",") if m),
             batch_sizes=tuple(options.int_list(args.batch_sizes, "--batch-sizes")),
             temperatures=tuple(options.float_list(args.temperatures, "--temperatures")),
-            max_tokens=args.max_tokens, rounds=args.rounds, warmup_rounds=args.warmup_rounds,
+            max_tokens=args.max_tokens, rounds=args.rounds, warmup_rounds=args.warmup_rounds, waves=args.waves,
             speculation=options.echo_config(args, policy="echo"), max_seq_len=args.max_seq_len,
             hf_assisted=tuple(args.hf_assisted), fallback=options.fallback_modes(args.fallback, several=True))
         prompts = load_prompts(args.prompt_set, args.prompt_split)
@@ -134,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
               "none (no cost model)" if args.no_cost_model else "none (cost curve measured at load)")
     meta = {"machine": machine_info(), "date": time.strftime("%Y-%m-%d"), "command": command_line(argv),
             "dtype": {"target": str(target.dtype), "draft": str(draft.dtype)}, "draft_kind": draft_kind(draft),
-            "calibration_source": source,
+            "calibration_source": source, "waves": cfg.waves,
             "prompts": {"set": args.prompt_set, "split": args.prompt_split, "eval": len(prompts),
                         "calibration": len(calibration_prompts) if in_process else 0,
                         "rule": "calibration = prompts 0, 4, 8, ... of the set; eval = all others"},

@@ -29,6 +29,20 @@ def test_oracle_equals_a_method_that_verifies_every_draft(default_pair, prompts)
     assert ar["mat_vs_oracle"] == 1.0 and ar["mat"] == 1.0 and ar["acceptance_rate"] == 0.0
 
 
+def test_waves_run_waves_times_the_batch_through_its_slots(default_pair, prompts):
+    """waves x B requests through an engine of B slots (in-flight batching refills a slot as a request finishes):
+    every request's tokens are those of its own closed-batch run (the same prompt and place in the rotation), and
+    the cell counts all of them."""
+    target, draft, tok = default_pair
+    with make_engine(target, draft, tok, EchoConfig(policy="chain", k_max=64), 2, 256, cost_model=None) as llm:
+        waves = run_cell(llm, prompts, 2, max_tokens=8, temperature=0.0, seed=1, waves=3)
+        closed = [run_cell(llm, prompts, 2, max_tokens=8, temperature=0.0, seed=1 + 2 * i) for i in range(3)]
+    assert waves["tokens"] == 3 * 2 * 8 and len(waves["token_ids"]) == 6
+    assert waves["token_ids"] == [ids for cell in closed for ids in cell["token_ids"]]
+    # the slots are refilled: no more steps than the three closed batches took one after another
+    assert waves["mat"] > 1.0 and waves["steps"] <= sum(cell["steps"] for cell in closed)
+
+
 def test_oracle_is_an_upper_bound_for_echo(default_pair, prompts):
     row = cell(default_pair, prompts, "echo", max_nodes_per_request=8, max_depth=4)
     assert 0.0 < row["mat_vs_oracle"] <= 1.0
@@ -85,6 +99,7 @@ def test_bench_smoke_writes_every_metric_and_simulate_reads_its_trace(tmp_path, 
     (["--fallback", "off,sometimes"], "--fallback takes distinct auto, on, off"),
     (["--fallback", "on,on"], "--fallback takes distinct"),
     (["--rounds", "0"], "rounds must be >= 1"),
+    (["--waves", "0"], "waves must be >= 1"),
     (["--calibration", "missing.json"], "missing.json"),
     (["--batch-sizes", "0"], "integers >= 1"),
     (["--temperatures", "hot"], "comma-separated numbers"),
