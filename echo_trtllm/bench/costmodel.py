@@ -65,7 +65,18 @@ def compare_steps(reports, cost: CostModel) -> dict:
             pred_d.append(draft)
         meas_s.append(tm.total)
         pred_s.append(pred_side[-1] + draft)
+    full = [r for r in reports if r.batch_size and r.batch_size == max(x.batch_size for x in reports)]
+    ms = lambda f: round(1e3 * statistics.median(f(r) for r in full), 2) if full else None  # noqa: E731
     return {"steps": len(meas_v),
+            # medians over the steps at the full batch (a closed batch drains at its end), milliseconds
+            "full_batch": {"steps": len(full), "step_ms": ms(lambda r: r.timings.total),
+                           "forward_ms": ms(lambda r: r.timings.verify),
+                           "host_around_forward_ms": ms(lambda r: r.timings.verify_side - r.timings.verify),
+                           "draft_forwards_ms": ms(lambda r: r.timings.draft_model),
+                           "control_ms": ms(lambda r: r.timings.control),
+                           "verified_tokens": statistics.median(r.verified_tokens for r in full) if full else None,
+                           "emitted_per_request": round(statistics.mean(r.emitted_tokens / r.batch_size
+                                                                        for r in full), 3) if full else None},
             "mean_verified_tokens": round(statistics.mean(r.verified_tokens for r in reports if r.batch_size), 2),
             "mean_context_read": round(statistics.mean(r.context for r in reports if r.batch_size), 1),
             "mean_step_seconds": round(statistics.mean(meas_s), 5) if meas_s else None,
