@@ -46,7 +46,8 @@ def compare_steps(reports, cost: CostModel) -> dict:
     """Errors of the cost model's predictions over executed step reports (steps that verified something): the
     forward against the grid alone and the context-blind curve, the verify side against the grid plus the fitted
     step overhead, the draft side (speculative steps) against `draft_level_time` per level plus control, and the
-    whole step against both sides."""
+    whole step against both sides; and `full_batch`, medians of each phase over the steps at the widest batch
+    (milliseconds; tokens per request is a mean)."""
     bare = dataclasses.replace(cost, step_overhead_seconds=0.0)
     meas_v, grid_v, curve_v, meas_side, pred_side, meas_s, pred_s, meas_d, pred_d = ([] for _ in range(9))
     for rep in reports:
@@ -65,7 +66,9 @@ def compare_steps(reports, cost: CostModel) -> dict:
             pred_d.append(draft)
         meas_s.append(tm.total)
         pred_s.append(pred_side[-1] + draft)
-    full = [r for r in reports if r.batch_size and r.batch_size == max(x.batch_size for x in reports)]
+    ran = [r for r in reports if r.batch_size and r.verified_tokens]
+    widest = max((r.batch_size for r in ran), default=0)
+    full = [r for r in ran if r.batch_size == widest]
     ms = lambda f: round(1e3 * statistics.median(f(r) for r in full), 2) if full else None  # noqa: E731
     return {"steps": len(meas_v),
             # medians over the steps at the full batch (a closed batch drains at its end), milliseconds

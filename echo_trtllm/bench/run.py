@@ -150,8 +150,10 @@ class BenchConfig:
         if not self.temperatures or any(not t >= 0 for t in self.temperatures):
             raise ValueError(f"temperatures must be numbers >= 0, got {self.temperatures}")
         for name in ("max_tokens", "rounds", "waves"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.hf_assisted and self.waves > 1:
+            raise ValueError("hf_assisted runs one request per round: use it with waves 1")
         if self.warmup_rounds < 0:
             raise ValueError(f"warmup_rounds must be >= 0, got {self.warmup_rounds}")
         if not self.fallback or any(f not in FALLBACK_MODES for f in self.fallback) or len(set(self.fallback)) < len(self.fallback):

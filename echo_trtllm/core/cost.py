@@ -53,8 +53,11 @@ def interpolate(xs: tuple[float, ...], ys: tuple[float, ...], x: Tensor) -> Tens
 
 
 def _interpolate(px: Tensor, py: Tensor, x: Tensor) -> Tensor:
-    """`interpolate` on float64 tensors; py may carry trailing dimensions (n, ...): every column at once."""
+    """`interpolate` on float64 tensors; py may carry trailing dimensions (n, ...): every column at once, at one
+    point x (0-d)."""
     x = x.double()
+    if py.ndim > 1 and x.ndim:
+        raise ValueError(f"_interpolate reads columns at one point: x must be 0-d with py of shape {tuple(py.shape)}")
     if px.numel() == 1:
         return py[0] * (x / px[0])  # one point: proportional
     i = torch.searchsorted(px, x).clamp(1, px.numel() - 1)

@@ -23,12 +23,21 @@ def test_bilinear_in_tokens_and_context_and_the_curve_without_a_context():
                                torch.tensor([0.010, 0.030], dtype=torch.float64))
 
 
+def reference_interpolate(xs, ys, x: float) -> float:
+    """Piecewise linear through the points, extrapolated along the end segments; one point: proportional."""
+    if len(xs) == 1:
+        return ys[0] * x / xs[0]
+    i = min(max(next((k for k, v in enumerate(xs) if v >= x), len(xs)), 1), len(xs) - 1)
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+
 @pytest.mark.parametrize("tokens_axis,contexts_axis", [((1, 4, 16, 64), (64, 256, 1024)), ((1, 16), (100,)),
                                                          ((8,), (64, 512))])
 def test_the_grid_reads_match_row_by_row_interpolation(tokens_axis, contexts_axis):
     """The tensor tables and the per-context token curves (built once, kept per context) read exactly what
-    interpolating each row along the contexts and then along the tokens reads, in and beyond the grid, for the
-    verification and the draft grid, with one-point axes (proportional) included, and again from the kept curve."""
+    interpolating each row along the contexts and then along the tokens reads (`reference_interpolate`, written
+    out here), in and beyond the grid, for the verification and the draft grid, with one-point axes (proportional)
+    included, and again from the kept curve."""
     gen = torch.Generator().manual_seed(3)
     rows = lambda: tuple(tuple(float(x) for x in row) for row in  # noqa: E731
                          torch.rand(len(tokens_axis), len(contexts_axis), generator=gen).add(0.01).cumsum(0))
@@ -39,11 +48,13 @@ def test_the_grid_reads_match_row_by_row_interpolation(tokens_axis, contexts_axi
     for context in (10.0, 64.0, 100.0, 300.5, 1024.0, 3000.0, 300.5):
         for table, read in ((grid, cost.verify_time), (draft_grid, cost.draft_time)):
             c = torch.tensor(context)
-            at_context = tuple(float(interpolate(contexts_axis, row, c)) for row in table)
-            expected = interpolate(tokens_axis, at_context, tokens).clamp(min=1e-9)
+            at_context = tuple(reference_interpolate(contexts_axis, row, context) for row in table)
+            expected = torch.tensor([reference_interpolate(tokens_axis, at_context, float(t)) for t in tokens],
+                                    dtype=torch.float64).clamp(min=1e-9)
             torch.testing.assert_close(read(tokens, context), expected)
-            assert float(read(5, context)) == pytest.approx(float(interpolate(tokens_axis, at_context,
-                                                                              torch.tensor(5)).clamp(min=1e-9)))
+            assert float(read(5, context)) == pytest.approx(max(reference_interpolate(tokens_axis, at_context, 5.0),
+                                                                1e-9))
+    assert float(interpolate((4.0,), (2.0,), torch.tensor(6.0))) == pytest.approx(3.0)  # one point: proportional
 
 
 def test_the_grid_round_trips_through_json_and_bad_grids_are_refused():

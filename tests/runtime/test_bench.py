@@ -43,6 +43,18 @@ def test_waves_run_waves_times_the_batch_through_its_slots(default_pair, prompts
     assert waves["mat"] > 1.0 and waves["steps"] <= sum(cell["steps"] for cell in closed)
 
 
+def test_bench_with_waves_pairs_every_request_with_ars(tmp_path):
+    """--waves 2 through the command line: the JSON says so, every request of every round is paired with AR's
+    (float32: token for token), a chain's hindsight oracle is itself, and a round holds 2 x B requests."""
+    out = tmp_path / "w.json"
+    assert main(["bench", "--methods", "ar,chain", "--batch-sizes", "2", "--max-tokens", "5", "--warmup-rounds", "0",
+                 "--rounds", "2", "--waves", "2", "--fallback", "off", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["waves"] == 2
+    chain = next(r for r in data["results"] if r["method"].startswith("chain"))
+    assert chain["ar_agreement"] == 1.0 and chain["mat_vs_oracle"] == 1.0 and chain["mat"] > 1.0
+
+
 def test_oracle_is_an_upper_bound_for_echo(default_pair, prompts):
     row = cell(default_pair, prompts, "echo", max_nodes_per_request=8, max_depth=4)
     assert 0.0 < row["mat_vs_oracle"] <= 1.0
@@ -98,8 +110,9 @@ def test_bench_smoke_writes_every_metric_and_simulate_reads_its_trace(tmp_path, 
     (["--methods", "ar,medusa"], "unknown ['medusa']"),
     (["--fallback", "off,sometimes"], "--fallback takes distinct auto, on, off"),
     (["--fallback", "on,on"], "--fallback takes distinct"),
-    (["--rounds", "0"], "rounds must be >= 1"),
-    (["--waves", "0"], "waves must be >= 1"),
+    (["--rounds", "0"], "rounds must be an integer >= 1"),
+    (["--waves", "0"], "waves must be an integer >= 1"),
+    (["--waves", "2", "--hf-assisted", "4"], "hf_assisted runs one request per round"),
     (["--calibration", "missing.json"], "missing.json"),
     (["--batch-sizes", "0"], "integers >= 1"),
     (["--temperatures", "hot"], "comma-separated numbers"),
