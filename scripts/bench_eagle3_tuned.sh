@@ -13,7 +13,8 @@
 #   4. per batch size, one bench on held-out prompts: AR, every method pure with its tuned shape, ECHO also
 #      with the AR fallback.
 # Environment: BS (batch sizes), MAXTOK, ROUNDS, WARMUP, WAVES (requests per cell = WAVES x B, B in flight: the
-# batch stays full until the last wave drains; default 1, one closed batch), OUT (default docs/bench), PY; SRC_B, SRC_TOKENS, CONTEXT (tuning);
+# batch stays full until the last wave drains; default 1, one closed batch; the file names do not carry it, so give a
+# waved run its own TAG), OUT (default docs/bench), PY; SRC_B, SRC_TOKENS, CONTEXT (tuning);
 # CAL_PROMPTS, CAL_TOKENS (the calibration's warm-up);
 # DTYPE (default float32: an AVX2-only CPU has no bf16 instructions; bfloat16 where it has them, docs/dtype.md);
 # TRACE (the tuning trace, default $OUT/$NAME-tune-trace.json, shared by every TAG; give another to trace anew);
