@@ -50,9 +50,8 @@ def compare_steps(reports, cost: CostModel) -> dict:
     (milliseconds; tokens per request is a mean)."""
     bare = dataclasses.replace(cost, step_overhead_seconds=0.0)
     meas_v, grid_v, curve_v, meas_side, pred_side, meas_s, pred_s, meas_d, pred_d = ([] for _ in range(9))
-    for rep in reports:
-        if not rep.batch_size or rep.verified_tokens == 0:
-            continue
+    ran = [r for r in reports if r.batch_size and r.verified_tokens]
+    for rep in ran:
         t, c, tm = rep.verified_tokens, rep.context, rep.timings
         meas_v.append(tm.verify)
         grid_v.append(float(bare.verify_time(t, c)))
@@ -66,7 +65,6 @@ def compare_steps(reports, cost: CostModel) -> dict:
             pred_d.append(draft)
         meas_s.append(tm.total)
         pred_s.append(pred_side[-1] + draft)
-    ran = [r for r in reports if r.batch_size and r.verified_tokens]
     widest = max((r.batch_size for r in ran), default=0)
     full = [r for r in ran if r.batch_size == widest]
     ms = lambda f: round(1e3 * statistics.median(f(r) for r in full), 2) if full else None  # noqa: E731

@@ -8,8 +8,8 @@ Every method runs through the public API: one `LLM` per method, batch size and t
 loaded models, reused across rounds (as a server's engine is: the echo family's tracker keeps what it learnt).
 For each batch size and round, every method runs the same requests (batch_size requests, one per slot, submitted
 at once with `LLM.generate`; with `waves` > 1, waves x batch_size requests kept batch_size at a time in flight, so
-the batch stays full until the last wave drains, as under a server's sustained load), AR first in even rounds and last in odd ones, so ratios are measured side by side
-and a drift of the machine's speed favours no side; each method's ratio to AR is taken per round, and medians
+the batch stays full until the last wave drains, as under a server's sustained load), AR first in even rounds and
+last in odd ones, so ratios are measured side by side and a drift of the machine's speed favours no side; each method's ratio to AR is taken per round, and medians
 over rounds are reported with their spread (min and max, and every round's ratio in the JSON). Per-step figures come from `LLM.get_stats()`.
 
 Fairness: every method gets the same models, prompts, warm-up rounds and tree options. The echo family also gets
