@@ -84,3 +84,18 @@ def run_greedy(target, draft, tok, policy, prompts, batch_size, max_tokens, igno
         sizes.append(ex.step().batch_size)
     assert not ex.failures, ex.last_error
     return [r.output_token_ids for r in reqs], reqs, sizes
+
+
+def run_seeded_sampling(target, draft, tok, policy, prompts):
+    """Seeded sampling requests (temperature 0.8, top-p 0.9, top-k 50, seed 7 + i, 20 tokens each) through one
+    executor of 4 slots. Returns (outputs, request-steps): with the same seeds, a lossless policy emits exactly
+    what plain AR sampling emits (each position's token is drawn from that position's uniform)."""
+    ex = Executor(target, draft, tok, EchoConfig(policy=policy, k_max=64), max_batch_size=4, max_seq_len=256)
+    reqs = [ex.make_request(p, SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, top_k=50, seed=7 + i,
+                                              ignore_eos=True)) for i, p in enumerate(prompts)]
+    for r in reqs:
+        ex.submit(r)
+    while ex.has_work:
+        ex.step()
+    assert not ex.failures, ex.last_error
+    return [r.output_token_ids for r in reqs], sum(r.stats.steps for r in reqs)

@@ -1,7 +1,8 @@
 """Drafting with an EAGLE-3 head in the executor.
 
 - Lossless: every policy with the head emits exactly plain AR greedy's tokens, requests joining and leaving
-  mid-flight, and the committed head's drafts are accepted.
+  mid-flight, and the committed head's drafts are accepted; seeded sampling emits exactly what plain AR sampling
+  emits with the same seeds (each position's token drawn from that position's uniform), drafts accepted.
 - The head's state is right, step after step: every distribution the drafter hands the drafting loop (the root
   and every chain level) equals a dense recomputation from scratch, the target's features of the whole sequence
   taken from a fresh target forward and the naive EAGLE-3 layer of tests/models (the reference that the head's
@@ -22,6 +23,7 @@ from echo_trtllm.runtime.executor import Executor
 from echo_trtllm.runtime.inputs import chain_batch
 from echo_trtllm.runtime.request import SamplingParams
 from tests.helpers import run_greedy as run
+from tests.helpers import run_seeded_sampling
 from tests.models.test_eagle3 import naive_head
 
 
@@ -52,6 +54,18 @@ def test_every_policy_with_the_head_equals_ar_greedy(fp32_pair, prompts, ar_refe
         assert max(sizes) == batch_size and min(sizes) < batch_size
     steps = sum(r.stats.steps for r in reqs)
     assert steps < 0.8 * sum(lengths), f"{policy}: the head's drafts were hardly accepted ({steps} steps)"
+
+
+@pytest.mark.parametrize("policy", [p for p in POLICY_NAMES if p != "ar"])
+def test_seeded_sampling_with_the_head_equals_ar_sampling_token_for_token(fp32_pair, prompts, policy):
+    """Sampling verification with the head's drafts (temperature, top-p, top-k): a seeded request emits exactly
+    the tokens plain AR sampling emits with the same seed, and drafts are accepted (it is still speculation)."""
+    target, head, tok = fp32_pair
+    ar, ar_steps = run_seeded_sampling(target, None, tok, "ar", prompts[:8])
+    spec, spec_steps = run_seeded_sampling(target, head, tok, policy, prompts[:8])
+    for i, (got, exp) in enumerate(zip(spec, ar)):
+        assert got == exp, f"prompt {i}: {policy} with the EAGLE-3 head sampled other tokens than AR"
+    assert spec_steps < ar_steps, f"{policy}: the head's drafts were never accepted while sampling"
 
 
 @torch.no_grad()

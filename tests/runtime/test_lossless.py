@@ -4,10 +4,9 @@ emits, token for token, with requests of different lengths joining and leaving m
 import pytest
 import torch
 
-from echo_trtllm.core import POLICY_NAMES, EchoConfig
-from echo_trtllm.runtime.executor import Executor
-from echo_trtllm.runtime.request import SamplingParams
+from echo_trtllm.core import POLICY_NAMES
 from tests.helpers import run_greedy as run
+from tests.helpers import run_seeded_sampling
 
 
 @pytest.fixture(scope="module")
@@ -60,18 +59,7 @@ def test_seeded_sampling_equals_ar_sampling_token_for_token(default_pair, prompt
     exactly what plain AR sampling emits with the same seed, whatever was drafted (and it is still speculation:
     drafts are accepted)."""
     target, draft, tok = default_pair
-
-    def sample(policy, draft_model):
-        ex = Executor(target, draft_model, tok, EchoConfig(policy=policy, k_max=64), max_batch_size=4, max_seq_len=256)
-        reqs = [ex.make_request(p, SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, top_k=50, seed=7 + i,
-                                                  ignore_eos=True)) for i, p in enumerate(prompts[:8])]
-        for r in reqs:
-            ex.submit(r)
-        while ex.has_work:
-            ex.step()
-        return [r.output_token_ids for r in reqs], sum(r.stats.steps for r in reqs)
-
-    ar, ar_steps = sample("ar", None)
-    spec, spec_steps = sample(policy, draft)
+    ar, ar_steps = run_seeded_sampling(target, None, tok, "ar", prompts[:8])
+    spec, spec_steps = run_seeded_sampling(target, draft, tok, policy, prompts[:8])
     assert spec == ar
     assert spec_steps < ar_steps, f"{policy} accepted no draft token at all"
