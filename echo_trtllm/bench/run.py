@@ -31,6 +31,10 @@ Metrics per (method, batch size, temperature):
                       output-path token any method of the cell drafted (T=0; bench.trace); mat_vs_own_oracle:
                       from this method's own drafts only
   speedup_vs_ar       tokens_per_s over AR's in the same rounds (median of the per-round ratios)
+  full_batch_*        the steps whose batch held batch_size requests: their share of decode seconds, their
+                      tokens/s, and that over AR's full-batch tokens/s in the same round (full_batch_speedup_vs_ar):
+                      the rate with every slot busy, apart from the steps of a batch that drains (a closed batch's
+                      tail, the last wave's)
   *_min / *_max       spread over rounds of tokens_per_s and speedup_vs_ar
 """
 
@@ -60,7 +64,8 @@ __all__ = ["BenchConfig", "run_cell", "bench", "markdown_table", "profile_table"
 
 METRICS = ("tokens_per_s", "e2e_tokens_per_s", "mat", "verified_per_step", "acceptance_rate", "latency_p50_s",
            "latency_p99_s", "control_share", "draft_share", "speculated_share", "mat_vs_oracle", "mat_vs_own_oracle",
-           "ar_agreement", "ar_prefix_agreement")
+           "ar_agreement", "ar_prefix_agreement", "full_batch_time_share", "full_batch_tokens_per_s",
+           "full_batch_speedup_vs_ar")
 FALLBACK_LABELS = {"on": "+fallback", "off": "pure"}
 # AR's own tokens/s spread over rounds, (max - min) / median, above which the table warns that ratios carry noise
 AR_SPREAD_WARNING = 0.10
@@ -244,8 +249,8 @@ def run_cell(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int, tem
     outputs = llm.generate(cell_prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
     reports = llm.get_stats()
-    steps = verified = speculated = 0
-    decode = control = draft_model = 0.0
+    steps = verified = speculated = full_tokens = 0
+    decode = control = draft_model = full_seconds = 0.0
     policy = llm.executor.policy
     recorder = TraceRecorder(policy.max_tree_nodes - 1, policy.max_depth) if temperature == 0 else None
     for rep in reports:
@@ -255,6 +260,9 @@ def run_cell(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int, tem
         decode += rep.timings.total
         control += rep.timings.control
         draft_model += rep.timings.draft_model
+        if rep.batch_size == batch_size:
+            full_tokens += rep.emitted_tokens
+            full_seconds += rep.timings.total
         if recorder is not None:
             recorder.record(rep)
     traffic = traffic_profile(reports)
@@ -272,6 +280,8 @@ def run_cell(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int, tem
         "mat_vs_oracle": float("nan"), "trace": None,
         "ar_agreement": float("nan"), "ar_prefix_agreement": float("nan"),
         "token_ids": [o.token_ids for o in outputs], "traffic": traffic,
+        "full_batch_time_share": full_seconds / decode,
+        "full_batch_tokens_per_s": full_tokens / full_seconds if full_seconds else float("nan"),
     }
     if recorder is not None:
         by_id = {o.request_id: o.token_ids for o in outputs}
@@ -396,6 +406,8 @@ def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibr
                 cells = samples[m]
                 for cell, ar_cell in zip(cells, samples["ar"]):
                     cell["speedup_vs_ar"] = cell["tokens_per_s"] / ar_cell["tokens_per_s"]
+                    cell["full_batch_speedup_vs_ar"] = (cell["full_batch_tokens_per_s"]
+                                                        / ar_cell["full_batch_tokens_per_s"])
                     if "token_ids" in cell:  # the same prompts and seeds as AR's cell of that round
                         cell["ar_agreement"], cell["ar_prefix_agreement"] = agreement(cell["token_ids"],
                                                                                       ar_cell["token_ids"])
@@ -490,8 +502,8 @@ def ar_spread_warnings(rows: list[dict]) -> list[str]:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    head = ("| method | B | T | tokens/s | ×AR | MAT | verified/step | accept | p50 s | p99 s | control | draft "
-            "| spec steps | MAT/oracle | = AR |")
+    head = ("| method | B | T | tokens/s | ×AR | ×AR full batch | MAT | verified/step | accept | p50 s | p99 s | control "
+            "| draft | spec steps | MAT/oracle | = AR |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
     def f(v, fmt):
@@ -504,7 +516,8 @@ def markdown_table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(
             f"| {r['method']} | {r['batch_size']} | {r['temperature']:g} | {f(r['tokens_per_s'], '.1f')} | "
-            f"{f(r['speedup_vs_ar'], '.2f')}{spread(r)} | {f(r['mat'], '.2f')} | {f(r['verified_per_step'], '.1f')} | "
+            f"{f(r['speedup_vs_ar'], '.2f')}{spread(r)} | {f(r.get('full_batch_speedup_vs_ar'), '.2f')} | "
+            f"{f(r['mat'], '.2f')} | {f(r['verified_per_step'], '.1f')} | "
             f"{f(r['acceptance_rate'], '.2f')} | {f(r['latency_p50_s'], '.2f')} | {f(r['latency_p99_s'], '.2f')} | "
             f"{f(r['control_share'], '.1%')} | {f(r['draft_share'], '.1%')} | {f(r['speculated_share'], '.0%')} | "
             f"{f(r['mat_vs_oracle'], '.2f')} | {f(r.get('ar_agreement'), '.0%')} |")

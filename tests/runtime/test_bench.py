@@ -43,6 +43,27 @@ def test_waves_run_waves_times_the_batch_through_its_slots(default_pair, prompts
     assert waves["mat"] > 1.0 and waves["steps"] <= sum(cell["steps"] for cell in closed)
 
 
+def test_the_full_batch_rate_counts_only_the_steps_with_every_slot_busy(default_pair, prompts):
+    """full_batch_*: recomputed from the cell's own step reports (tokens from each request's kept tokens, not the
+    reports' totals). AR in a closed batch never drains early, so all of its steps are full-batch steps."""
+    target, draft, tok = default_pair
+    for policy, waves in (("ar", 1), ("chain", 3)):
+        with make_engine(target, draft, tok, EchoConfig(policy=policy, k_max=64), 2, 256, cost_model=None) as llm:
+            seen = []
+            get_stats = llm.get_stats
+            llm.get_stats = lambda: seen.extend(get_stats()) or list(seen)
+            row = run_cell(llm, prompts, 2, max_tokens=8, temperature=0.0, seed=1, waves=waves)
+        full = [r for r in seen if r.batch_size == 2]
+        seconds = sum(r.timings.total for r in full)
+        assert row["full_batch_time_share"] == pytest.approx(seconds / sum(r.timings.total for r in seen))
+        assert row["full_batch_tokens_per_s"] == pytest.approx(sum(sum(r.emitted) for r in full) / seconds)
+        if policy == "ar":
+            assert row["full_batch_time_share"] == 1.0
+            assert row["full_batch_tokens_per_s"] == pytest.approx(row["tokens_per_s"])
+        else:
+            assert len(full) < len(seen)  # the last wave's requests leave one by one
+
+
 def test_bench_with_waves_pairs_every_request_with_ars(tmp_path):
     """--waves 2 through the command line: the JSON says so, every request of every round is paired with AR's
     (float32: token for token), a chain's hindsight oracle is itself, and a round holds 2 x B requests."""
