@@ -22,6 +22,10 @@
 # results; the tuning trace is shared);
 # DROP (tuned methods left out of the bench, a regex of policy names, e.g. "eagle2|ddd": a B = 64 round is long);
 # NO_ABLATION=1 (leave out the echo-always-draft row; a B = 64 round is long);
+# PAPER_ABLATIONS=1 (also the paper's ablations with ECHO's tuned shape, pure: echo-dense, a threshold at every
+# depth, and echo-fixed, no budget moved between requests);
+# FALLBACK_ALL=1 (every tuned method twice, pure and +fallback; default: pure, and ECHO also +fallback);
+# CAL (a calibration file to use instead of $OUT/$NAME$TAG-calibration.json: a rerun under another TAG keeps it);
 # MAXSEQ (context per request, default 1024: the bench holds one engine per method at once, so at B = 64 the Qwen
 # pair's float32 KV caches need MAXSEQ=448 to fit 24 GiB; HumanEval's longest eval prompt is 391 tokens).
 set -euo pipefail
@@ -57,7 +61,7 @@ case "$WHICH" in
 esac
 COMMON=("${MODEL[@]}" --dtype "${DTYPE:-float32}" --prompt-set humaneval)
 TRACE=${TRACE:-$OUT/$NAME-tune-trace.json}
-CAL=$OUT/$NAME${TAG:-}-calibration.json
+CAL=${CAL:-$OUT/$NAME${TAG:-}-calibration.json}
 if [ ! -f "$CAL" ]; then
   $PY -m echo_trtllm.cli calibrate "${COMMON[@]}" --num-prompts "$CAL_PROMPTS" --batch-size 4 --max-tokens "$CAL_TOKENS" \
     --grid --repeats 2 \
@@ -83,8 +87,12 @@ for B in $BS; do
   # echo-always-draft (ECHO's shape without draft pricing) is the ablation of the rule before drafting
   A=",${E/#echo/echo-always-draft}"
   [ -z "${NO_ABLATION:-}" ] || A=""
-  $PY -m echo_trtllm.cli bench "${COMMON[@]}" --methods "ar,$M$A,$E:fallback=on" \
-    --batch-sizes "$B" --fallback off \
+  [ -z "${PAPER_ABLATIONS:-}" ] || A="$A,${E/#echo/echo-dense},${E/#echo/echo-fixed}"
+  if [ -n "${FALLBACK_ALL:-}" ]; then F="off,on" W=""; else F=off W=",$E:fallback=on"; fi
+  # ablations are pure rows only (an entry's own :fallback=off overrides --fallback)
+  [ -z "${FALLBACK_ALL:-}" ] || A=$(echo "$A" | sed 's/\(,[^,]*\)/\1:fallback=off/g')
+  $PY -m echo_trtllm.cli bench "${COMMON[@]}" --methods "ar,$M$A$W" \
+    --batch-sizes "$B" --fallback "$F" \
     --max-tokens "$MAXTOK" --max-seq-len "$MAXSEQ" --rounds "$ROUNDS" --warmup-rounds "$WARMUP" --waves "${WAVES:-1}" \
     --calibration "$CAL" \
     --json "$OUT/$NAME${TAG:-}-b$B.json" --markdown "$OUT/$NAME${TAG:-}-b$B.md" --trace "$OUT/$NAME${TAG:-}-b$B-trace.json"
