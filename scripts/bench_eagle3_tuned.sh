@@ -25,6 +25,8 @@
 # PAPER_ABLATIONS=1 (also the paper's ablations with ECHO's tuned shape, pure: echo-dense, a threshold at every
 # depth, and echo-fixed, no budget moved between requests);
 # FALLBACK_ALL=1 (every tuned method twice, pure and +fallback; default: pure, and ECHO also +fallback);
+# AR_BOTH_ENDS=1 (AR at both ends of every round, ratios to AR interpolated in time, AR's drift reported: bench
+# --ar-both-ends; one more AR cell a round);
 # CAL (a calibration file to use instead of $OUT/$NAME$TAG-calibration.json: a rerun under another TAG keeps it);
 # MAXSEQ (context per request, default 1024: the bench holds one engine per method at once, so at B = 64 the Qwen
 # pair's float32 KV caches need MAXSEQ=448 to fit 24 GiB; HumanEval's longest eval prompt is 391 tokens).
@@ -94,6 +96,6 @@ for B in $BS; do
   $PY -m echo_trtllm.cli bench "${COMMON[@]}" --methods "ar,$M$A$W" \
     --batch-sizes "$B" --fallback "$F" \
     --max-tokens "$MAXTOK" --max-seq-len "$MAXSEQ" --rounds "$ROUNDS" --warmup-rounds "$WARMUP" --waves "${WAVES:-1}" \
-    --calibration "$CAL" \
+    --calibration "$CAL" ${AR_BOTH_ENDS:+--ar-both-ends} \
     --json "$OUT/$NAME${TAG:-}-b$B.json" --markdown "$OUT/$NAME${TAG:-}-b$B.md" --trace "$OUT/$NAME${TAG:-}-b$B-trace.json"
 done

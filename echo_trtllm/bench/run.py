@@ -36,6 +36,9 @@ Metrics per (method, batch size, temperature):
                       the rate with every slot busy, apart from the steps of a batch that drains (a closed batch's
                       tail, the last wave's)
   *_min / *_max       spread over rounds of tokens_per_s and speedup_vs_ar
+  ar_drift_by_round   with ar_both_ends (AR also at the other end of every round): AR's change over each timed
+                      round, (end - start) / start; every other cell's ratios are then to AR's rate interpolated
+                      at the cell's midpoint in time (`ar_at_end`)
 """
 
 from __future__ import annotations
@@ -140,6 +143,10 @@ class BenchConfig:
     # leave a tail of small steps that AR's (all finishing together) does not; with more waves the batch stays
     # full until the last one (a serving engine's sustained load at that concurrency)
     waves: int = 1
+    # AR at both ends of every round (one more AR cell a round): each method's ratio is then to AR's rate
+    # interpolated at the cell's time between the two, and AR's change within a round is reported (ar_drift):
+    # a machine whose speed steps mid-round shows as drift instead of as a speed-up
+    ar_both_ends: bool = False
 
     def __post_init__(self) -> None:
         bad = [m for m in self.methods if split_fallback(m)[0].split(":")[0] not in POLICY_NAMES]
@@ -249,6 +256,7 @@ def run_cell(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int, tem
     outputs = llm.generate(cell_prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
     reports = llm.get_stats()
+    midpoint = t0 + wall / 2
     steps = verified = speculated = full_tokens = 0
     decode = control = draft_model = full_seconds = 0.0
     policy = llm.executor.policy
@@ -282,6 +290,7 @@ def run_cell(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int, tem
         "token_ids": [o.token_ids for o in outputs], "traffic": traffic,
         "full_batch_time_share": full_seconds / decode,
         "full_batch_tokens_per_s": full_tokens / full_seconds if full_seconds else float("nan"),
+        "midpoint": midpoint,
     }
     if recorder is not None:
         by_id = {o.request_id: o.token_ids for o in outputs}
@@ -378,18 +387,24 @@ def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibr
                 for rnd in range(cfg.warmup_rounds + cfg.rounds):
                     round_cells: dict[str, dict] = {}
                     # AR first in even rounds, last in odd ones: a drift of the machine's speed within a round
-                    # then favours neither side of a ratio
-                    for m in (order if rnd % 2 == 0 else order[::-1]) + extra:
+                    # then favours neither side of a ratio; with ar_both_ends AR also runs at the other end
+                    sequence = order if rnd % 2 == 0 else order[::-1]
+                    if cfg.ar_both_ends:
+                        sequence = ["ar", *[m for m in sequence if m != "ar"], AR_END]
+                    for m in sequence + extra:
                         if m.startswith("hf-"):
                             n = m.rsplit("-", 1)[1]
                             cell = hf_assisted_cell(hf[0], hf[1] if m != "hf-ar" else None, tokenizer, prompts,
                                                     cfg.max_tokens, n, seed=rnd * b)
                         else:
-                            cell = run_cell(engines[m], prompts, b, cfg.max_tokens, temp,
+                            cell = run_cell(engines["ar" if m == AR_END else m], prompts, b, cfg.max_tokens, temp,
                                             seed=rnd * b * cfg.waves, waves=cfg.waves)
-                        round_cells[m] = cell
-                        if rnd >= cfg.warmup_rounds:
-                            samples[m].append(cell)
+                        if m == AR_END:
+                            ar_at_end(round_cells, cell)
+                        else:
+                            round_cells[m] = cell
+                            if rnd >= cfg.warmup_rounds:
+                                samples[m].append(cell)
                         if progress is not None:
                             progress(m, b, temp, cell)
                     if temp == 0:
@@ -405,9 +420,9 @@ def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibr
                     continue
                 cells = samples[m]
                 for cell, ar_cell in zip(cells, samples["ar"]):
-                    cell["speedup_vs_ar"] = cell["tokens_per_s"] / ar_cell["tokens_per_s"]
-                    cell["full_batch_speedup_vs_ar"] = (cell["full_batch_tokens_per_s"]
-                                                        / ar_cell["full_batch_tokens_per_s"])
+                    ref = cell.get("ar_reference", ar_cell)  # AR at the cell's time (ar_both_ends), or AR's cell
+                    cell["speedup_vs_ar"] = cell["tokens_per_s"] / ref["tokens_per_s"]
+                    cell["full_batch_speedup_vs_ar"] = cell["full_batch_tokens_per_s"] / ref["full_batch_tokens_per_s"]
                     if "token_ids" in cell:  # the same prompts and seeds as AR's cell of that round
                         cell["ar_agreement"], cell["ar_prefix_agreement"] = agreement(cell["token_ids"],
                                                                                       ar_cell["token_ids"])
@@ -417,6 +432,8 @@ def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibr
                        "rounds": len(cells), "speedup_vs_ar_by_round": [c["speedup_vs_ar"] for c in cells]}
                 # per-step host <-> device traffic does not depend on the machine's speed: the last round's
                 row["traffic"] = cells[-1].get("traffic")
+                if m == "ar" and cfg.ar_both_ends:
+                    row["ar_drift_by_round"] = [c["ar_drift"] for c in cells]
                 for key in (*METRICS, "speedup_vs_ar"):
                     vals = [c[key] for c in cells if key in c and c[key] == c[key]]  # drop absent and NaN
                     row[key] = statistics.median(vals) if vals else None
@@ -430,6 +447,24 @@ def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibr
                 if temp == 0 and pure_or_only and any(c.get("trace") for c in cells):
                     traces[f"{method}/{b}"] = [rec for c in cells for rec in (c.get("trace") or [])]
     return rows, traces
+
+
+AR_END = "ar (end of round)"  # the second AR cell of a round under ar_both_ends
+
+
+def ar_at_end(round_cells: dict[str, dict], end: dict) -> None:
+    """AR's second cell of a round (ar_both_ends): AR's change over the round, (end - start) / start, goes on AR's
+    first cell (`ar_drift`), and every other cell of the round gets AR's rates linearly interpolated at its
+    midpoint between the two AR cells' midpoints (`ar_reference`): the base of its ratios."""
+    start = round_cells["ar"]
+    start["ar_drift"] = end["tokens_per_s"] / start["tokens_per_s"] - 1
+    span = end["midpoint"] - start["midpoint"]
+    for m, cell in round_cells.items():
+        if m == "ar":
+            continue
+        w = min(1.0, max(0.0, (cell["midpoint"] - start["midpoint"]) / span)) if span > 0 else 0.5
+        cell["ar_reference"] = {key: (1 - w) * start[key] + w * end[key]
+                                for key in ("tokens_per_s", "full_batch_tokens_per_s")}
 
 
 def agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[float, float]:
@@ -498,6 +533,11 @@ def ar_spread_warnings(rows: list[dict]) -> list[str]:
             if spread > AR_SPREAD_WARNING:
                 out.append(f"warning: AR's own tokens/s spread {spread:.0%} over rounds at B={r['batch_size']}, "
                            f"T={r['temperature']:g} (> {AR_SPREAD_WARNING:.0%}): ratios there carry the machine's noise")
+        for i, drift in enumerate(r.get("ar_drift_by_round") or []):
+            if abs(drift) > AR_SPREAD_WARNING:
+                out.append(f"warning: AR's tokens/s moved {drift:+.0%} between the two ends of timed round {i + 1} "
+                           f"at B={r['batch_size']}, T={r['temperature']:g} (> {AR_SPREAD_WARNING:.0%}): that round's "
+                           "ratios are to AR interpolated in time, and carry whatever the machine did in between")
     return out
 
 

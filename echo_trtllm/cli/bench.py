@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="requests per cell and round = WAVES x batch size, at most batch size in flight (in-flight "
                          "batching refills the batch as requests finish: sustained load); 1 (default): one closed "
                          "batch per round, which drains at its end")
+    ap.add_argument("--ar-both-ends", action="store_true",
+                    help="run AR at both ends of every round (one more AR cell a round): ratios are to AR's rate "
+                         "interpolated at each cell's time, and AR's change within a round is reported and warned "
+                         "about above 10%% (a machine whose speed steps mid-round)")
     ap.add_argument("--hf-assisted", type=lambda t: [x for x in t.split(",") if x], default=[],
                     help="at B=1, T=0 also run HF transformers generate(): plain and assisted by the same draft with "
                          "these num_assistant_tokens, e.g. heuristic,4,8")
@@ -90,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             batch_sizes=tuple(options.int_list(args.batch_sizes, "--batch-sizes")),
             temperatures=tuple(options.float_list(args.temperatures, "--temperatures")),
             max_tokens=args.max_tokens, rounds=args.rounds, warmup_rounds=args.warmup_rounds, waves=args.waves,
-            speculation=options.echo_config(args, policy="echo"), max_seq_len=args.max_seq_len,
+            ar_both_ends=args.ar_both_ends, speculation=options.echo_config(args, policy="echo"),
+            max_seq_len=args.max_seq_len,
             hf_assisted=tuple(args.hf_assisted), fallback=options.fallback_modes(args.fallback, several=True))
         prompts = load_prompts(args.prompt_set, args.prompt_split)
         calibration_prompts = load_prompts(args.prompt_set, "calibration")
@@ -121,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.hf_assisted and 1 in cfg.batch_sizes and 0.0 in cfg.temperatures and draft_kind(draft) == "model":
         hf = load_hf_pair(args.model or str(DEFAULT_TARGET), args.draft_model or str(DEFAULT_DRAFT),
                           str(target.dtype).removeprefix("torch."))
-    cells = len(cfg.batch_sizes) * len(cfg.temperatures) * (cfg.warmup_rounds + cfg.rounds) * len(cfg.runs())
+    cells = (len(cfg.batch_sizes) * len(cfg.temperatures) * (cfg.warmup_rounds + cfg.rounds)
+             * (len(cfg.runs()) + cfg.ar_both_ends))
     cells += (cfg.warmup_rounds + cfg.rounds) * (len(cfg.hf_assisted) + 1) * (hf is not None)
     with tqdm(total=cells, desc="bench", unit="cell", file=sys.stderr) as bar:
         def progress(m, b, temp, cell):
@@ -138,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
               "none (no cost model)" if args.no_cost_model else "none (cost curve measured at load)")
     meta = {"machine": machine_info(), "date": time.strftime("%Y-%m-%d"), "command": command_line(argv),
             "dtype": {"target": str(target.dtype), "draft": str(draft.dtype)}, "draft_kind": draft_kind(draft),
-            "calibration_source": source, "waves": cfg.waves,
+            "calibration_source": source, "waves": cfg.waves, "ar_both_ends": cfg.ar_both_ends,
             "prompts": {"set": args.prompt_set, "split": args.prompt_split, "eval": len(prompts),
                         "calibration": len(calibration_prompts) if in_process else 0,
                         "rule": "calibration = prompts 0, 4, 8, ... of the set; eval = all others"},

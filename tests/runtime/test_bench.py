@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from echo_trtllm.bench.run import METRICS, make_engine, run_cell
+from echo_trtllm.bench.run import METRICS, ar_at_end, ar_spread_warnings, make_engine, run_cell
 from echo_trtllm.cli import main
 from echo_trtllm.core import EchoConfig
 
@@ -62,6 +62,41 @@ def test_the_full_batch_rate_counts_only_the_steps_with_every_slot_busy(default_
             assert row["full_batch_tokens_per_s"] == pytest.approx(row["tokens_per_s"])
         else:
             assert len(full) < len(seen)  # the last wave's requests leave one by one
+
+
+def test_ar_at_both_ends_interpolates_ars_rate_at_each_cells_time():
+    """A round's cells at times 10..40 between AR at 10 (100 tokens/s) and AR at 40 (130 tokens/s): a cell at 20 is
+    compared with 110 (a third of the way), one at 40 with 130; AR's drift over the round is +30 %, and the table
+    warns about it."""
+    round_cells = {"ar": {"tokens_per_s": 100.0, "full_batch_tokens_per_s": 50.0, "midpoint": 10.0},
+                   "chain": {"tokens_per_s": 121.0, "full_batch_tokens_per_s": 60.0, "midpoint": 20.0},
+                   "echo": {"tokens_per_s": 130.0, "full_batch_tokens_per_s": 70.0, "midpoint": 40.0}}
+    ar_at_end(round_cells, {"tokens_per_s": 130.0, "full_batch_tokens_per_s": 80.0, "midpoint": 40.0})
+    assert round_cells["ar"]["ar_drift"] == pytest.approx(0.30)
+    assert round_cells["chain"]["ar_reference"] == pytest.approx({"tokens_per_s": 110.0,
+                                                                   "full_batch_tokens_per_s": 60.0})
+    assert round_cells["echo"]["ar_reference"] == pytest.approx({"tokens_per_s": 130.0,
+                                                                  "full_batch_tokens_per_s": 80.0})
+    assert "ar_reference" not in round_cells["ar"]
+    row = {"method": "ar", "batch_size": 4, "temperature": 0.0, "rounds": 1, "tokens_per_s": 100.0,
+           "ar_drift_by_round": [0.30]}
+    (warning,) = ar_spread_warnings([row])
+    assert "+30%" in warning and "round 1" in warning
+
+
+def test_bench_with_ar_at_both_ends_reports_the_drift(tmp_path):
+    """--ar-both-ends through the command line: one AR row (its first cells), its drift per timed round, and every
+    method's ratio to AR interpolated in time (the chain's per-round ratio is its tokens/s over that)."""
+    out = tmp_path / "d.json"
+    assert main(["bench", "--methods", "ar,chain", "--batch-sizes", "2", "--max-tokens", "5", "--warmup-rounds", "0",
+                 "--rounds", "2", "--ar-both-ends", "--fallback", "off", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["ar_both_ends"] is True
+    rows = {r["method"]: r for r in data["results"]}
+    assert set(rows) == {"ar", next(m for m in rows if m.startswith("chain"))}
+    assert len(rows["ar"]["ar_drift_by_round"]) == 2 and all(math.isfinite(d) for d in rows["ar"]["ar_drift_by_round"])
+    chain = next(r for m, r in rows.items() if m != "ar")
+    assert all(math.isfinite(x) and x > 0 for x in chain["speedup_vs_ar_by_round"])
 
 
 def test_bench_with_waves_pairs_every_request_with_ars(tmp_path):
