@@ -31,6 +31,9 @@
 # MAXSEQ (context per request, default 1024: the bench holds one engine per method at once, so at B = 64 the Qwen
 # pair's float32 KV caches need MAXSEQ=448 to fit 24 GiB; HumanEval's longest eval prompt is 391 tokens).
 set -euo pipefail
+# the whole script is one block, read before any of it runs: editing this file while a bench runs (hours) cannot
+# make bash resume at a stale offset and run a half-line or a command twice
+{
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 WHICH=${1:-default}
@@ -87,15 +90,22 @@ for B in $BS; do
   echo "B=$B tuned: $M" >&2
   # AR listed too: its row (and the warning when its own spread over rounds exceeds 10 %) is in the table;
   # echo-always-draft (ECHO's shape without draft pricing) is the ablation of the rule before drafting
-  A=",${E/#echo/echo-always-draft}"
-  [ -z "${NO_ABLATION:-}" ] || A=""
-  [ -z "${PAPER_ABLATIONS:-}" ] || A="$A,${E/#echo/echo-dense},${E/#echo/echo-fixed}"
-  if [ -n "${FALLBACK_ALL:-}" ]; then F="off,on" W=""; else F=off W=",$E:fallback=on"; fi
-  # ablations are pure rows only (an entry's own :fallback=off overrides --fallback)
-  [ -z "${FALLBACK_ALL:-}" ] || A=$(echo "$A" | sed 's/\(,[^,]*\)/\1:fallback=off/g')
+  A=""
+  if [ -n "$E" ]; then
+    [ -n "${NO_ABLATION:-}" ] || A="$A,${E/#echo/echo-always-draft}"
+    [ -z "${PAPER_ABLATIONS:-}" ] || A="$A,${E/#echo/echo-dense},${E/#echo/echo-fixed}"
+  fi
+  if [ -n "${FALLBACK_ALL:-}" ]; then
+    # ablations are pure rows only: each gets its own :fallback=off (tuned entries carry no fallback= option)
+    F="off,on" W="" A=$(echo "$A" | sed 's/\(,[^,]*\)/\1:fallback=off/g')
+  else
+    F=off W="${E:+,$E:fallback=on}"
+  fi
   $PY -m echo_trtllm.cli bench "${COMMON[@]}" --methods "ar,$M$A$W" \
     --batch-sizes "$B" --fallback "$F" \
     --max-tokens "$MAXTOK" --max-seq-len "$MAXSEQ" --rounds "$ROUNDS" --warmup-rounds "$WARMUP" --waves "${WAVES:-1}" \
     --calibration "$CAL" ${AR_BOTH_ENDS:+--ar-both-ends} \
     --json "$OUT/$NAME${TAG:-}-b$B.json" --markdown "$OUT/$NAME${TAG:-}-b$B.md" --trace "$OUT/$NAME${TAG:-}-b$B-trace.json"
 done
+exit
+}

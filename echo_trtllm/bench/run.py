@@ -210,6 +210,9 @@ def cpu_flags() -> list[str]:
     return []
 
 
+PERF_ENV_PREFIXES = ("ONEDNN_", "DNNL_", "OMP_", "MKL_", "KMP_")
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -224,7 +227,9 @@ def cpu_model() -> str:
 def machine_info() -> dict:
     """What every benchmark JSON records about the machine it ran on."""
     return {"platform": platform.platform(), "processor": cpu_model(), "cpu_flags": cpu_flags(),
-            "cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__}
+            "cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            # settings of the math libraries that change speed (oneDNN's primitive cache, thread pools)
+            "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(PERF_ENV_PREFIXES)}}
 
 
 def report_meta(module: str, argv: list[str] | None) -> dict:
@@ -349,11 +354,12 @@ def hf_assisted_cell(hf_target, hf_draft, tokenizer, prompts: list[str], max_tok
                              min_new_tokens=max_tokens, pad_token_id=tokenizer.eos_token_ids[0] if
                              tokenizer.eos_token_ids else 0, **kw)
     seconds = time.perf_counter() - t0
+    midpoint = t0 + seconds / 2
     tokens = out.shape[1] - ids.shape[1]
     # generate() reports no per-step statistics: only the timing metrics are known
     return {**dict.fromkeys(METRICS, float("nan")), "tokens": tokens, "steps": float("nan"), "decode_seconds": seconds,
             "tokens_per_s": tokens / seconds, "e2e_tokens_per_s": tokens / seconds, "latency_p50_s": seconds,
-            "latency_p99_s": seconds, "trace": None}
+            "latency_p99_s": seconds, "trace": None, "midpoint": midpoint}
 
 
 def make_engine(target, draft, tokenizer, config: EchoConfig, batch_size: int, max_seq_len: int,
@@ -388,10 +394,10 @@ def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibr
                     round_cells: dict[str, dict] = {}
                     # AR first in even rounds, last in odd ones: a drift of the machine's speed within a round
                     # then favours neither side of a ratio; with ar_both_ends AR also runs at the other end
-                    sequence = order if rnd % 2 == 0 else order[::-1]
+                    sequence = (order if rnd % 2 == 0 else order[::-1]) + extra
                     if cfg.ar_both_ends:
                         sequence = ["ar", *[m for m in sequence if m != "ar"], AR_END]
-                    for m in sequence + extra:
+                    for m in sequence:
                         if m.startswith("hf-"):
                             n = m.rsplit("-", 1)[1]
                             cell = hf_assisted_cell(hf[0], hf[1] if m != "hf-ar" else None, tokenizer, prompts,
@@ -422,7 +428,8 @@ def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibr
                 for cell, ar_cell in zip(cells, samples["ar"]):
                     ref = cell.get("ar_reference", ar_cell)  # AR at the cell's time (ar_both_ends), or AR's cell
                     cell["speedup_vs_ar"] = cell["tokens_per_s"] / ref["tokens_per_s"]
-                    cell["full_batch_speedup_vs_ar"] = cell["full_batch_tokens_per_s"] / ref["full_batch_tokens_per_s"]
+                    base = ref["full_batch_tokens_per_s"]
+                    cell["full_batch_speedup_vs_ar"] = cell["full_batch_tokens_per_s"] / base if base else float("nan")
                     if "token_ids" in cell:  # the same prompts and seeds as AR's cell of that round
                         cell["ar_agreement"], cell["ar_prefix_agreement"] = agreement(cell["token_ids"],
                                                                                       ar_cell["token_ids"])
@@ -432,8 +439,8 @@ def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibr
                        "rounds": len(cells), "speedup_vs_ar_by_round": [c["speedup_vs_ar"] for c in cells]}
                 # per-step host <-> device traffic does not depend on the machine's speed: the last round's
                 row["traffic"] = cells[-1].get("traffic")
-                if m == "ar" and cfg.ar_both_ends:
-                    row["ar_drift_by_round"] = [c["ar_drift"] for c in cells]
+                if cfg.ar_both_ends:  # on every row: AR's own row is left out when "ar" is not in methods
+                    row["ar_drift_by_round"] = [c["ar_drift"] for c in samples["ar"]]
                 for key in (*METRICS, "speedup_vs_ar"):
                     vals = [c[key] for c in cells if key in c and c[key] == c[key]]  # drop absent and NaN
                     row[key] = statistics.median(vals) if vals else None
@@ -526,18 +533,21 @@ def profile_table(rows: list[dict], vocab_size: int) -> str:
 
 def ar_spread_warnings(rows: list[dict]) -> list[str]:
     """A line per (B, T) cell whose AR tokens/s spread over rounds exceeds AR_SPREAD_WARNING."""
-    out = []
+    out, drifts = [], {}
     for r in rows:
+        if r.get("ar_drift_by_round"):
+            drifts[(r["batch_size"], r["temperature"])] = r["ar_drift_by_round"]
         if r["method"] == "ar" and r.get("rounds", 1) >= 2 and r.get("tokens_per_s"):
             spread = (r["tokens_per_s_max"] - r["tokens_per_s_min"]) / r["tokens_per_s"]
             if spread > AR_SPREAD_WARNING:
                 out.append(f"warning: AR's own tokens/s spread {spread:.0%} over rounds at B={r['batch_size']}, "
                            f"T={r['temperature']:g} (> {AR_SPREAD_WARNING:.0%}): ratios there carry the machine's noise")
-        for i, drift in enumerate(r.get("ar_drift_by_round") or []):
+    for (b, temp), by_round in drifts.items():
+        for i, drift in enumerate(by_round):
             if abs(drift) > AR_SPREAD_WARNING:
                 out.append(f"warning: AR's tokens/s moved {drift:+.0%} between the two ends of timed round {i + 1} "
-                           f"at B={r['batch_size']}, T={r['temperature']:g} (> {AR_SPREAD_WARNING:.0%}): that round's "
-                           "ratios are to AR interpolated in time, and carry whatever the machine did in between")
+                           f"at B={b}, T={temp:g} (> {AR_SPREAD_WARNING:.0%}): that round's ratios are to AR "
+                           "interpolated in time, and carry whatever the machine did in between")
     return out
 
 

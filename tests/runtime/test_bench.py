@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from echo_trtllm.bench.run import METRICS, ar_at_end, ar_spread_warnings, make_engine, run_cell
+from echo_trtllm.bench.run import METRICS, ar_at_end, ar_spread_warnings, machine_info, make_engine, run_cell
 from echo_trtllm.cli import main
 from echo_trtllm.core import EchoConfig
 
@@ -82,6 +82,18 @@ def test_ar_at_both_ends_interpolates_ars_rate_at_each_cells_time():
            "ar_drift_by_round": [0.30]}
     (warning,) = ar_spread_warnings([row])
     assert "+30%" in warning and "round 1" in warning
+    # without AR's own row (methods without "ar") the drift still warns, once per cell, from the other rows
+    others = [{"method": m, "batch_size": 4, "temperature": 0.0, "rounds": 2, "tokens_per_s": 1.0,
+               "ar_drift_by_round": [0.05, -0.2]} for m in ("chain", "echo")]
+    (warning,) = ar_spread_warnings(others)
+    assert "-20%" in warning and "round 2" in warning
+
+
+def test_the_machine_record_names_the_math_libraries_settings(monkeypatch):
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16384")
+    monkeypatch.setenv("ECHO_UNRELATED", "x")
+    env = machine_info()["env"]
+    assert env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "16384" and "ECHO_UNRELATED" not in env
 
 
 def test_bench_with_ar_at_both_ends_reports_the_drift(tmp_path):

@@ -63,6 +63,7 @@ def test_seeded_sampling_with_the_head_equals_ar_sampling_token_for_token(fp32_p
     target, head, tok = fp32_pair
     ar, ar_steps = run_seeded_sampling(target, None, tok, "ar", prompts[:8])
     spec, spec_steps = run_seeded_sampling(target, head, tok, policy, prompts[:8])
+    assert len(spec) == len(ar) == 8
     for i, (got, exp) in enumerate(zip(spec, ar)):
         assert got == exp, f"prompt {i}: {policy} with the EAGLE-3 head sampled other tokens than AR"
     assert spec_steps < ar_steps, f"{policy}: the head's drafts were never accepted while sampling"
