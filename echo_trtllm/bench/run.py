@@ -9,8 +9,10 @@ loaded models, reused across rounds (as a server's engine is: the echo family's 
 For each batch size and round, every method runs the same requests (batch_size requests, one per slot, submitted
 at once with `LLM.generate`; with `waves` > 1, waves x batch_size requests kept batch_size at a time in flight, so
 the batch stays full until the last wave drains, as under a server's sustained load), AR first in even rounds and
-last in odd ones, so ratios are measured side by side and a drift of the machine's speed favours no side; each method's ratio to AR is taken per round, and medians
-over rounds are reported with their spread (min and max, and every round's ratio in the JSON). Per-step figures come from `LLM.get_stats()`.
+last in odd ones (with ar_both_ends, at both ends of every round), so ratios are measured side by side and a drift
+of the machine's speed favours no side; each method's ratio to AR is taken per round, and medians over rounds are
+reported with their spread (min and max, and every round's ratio in the JSON). Per-step figures come from
+`LLM.get_stats()`.
 
 Fairness: every method gets the same models, prompts, warm-up rounds and tree options. The echo family also gets
 its cost curve (one measured up front, or the calibration's) and with it the budget rule and the fallback to AR;
@@ -532,7 +534,8 @@ def profile_table(rows: list[dict], vocab_size: int) -> str:
 
 
 def ar_spread_warnings(rows: list[dict]) -> list[str]:
-    """A line per (B, T) cell whose AR tokens/s spread over rounds exceeds AR_SPREAD_WARNING."""
+    """A line per (B, T) cell whose AR tokens/s spread over rounds exceeds AR_SPREAD_WARNING, and (ar_both_ends) a
+    line per timed round in which AR's own rate moved by more than that between the round's two ends."""
     out, drifts = [], {}
     for r in rows:
         if r.get("ar_drift_by_round"):
