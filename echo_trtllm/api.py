@@ -20,7 +20,7 @@ from echo_trtllm.core.config import EchoConfig
 from echo_trtllm.core.cost import CostModel
 from echo_trtllm.core.policies import make_policy
 from echo_trtllm.engine_dir import read_engine
-from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
+from echo_trtllm.models import DEFAULT_TARGET, default_drafter
 from echo_trtllm.models.draft import load_draft
 from echo_trtllm.models.eagle3 import Eagle3Head
 from echo_trtllm.models.llama import CausalLM
@@ -69,8 +69,10 @@ class LLM:
     model / draft_model: HF model directories, .gguf files, or loaded `CausalLM`s (a draft must share the
     target's tokenizer). draft_model may also be an EAGLE-3 head for the target: a directory as the EAGLE /
     SpecForge repositories write them (config.json with `LlamaForCausalLMEagle3` + safetensors) or a loaded
-    `Eagle3Head`; it drafts from the target's own hidden states (docs/eagle3.md). engine_dir: a directory built by `echo-trtllm build` (engine.json names both models and
-    the EchoConfig). With neither, the embedded default pair is used.
+    `Eagle3Head`; it drafts from the target's own hidden states (docs/eagle3.md). engine_dir: a directory built by
+    `echo-trtllm build` (engine.json names both models and the EchoConfig). With neither, the embedded default
+    target, drafting with its committed EAGLE-3 head (`models.default_drafter`; under tensor parallelism with its
+    separate draft model).
 
     dtype: "auto" (bfloat16 on CUDA; on a CPU whichever of float32 / bfloat16 runs the model's linears faster,
     measured at load: see docs/dtype.md), "float32", "bfloat16", "float16".
@@ -146,7 +148,7 @@ class LLM:
         if model is None:
             model = DEFAULT_TARGET
             if draft_model is None:
-                draft_model = DEFAULT_DRAFT
+                draft_model = default_drafter(tensor_parallel_size)
         _check_source("model", model)
         if draft_model is not None:
             _check_source("draft_model", draft_model)

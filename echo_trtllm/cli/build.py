@@ -32,12 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from echo_trtllm.engine_dir import build_engine
-    from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
+    from echo_trtllm.models import DEFAULT_TARGET, default_drafter
 
     args = build_parser().parse_args(argv)
     try:
         model = args.model or DEFAULT_TARGET
-        draft = args.draft_model or (DEFAULT_DRAFT if args.model is None else None)
+        draft = args.draft_model or (default_drafter() if args.model is None else None)
         prompts = None
         if args.quantization == "fp8":
             from echo_trtllm.bench.prompts import load_prompts

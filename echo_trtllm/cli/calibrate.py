@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from echo_trtllm.bench.prompts import load_prompts
     from echo_trtllm.engine_dir import attach_calibration, read_engine
-    from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
+    from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET, default_drafter
     from echo_trtllm.models.draft import load_draft
     from echo_trtllm.models.loader import load_model
     from echo_trtllm.runtime.calibrate import calibrate
@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             if draft_src is None:
                 return options.fail(PROG, f"engine {args.engine_dir} has no draft model: there is nothing to calibrate")
         else:
-            target_src, draft_src = args.model or DEFAULT_TARGET, args.draft_model or DEFAULT_DRAFT
+            target_src = args.model or DEFAULT_TARGET
+            draft_src = args.draft_model or (default_drafter() if args.model is None else DEFAULT_DRAFT)
             config, dtype = options.echo_config(args), args.dtype
         prompts = load_prompts(args.prompt_set, "calibration")[: args.num_prompts]  # never an eval prompt
         t0 = time.perf_counter()

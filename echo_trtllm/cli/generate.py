@@ -26,6 +26,14 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def draft_kind(draft) -> str:
+    """How the engine drafts: "eagle3-head" (from the target's features), "model" (a separate draft model) or
+    "none"."""
+    from echo_trtllm.models.eagle3 import Eagle3Head
+
+    return "none" if draft is None else "eagle3-head" if isinstance(draft, Eagle3Head) else "model"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     prompts = args.prompt or ["ROMEO:\nBut soft, what light through yonder window breaks?\n"]
@@ -46,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         print(o.prompt + o.text)
         print(f"[finish_reason={o.finish_reason} tokens={len(o.token_ids)} steps={o.stats.steps} "
               f"mean_accepted_tokens={o.stats.mean_accepted_tokens:.2f}]")
-    print(f"policy={config.policy} dtype={llm.dtype['target']}/{llm.dtype['draft']} requests={len(outputs)} "
+    print(f"policy={config.policy} draft={draft_kind(llm.draft)} dtype={llm.dtype['target']}/{llm.dtype['draft']} "
+          f"requests={len(outputs)} "
           f"tokens={tokens} steps={steps} mean_accepted_tokens={tokens / max(steps, 1):.2f} time={elapsed:.2f}s "
           f"tokens/s={tokens / elapsed:.1f}")
     return 0

@@ -65,7 +65,9 @@ def float_list(text: str, flag: str, minimum: float = 0.0) -> list[float]:
 def add_model_options(ap: argparse.ArgumentParser, engine_dir: bool = True) -> None:
     g = ap.add_argument_group("models")
     g.add_argument("--model", help="target: HF model directory or .gguf file (default: the embedded tiny target)")
-    g.add_argument("--draft-model", help="draft: HF model directory or .gguf file (default: the embedded tiny draft)")
+    g.add_argument("--draft-model", help="draft: HF model directory or .gguf file, or an EAGLE-3 head directory "
+                   "(default with the embedded target: its EAGLE-3 head for generate, serve, build and calibrate, "
+                   "the separate tiny draft for the benchmarks and export)")
     if engine_dir:
         g.add_argument("--engine-dir", help="an engine directory built by `echo-trtllm build` (instead of --model)")
 

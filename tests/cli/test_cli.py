@@ -3,6 +3,7 @@ import json
 import pytest
 
 from echo_trtllm.cli import main
+from echo_trtllm.models import DEFAULT_DRAFT
 
 
 def test_bench_control_smoke_writes_json(tmp_path, capsys):
@@ -21,3 +22,18 @@ def test_unknown_command_is_a_clear_error(capsys):
     with pytest.raises(SystemExit):
         main(["frobnicate"])
     assert "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+def test_generate_with_no_models_runs_echo_with_the_committed_eagle3_head(capsys):
+    """The README's first command: `echo-trtllm generate` on the embedded target drafts with its EAGLE-3 head; with
+    --draft-model the separate draft model, with policy ar no draft. Each run's text equals the others (greedy,
+    float32: speculation is lossless)."""
+    texts = {}
+    for extra, kind in (([], "eagle3-head"), (["--draft-model", str(DEFAULT_DRAFT)], "model"),
+                        (["--policy", "ar"], "none")):
+        assert main(["generate", "--dtype", "float32", "--max-tokens", "16", "--fallback", "off", *extra]) == 0
+        out = capsys.readouterr().out
+        summary = out.strip().splitlines()[-1]
+        assert f" draft={kind} " in summary and "tokens=16 " in summary
+        texts[kind] = out.split("[finish_reason=")[0]
+    assert texts["eagle3-head"] == texts["model"] == texts["none"]

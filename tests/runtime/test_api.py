@@ -8,6 +8,8 @@ import torch
 
 from echo_trtllm import LLM, EchoConfig, SamplingParams
 from echo_trtllm.core.verify import process_logits
+from echo_trtllm.models import DEFAULT_TARGET
+from echo_trtllm.models.eagle3 import Eagle3Head
 from echo_trtllm.runtime.inputs import chain_batch
 from tests.helpers import chi2_critical, chi2_statistic
 
@@ -18,12 +20,18 @@ def llm(pair_llm):
         yield engine
 
 
-def test_default_llm_loads_the_embedded_pair_and_generates():
-    with LLM(max_batch_size=2) as llm:
-        out = llm.generate("HAMLET:\n", SamplingParams(max_tokens=12, temperature=0))
-    assert len(out.token_ids) == 12 and out.finish_reason == "length"
-    assert out.text and out.stats.steps <= 12 and out.stats.mean_accepted_tokens >= 1.0
-    assert sum(k * v for k, v in out.stats.accepted_length_histogram.items()) == 12
+def test_default_llm_drafts_with_the_committed_eagle3_head_and_equals_ar():
+    """LLM() with no models: the embedded target and its committed EAGLE-3 head (the demo's pair); greedy output
+    equals plain AR on the same target (float32: bit-stable), and the head's drafts are accepted."""
+    prompt, params = "def main():\n", SamplingParams(max_tokens=24, temperature=0)
+    with LLM(max_batch_size=2, dtype="float32", fallback=False) as llm:
+        assert isinstance(llm.draft, Eagle3Head)
+        out = llm.generate(prompt, params)
+    with LLM(DEFAULT_TARGET, None, speculative_config=EchoConfig(policy="ar"), dtype="float32") as ar:
+        ref = ar.generate(prompt, params)
+    assert out.token_ids == ref.token_ids and len(out.token_ids) == 24 and out.finish_reason == "length"
+    assert out.stats.steps < 24 and out.stats.mean_accepted_tokens > 1.0
+    assert sum(k * v for k, v in out.stats.accepted_length_histogram.items()) == 24
 
 
 def test_generate_accepts_token_ids_and_lists_and_keeps_order(llm, prompts):

@@ -8,7 +8,8 @@
   taken from a fresh target forward and the naive EAGLE-3 layer of tests/models (the reference that the head's
   own forward is tested against). This covers the features carried with pending tokens, the re-read of accepted
   drafts with the target's features, the KV kept up to the root, and re-priming from a bounded feature window.
-- `LLM(draft_model=<eagle3 dir>)` and an engine directory carry the head.
+- `LLM(draft_model=<eagle3 dir>)` and an engine directory carry the head; `build` with no models bundles it (it is
+  what `LLM()` drafts with).
 """
 
 import pytest
@@ -165,6 +166,19 @@ def test_the_llm_api_and_an_engine_directory_carry_the_head(tmp_path, prompts):
         assert isinstance(llm.draft, Eagle3Head)
         again = llm.generate(prompts[:4], SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_build_with_no_models_bundles_the_head_that_llm_drafts_with(tmp_path):
+    """`echo-trtllm build` with no models bundles the embedded target's EAGLE-3 head, the draft `LLM()` uses;
+    under tensor parallelism, where heads are not sharded, the default is the separate draft model."""
+    from echo_trtllm.cli import main
+    from echo_trtllm.engine_dir import read_engine
+    from echo_trtllm.models import DEFAULT_DRAFT, default_drafter
+    from echo_trtllm.models.eagle3 import is_eagle3_dir
+
+    assert main(["build", "--output", str(tmp_path / "engine")]) == 0
+    assert is_eagle3_dir(read_engine(tmp_path / "engine").draft)
+    assert default_drafter(2) == DEFAULT_DRAFT and not is_eagle3_dir(default_drafter(2))
 
 
 def test_a_head_for_another_target_is_refused(fp32_pair):
