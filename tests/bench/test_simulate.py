@@ -128,3 +128,27 @@ def test_tuning_picks_each_policy_its_fastest_simulated_shape():
     assert shapes[0] == "ar" and len(shapes) == 1 + sum(len(g) for g in GRID.values())
     for s in shapes:  # every shape of the grid is a valid bench entry
         parse_method(s)
+
+
+def test_one_shape_picks_the_latency_shape_and_the_maximin_shape_by_hand():
+    from echo_trtllm.bench.tune import one_shape, one_shape_table
+
+    def row(method, b, rate):
+        return {"method": method, "batch_size": b, "tokens_per_s": rate}
+
+    # best per batch size: B = 1: 30 (wide chain), B = 64: 200 (echo). chain:1 worst 18/30 = 0.6 (B = 1),
+    # chain:4 worst 100/200 = 0.5 (B = 64): maximin chain:1, latency chain:4; echo worst 25/30
+    rows = [row("ar", 1, 10), row("ar", 64, 100),
+            row("chain:num_draft_tokens=1", 1, 18), row("chain:num_draft_tokens=1", 64, 150),
+            row("chain:num_draft_tokens=4", 1, 30), row("chain:num_draft_tokens=4", 64, 100),
+            row("echo:beam_width=1", 1, 25), row("echo:beam_width=1", 64, 200)]
+    got = one_shape(rows)
+    assert got["chain"]["latency"] == "chain:num_draft_tokens=4"
+    assert got["chain"]["maximin"] == "chain:num_draft_tokens=1" and got["chain"]["worst"] == pytest.approx(0.6)
+    assert got["echo"]["latency"] == got["echo"]["maximin"] == "echo:beam_width=1"
+    assert got["echo"]["worst"] == pytest.approx(25 / 30)
+    table = one_shape_table(rows)
+    assert "| chain | latency: `chain:num_draft_tokens=4` | 3.00 | 1.00 | 0.50 |" in table
+    assert "| echo | maximin: `echo:beam_width=1` | 2.50 | 2.00 | 0.83 |" in table
+    with pytest.raises(ValueError, match="no drafting rows"):
+        one_shape([row("ar", 1, 10)])
