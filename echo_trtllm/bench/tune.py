@@ -60,9 +60,9 @@ def best_shapes(rows: list[dict], batch_size: int) -> dict[str, dict]:
 
 def one_shape(rows: list[dict]) -> dict[str, dict]:
     """policy -> {"latency": shape, "maximin": shape, "worst": its worst ratio to the best, "rates": {shape: {B:
-    tokens/s}}, "best": {B: the best tokens/s of any policy}} over the batch sizes every shape of the policy was
-    simulated at (AR excluded). latency: fastest at the smallest batch size; maximin: the highest worst ratio
-    (ties: the first in row order)."""
+    tokens/s}}, "best": {B: the best drafting row's tokens/s}} over the batch sizes at which every drafting shape of
+    every policy was simulated (AR rows are left out). latency: fastest at the smallest of them; maximin: the
+    highest worst ratio (ties: the first in row order)."""
     rates: dict[str, dict[int, float]] = {}
     for r in rows:
         if r["method"].split(":", 1)[0] != "ar":

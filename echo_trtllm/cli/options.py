@@ -67,7 +67,7 @@ def add_model_options(ap: argparse.ArgumentParser, engine_dir: bool = True) -> N
     g.add_argument("--model", help="target: HF model directory or .gguf file (default: the embedded tiny target)")
     g.add_argument("--draft-model", help="draft: HF model directory or .gguf file, or an EAGLE-3 head directory "
                    "(default with the embedded target: its EAGLE-3 head for generate, serve, build and calibrate, "
-                   "the separate tiny draft for the benchmarks and export)")
+                   "the separate tiny draft for the benchmarks, export and --tp-size > 1)")
     if engine_dir:
         g.add_argument("--engine-dir", help="an engine directory built by `echo-trtllm build` (instead of --model)")
 

@@ -19,7 +19,7 @@ PROG = "echo-trtllm triton-repo"
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("--engine-dir", help="an engine directory built by `echo-trtllm build` (default: the embedded "
-                                         "default pair)")
+                                         "target with its EAGLE-3 head, as LLM())")
     ap.add_argument("--output", required=True, help="the model repository to write (created if missing)")
     ap.add_argument("--model-name", default="ensemble", help="the Triton model's name (default: ensemble)")
     ap.add_argument("--max-batch-size", type=int, default=64, help="requests in the engine's batch (default: 64)")

@@ -194,8 +194,9 @@ def test_a_dead_leader_ends_its_workers():
 def test_torchrun_launch_matches_tp1(tmp_path):
     """`torchrun --nproc-per-node 2 -m echo_trtllm.cli generate --tp-size 2`: rank 1 serves rank 0 from inside
     LLM() and exits 0; rank 0 prints what a single process prints."""
+    # the draft named: without one a single process drafts with the EAGLE-3 head, tp = 2 with the draft model
     args = ["generate", "--dtype", "float32", "--max-tokens", "16", "--prompt", "ROMEO:", "--prompt", "def f(x):",
-            "--no-cost-model", "--fallback", "off"]
+            "--no-cost-model", "--fallback", "off", "--draft-model", str(DEFAULT_DRAFT)]
     single = subprocess.run([sys.executable, "-m", "echo_trtllm.cli", *args], capture_output=True, text=True,
                             timeout=180)
     assert single.returncode == 0, single.stderr
