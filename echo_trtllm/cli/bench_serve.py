@@ -81,7 +81,8 @@ def _measure(args, method, rnd, concurrency, prompts, launch_server, run_load, s
         serve = ["--policy", method, "--served-model-name", args.served_model_name, "--log-level", "warning",
                  "--max-batch-size", str(args.max_batch_size), "--max-seq-len", str(args.max_seq_len),
                  *(["--model", args.model] if args.model else []),
-                 # the benchmarks' default draft is the separate tiny draft (servers' own default is the head, models.default_drafter)
+                 # the benchmarks' default draft is the separate tiny draft (a server's own default is the head:
+                 # models.default_drafter)
                  *(["--draft-model", str(args.draft_model or DEFAULT_DRAFT)]
                    if args.draft_model or not (args.model or getattr(args, "engine_dir", None)) else []),
                  *(["--engine-dir", args.engine_dir] if getattr(args, "engine_dir", None) else []),

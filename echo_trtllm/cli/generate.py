@@ -26,15 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def draft_kind(draft) -> str:
-    """How the engine drafts: "eagle3-head" (from the target's features), "model" (a separate draft model) or
-    "none"."""
-    from echo_trtllm.models.eagle3 import Eagle3Head
-
-    return "none" if draft is None else "eagle3-head" if isinstance(draft, Eagle3Head) else "model"
-
-
 def main(argv: list[str] | None = None) -> int:
+    from echo_trtllm.models.draft import draft_kind
+
     args = build_parser().parse_args(argv)
     prompts = args.prompt or ["ROMEO:\nBut soft, what light through yonder window breaks?\n"]
     try:
@@ -54,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         print(o.prompt + o.text)
         print(f"[finish_reason={o.finish_reason} tokens={len(o.token_ids)} steps={o.stats.steps} "
               f"mean_accepted_tokens={o.stats.mean_accepted_tokens:.2f}]")
-    print(f"policy={config.policy} draft={draft_kind(llm.draft)} dtype={llm.dtype['target']}/{llm.dtype['draft']} "
-          f"requests={len(outputs)} "
-          f"tokens={tokens} steps={steps} mean_accepted_tokens={tokens / max(steps, 1):.2f} time={elapsed:.2f}s "
-          f"tokens/s={tokens / elapsed:.1f}")
+    kind = "none" if llm.draft is None else draft_kind(llm.draft)  # the bench JSON's draft_kind, or no draft
+    print(f"policy={config.policy} draft={kind} dtype={llm.dtype['target']}/{llm.dtype['draft']} "
+          f"requests={len(outputs)} tokens={tokens} steps={steps} mean_accepted_tokens={tokens / max(steps, 1):.2f} "
+          f"time={elapsed:.2f}s tokens/s={tokens / elapsed:.1f}")
     return 0

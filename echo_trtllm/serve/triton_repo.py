@@ -60,8 +60,9 @@ def write_model_repository(output, engine_dir: str | None, model_name: str = DEF
                            max_batch_size: int = 64, max_seq_len: int = 1024,
                            python_path: list[str] | None = None) -> Path:
     """OUTPUT/<model_name>/{config.pbtxt, 1/model.py}: a model repository for a standalone tritonserver. The engine
-    directory is recorded as an absolute path (empty: what `LLM()` loads, the embedded target with its EAGLE-3 head). python_path: directories the
-    generated model.py puts on sys.path (None: this environment's, `default_python_path()`; [] for none)."""
+    directory is recorded as an absolute path (empty: what `LLM()` loads, the embedded target with its EAGLE-3
+    head). python_path: directories the generated model.py puts on sys.path (None: this environment's,
+    `default_python_path()`; [] for none)."""
     out = Path(output)
     model = out / model_name
     if model.exists():

@@ -29,11 +29,11 @@ def test_generate_with_no_models_runs_echo_with_the_committed_eagle3_head(capsys
     --draft-model the separate draft model, with policy ar no draft. Each run's text equals the others (greedy,
     float32: speculation is lossless)."""
     texts = {}
-    for extra, kind in (([], "eagle3-head"), (["--draft-model", str(DEFAULT_DRAFT)], "model"),
+    for extra, kind in (([], "eagle3"), (["--draft-model", str(DEFAULT_DRAFT)], "model"),
                         (["--policy", "ar"], "none")):
         assert main(["generate", "--dtype", "float32", "--max-tokens", "16", "--fallback", "off", *extra]) == 0
         out = capsys.readouterr().out
         summary = out.strip().splitlines()[-1]
         assert f" draft={kind} " in summary and "tokens=16 " in summary
         texts[kind] = out.split("[finish_reason=")[0]
-    assert texts["eagle3-head"] == texts["model"] == texts["none"]
+    assert texts["eagle3"] == texts["model"] == texts["none"]
