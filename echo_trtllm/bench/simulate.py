@@ -18,6 +18,11 @@ charges each step
                 charged per replayed level by its frontier size. Traces written before the trees were recorded
                 fall back to merging the candidates in probability order (the row's "allocation" says which).
                 The gate is the uncalibrated default unless gate samples are given (a calibration's).
+  oracle        the hindsight ceiling of any allocation over the same drafts (`oracle_step`): each request's
+                accepted chain (its deepest accepted node) is known; a step verifies the first n accepted tokens
+                in depth order and drafts only them, with n chosen so that the run's tokens over its seconds
+                (a ratio of sums) is the highest any choice of n per step gives. No method drafting from
+                these trees, however it allocates, emits more per second under the same cost model.
 
 Cost models: either the measured curve of a calibration file (`--calibration`; then the simulation can be
 checked against the real benchmark on the same machine), or an analytic roofline for a model class on a GPU:
@@ -47,8 +52,8 @@ from echo_trtllm.core.gating import GateSamples
 from echo_trtllm.core.policies import POLICIES, TreePolicy, draft_tree, make_policy
 from echo_trtllm.core.tree import DraftLevel
 
-__all__ = ["GPUSpec", "ModelSpec", "GPUS", "MODELS", "PAPER", "roofline_cost", "simulate_method", "simulate",
-           "load_traces"]
+__all__ = ["GPUSpec", "ModelSpec", "GPUS", "MODELS", "PAPER", "ORACLE", "roofline_cost", "oracle_step",
+           "best_ratio", "simulate_method", "simulate", "load_traces"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,7 @@ PAPER = {
     "8b": "paper, LLaMA-3.1-8B: +7.92 % over EAGLE-3 at high load",
 }
 
+ORACLE = "oracle"  # simulate's hindsight ceiling (module docstring)
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -167,12 +173,66 @@ def replay_step(policy: TreePolicy, batch: list[dict], budget: int | None, conte
     return verified, emitted, list(result.state.frontier_sizes)
 
 
+def accepted_chain(record: dict) -> int:
+    """Depth of a record's deepest accepted node: its accepted chain (the flags are closed under parents)."""
+    return max((d for d, a in zip(record["depths"], record["accepted"]) if a), default=0)
+
+
+def oracle_step(chains: list[int], cost: CostModel, context: float | None = None) -> list[tuple[int, float]]:
+    """(emitted, seconds) of every choice a clairvoyant allocator has in one step whose requests' accepted chains
+    are `chains`: n = 0 .. sum(chains) accepted tokens, taken shallowest first (for n tokens the fewest draft levels
+    and the narrowest frontiers; verification depends on n only), drafting only those nodes (a level's frontier is
+    the number of nodes it adds). Costs are read from `cost` as the replay reads them."""
+    b = len(chains)
+    by_depth = [sum(c >= d for c in chains) for d in range(1, max(chains, default=0) + 1)]
+    choices = [(b, float(cost.verify_time(b, context)))]
+    frontiers: list[int] = []
+    for width in by_depth:
+        frontiers.append(0)
+        for _ in range(width):
+            frontiers[-1] += 1
+            n = sum(frontiers)
+            choices.append((b + n, float(cost.verify_time(b + n, context)) + cost.drafting_time(frontiers, context)))
+    return choices
+
+
+def best_ratio(steps: list[list[tuple[int, float]]]) -> tuple[float, list[int]]:
+    """The highest sum(emitted) / sum(seconds) over one (emitted, seconds) choice per step, and the choices
+    (Dinkelbach's iteration: at rate r each step takes its choice maximising emitted - r * seconds; the rate of
+    those choices is >= r, with equality only at the optimum)."""
+    rate = 0.0
+    while True:
+        picks = [max(range(len(c)), key=lambda k, c=c: c[k][0] - rate * c[k][1]) for c in steps]
+        new = sum(c[k][0] for c, k in zip(steps, picks)) / sum(c[k][1] for c, k in zip(steps, picks))
+        if new <= rate * (1 + 1e-12):
+            return rate, picks
+        rate = new
+
+
+def simulate_oracle(records: list[dict], batch_size: int, cost: CostModel, steps: int = 200,
+                    context: float | None = None) -> dict:
+    """The hindsight ceiling's row (module docstring), steps built as `simulate_method` builds them."""
+    if not records:
+        raise ValueError("no trace records for the oracle")
+    if not all("depths" in r for r in records):
+        raise ValueError("the oracle needs records with their drafted trees (depths; traces written since the replay)")
+    chains = [accepted_chain(r) for r in records]
+    choices = [oracle_step([chains[(s * batch_size + j) % len(records)] for j in range(batch_size)], cost, context)
+               for s in range(steps)]
+    rate, picks = best_ratio(choices)
+    emitted = sum(c[k][0] for c, k in zip(choices, picks))
+    return {"method": ORACLE, "batch_size": batch_size, "tokens_per_s": rate, "mat": emitted / (steps * batch_size),
+            "verified_per_step": emitted / steps, "records": len(records), "allocation": "hindsight ceiling"}
+
+
 def simulate_method(method: str, records: list[dict], batch_size: int, cost: CostModel, steps: int = 200,
                     k_max: int = 1 << 30, control_seconds: float = 0.0, config: EchoConfig | None = None,
                     gate_samples: GateSamples | None = None, context: float | None = None) -> dict:
     """Simulated tokens/s of one method at one batch size (module docstring). method: a policy name, or a bench
     entry with shape options ("chain:num_draft_tokens=2"). config / gate_samples / context: the echo family's
     tree options (default EchoConfig()), its gate's calibration evidence, and the context the cost is read at."""
+    if method == ORACLE:
+        return simulate_oracle(records, batch_size, cost, steps, context)
     if not records:
         raise ValueError(f"no trace records for method {method!r}")
     from .run import parse_method
@@ -233,6 +293,9 @@ def simulate(traces: dict[str, list[dict]], batch_sizes: list[int], cost_for_bat
     if tree_source is not None and tree_source not in traces:
         raise ValueError(f"tree source {tree_source!r} is not traced; traced: {', '.join(traces)}")
     methods = list(methods or traces)
+    if ORACLE in methods and tree_source is None:
+        raise ValueError(f"method {ORACLE!r} (the hindsight ceiling) needs a tree source: the traced method whose "
+                         f"drafts it allocates; traced: {', '.join(traces)}")
     missing = [m for m in methods if tree_source is None and m not in traces]
     if missing:
         raise ValueError(f"methods {missing} are not traced (traced: {', '.join(traces)}); give a tree source")

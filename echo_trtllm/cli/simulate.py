@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--k-max", type=int, default=1 << 30, help="global verification budget per step, tokens")
     ap.add_argument("--control-us", type=float, default=0.0, help="ECHO control per speculative step (µs)")
     ap.add_argument("--methods", help="comma-separated bench --methods entries to simulate, shape options included "
-                                      "(default: the traced methods)")
+                                      "(default: the traced methods); 'oracle' adds the hindsight ceiling of any "
+                                      "allocation over the tree source's drafts")
     ap.add_argument("--tree-source", help="replay every method on this traced method's drafted trees (e.g. a wide "
                                           "eagle2 run; tunes shapes no run drafted)")
     g = ap.add_argument_group("the replay (recorded trees through the runtime's drafting loop, gate and budget; "

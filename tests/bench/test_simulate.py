@@ -152,3 +152,55 @@ def test_one_shape_picks_the_latency_shape_and_the_maximin_shape_by_hand():
     assert "| echo | maximin: `echo:beam_width=1` | 2.50 | 2.00 | 0.83 |" in table
     with pytest.raises(ValueError, match="no drafting rows"):
         one_shape([row("ar", 1, 10)])
+
+
+def chain_record(accepted_depth: int, drafted_depth: int = 4) -> dict:
+    """A drafted chain of `drafted_depth` nodes (plus one rejected sibling at depth 1) whose first
+    `accepted_depth` nodes the target accepted."""
+    depths = list(range(1, drafted_depth + 1)) + [1]
+    return {"depths": depths, "accepted": [int(d <= accepted_depth) for d in depths[:-1]] + [0]}
+
+
+def test_the_oracle_step_by_hand():
+    from echo_trtllm.bench.simulate import oracle_step
+
+    # chains 2, 0, 1: depth 1 holds two accepted tokens, depth 2 one; shallowest first
+    choices = oracle_step([2, 0, 1], COST)
+    assert [e for e, _ in choices] == [3, 4, 5, 6]
+    expected = [t_verify(3), t_verify(4) + t_draft(1), t_verify(5) + t_draft(2), t_verify(6) + t_draft(2) + t_draft(1)]
+    assert [t for _, t in choices] == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_oracle_is_the_best_of_every_per_request_choice(seed):
+    """Brute force: every request of every step picks any depth up to its accepted chain, independently; the best
+    tokens-over-seconds of all those combinations is the oracle's rate."""
+    import itertools
+    import random
+
+    from echo_trtllm.bench.simulate import simulate_oracle
+
+    rng = random.Random(seed)
+    verify = sorted(rng.uniform(0.05, 0.4) for _ in range(4))
+    cost = CostModel((1, 3, 6, 12), tuple(verify), (1, 2, 6), tuple(sorted(rng.uniform(0.001, 0.08) for _ in range(3))))
+    steps = [[rng.randint(0, 3) for _ in range(2)] for _ in range(3)]
+    records = [chain_record(c) for step in steps for c in step]
+
+    def step_options(chains):
+        out = []
+        for depths in itertools.product(*(range(c + 1) for c in chains)):
+            frontiers = [sum(d >= k for d in depths) for k in range(1, max(depths) + 1)]
+            out.append((len(chains) + sum(depths),
+                        float(cost.verify_time(len(chains) + sum(depths))) + cost.drafting_time(frontiers)))
+        return out
+
+    best = max(sum(e for e, _ in combo) / sum(t for _, t in combo)
+               for combo in itertools.product(*(step_options(c) for c in steps)))
+    row = simulate_oracle(records, 2, cost, steps=3)
+    assert row["tokens_per_s"] == pytest.approx(best, rel=1e-9)
+    assert row["allocation"] == "hindsight ceiling"
+
+
+def test_the_oracle_needs_a_tree_source():
+    with pytest.raises(ValueError, match="oracle.*needs a tree source"):
+        simulate({"ar": [R0]}, [1], lambda b: COST, steps=1, methods=["ar", "oracle"])

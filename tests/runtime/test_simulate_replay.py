@@ -86,3 +86,19 @@ def test_the_replay_reacts_to_a_tighter_budget(default_pair, prompts):
     assert loose["allocation"] == tight["allocation"] == "replayed"
     assert tight["verified_per_step"] <= 7 < loose["verified_per_step"]
     assert loose["records"] == len(records)
+
+
+def test_no_replayed_shape_beats_the_oracle_on_the_same_trees(default_pair, prompts):
+    """The hindsight ceiling bounds every method replayed on the same drafts (a grid of shapes, echo included)."""
+    from echo_trtllm.bench.simulate import simulate
+
+    cfg, steps = traced_run(default_pair, prompts, "eagle2", 6, total_tokens=32)
+    traces = {"eagle2": [r for s in steps for r in s]}
+    specs = ["ar", "chain:num_draft_tokens=1", "chain:num_draft_tokens=3", "static:static_nodes=8",
+             "eagle2:total_tokens=8", "ddd:total_tokens=8", "echo", "echo-dense", "oracle"]
+    for b in (1, 6):
+        rows = {r["method"]: r for r in simulate(traces, [b], lambda b: COST, steps=10, methods=specs,
+                                                 tree_source="eagle2")}
+        ceiling = rows.pop("oracle")["tokens_per_s"]
+        assert all(r["tokens_per_s"] <= ceiling * (1 + 1e-9) for r in rows.values()), (ceiling, rows)
+        assert ceiling > rows["ar"]["tokens_per_s"]
