@@ -3,8 +3,9 @@
 Rank 0, the leader, runs the whole engine as one process would: scheduler, drafting loop, gate, budget,
 selection, packing, acceptance. The model shards (models/tp.py) make every collective itself; what the other
 ranks need is to run the *same* model calls at the same time. So the leader's shards carry a `Mirror`, which sends
-each call before running it: a header (op, arguments, tensor shapes) over a gloo group with a long timeout (an
-idle server waits there), then the call's tensors (the packed Super-Tree's ids, positions, slots, write positions,
+each call before running it: a header (op, arguments, tensor shapes) over a gloo command group (the workers wait
+there without a time limit, however idle the server; the leader waits there at most ECHO_TP_TIMEOUT_S, like on
+every other collective), then the call's tensors (the packed Super-Tree's ids, positions, slots, write positions,
 mask, logits rows; or a compaction's slots / source / destination) broadcast on the data group. The workers
 replay them in order (`serve`), so every rank verifies the same tree and commits the same accepted path: ranks
 cannot diverge, because only the leader decides anything.
@@ -57,7 +58,10 @@ class TPGroup:
 
     def __init__(self, rank: int, world: int, device: str, processes=()) -> None:
         self.rank, self.world, self.device = rank, world, torch.device(device)
-        self.cmd_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        # a worker waits for the next command however long the server idles; the leader never waits on it for longer
+        # than a collective may take (a worker that died unseen must not hold the leader past TIMEOUT_S)
+        self.cmd_group = dist.new_group(backend="gloo", timeout=(
+            IDLE_TIMEOUT if rank > 0 else datetime.timedelta(seconds=TIMEOUT_S)))
         self.tp = TensorParallel(rank, world, group=None)
         self.processes = list(processes)
         self.models: dict[str, CausalLM] = {}

@@ -162,6 +162,31 @@ def test_a_dead_worker_ends_the_group_with_an_error_not_a_hang(prompts):
         llm.shutdown()
 
 
+def test_a_stuck_worker_ends_the_group_after_the_timeout_not_a_hang(prompts, monkeypatch):
+    """A worker that stops answering without closing its sockets (SIGSTOP: no peer-gone error to see): the leader's
+    waits, the command group's included, end at ECHO_TP_TIMEOUT_S and the group fails with an error."""
+    import signal
+
+    from echo_trtllm.runtime import parallel
+
+    monkeypatch.setattr(parallel, "TIMEOUT_S", 5.0)
+    monkeypatch.setenv("ECHO_TP_TIMEOUT_S", "5")
+    llm = LLM(DEFAULT_TARGET, DEFAULT_DRAFT, speculative_config=EchoConfig(policy="echo"), tensor_parallel_size=2,
+              **TP)
+    worker = llm._tp_group.processes[0]
+    try:
+        assert llm.generate(prompts[0], GREEDY, use_tqdm=False).finish_reason == "length"
+        os.kill(worker.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"tensor-parallel group failed \(a rank is gone or stuck"):
+            llm.generate(prompts[:4], GREEDY, use_tqdm=False)
+        assert time.monotonic() - t0 < 60
+    finally:
+        llm.shutdown()
+        worker.kill()  # a stopped process ends on SIGKILL too
+        worker.wait(timeout=30)
+
+
 LEADER = """
 import sys, time
 from echo_trtllm import LLM, EchoConfig
