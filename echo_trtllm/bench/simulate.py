@@ -19,10 +19,12 @@ charges each step
                 fall back to merging the candidates in probability order (the row's "allocation" says which).
                 The gate is the uncalibrated default unless gate samples are given (a calibration's).
   oracle        the hindsight ceiling of any allocation over the same drafts (`oracle_step`): each request's
-                accepted chain (its deepest accepted node) is known; a step verifies the first n accepted tokens
-                in depth order and drafts only them, with n chosen so that the run's tokens over its seconds
-                (a ratio of sums) is the highest any choice of n per step gives. No method drafting from
-                these trees, however it allocates, emits more per second under the same cost model.
+                accepted chain (its deepest accepted node) is known; a step verifies the roots and n accepted
+                tokens, drafting only accepted nodes in the cheapest way, with n chosen per step so that the
+                run's tokens over its seconds (a ratio of sums) is the highest any choice gives. A method
+                replayed on these trees verifies at least what it emits and drafts at least the parents of
+                what it accepts, so with verification and level times that do not fall as tokens grow it
+                emits no more per second (the ceiling pays no control time either).
 
 Cost models: either the measured curve of a calibration file (`--calibration`; then the simulation can be
 checked against the real benchmark on the same machine), or an analytic roofline for a model class on a GPU:
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +55,7 @@ from echo_trtllm.core.gating import GateSamples
 from echo_trtllm.core.policies import POLICIES, TreePolicy, draft_tree, make_policy
 from echo_trtllm.core.tree import DraftLevel
 
-__all__ = ["GPUSpec", "ModelSpec", "GPUS", "MODELS", "PAPER", "ORACLE", "roofline_cost", "oracle_step",
+__all__ = ["GPUSpec", "ModelSpec", "GPUS", "MODELS", "PAPER", "ORACLE", "roofline_cost", "min_drafting_seconds", "oracle_step",
            "best_ratio", "simulate_method", "simulate", "load_traces"]
 
 
@@ -178,35 +181,49 @@ def accepted_chain(record: dict) -> int:
     return max((d for d, a in zip(record["depths"], record["accepted"]) if a), default=0)
 
 
+def min_drafting_seconds(widths: list[int], level_seconds: Tensor) -> Tensor:
+    """Least drafting seconds of a step that drafts n = 0 .. sum(widths) nodes along accepted chains, for every n.
+    widths[d - 1]: requests whose chain reaches depth d. A level's frontier f_d is the nodes it adds (each needs a
+    parent at depth d - 1), so the profiles are f_1 >= f_2 >= ... with f_d <= widths[d - 1]; a profile costs
+    sum(level_seconds[f_d]) (level_seconds[0] = 0). Exact for any level cost, by dynamic programming from the
+    deepest level up (shallowest-first is cheapest only where a level's cost is concave in its frontier)."""
+    total = sum(widths)
+    # below[g, m]: least seconds of the levels below this one with m nodes in them, their first frontier <= g
+    below = torch.full((1, total + 1), math.inf, dtype=torch.float64)
+    below[0, 0] = 0.0
+    for width in reversed(widths):
+        here = torch.full((width + 1, total + 1), math.inf, dtype=torch.float64)
+        for f in range(width + 1):
+            here[f, f:] = level_seconds[f] + below[min(f, below.shape[0] - 1), :total + 1 - f]
+        below = torch.cummin(here, dim=0).values
+    return below[-1]
+
+
 def oracle_step(chains: list[int], cost: CostModel, context: float | None = None) -> list[tuple[int, float]]:
     """(emitted, seconds) of every choice a clairvoyant allocator has in one step whose requests' accepted chains
-    are `chains`: n = 0 .. sum(chains) accepted tokens, taken shallowest first (for n tokens the fewest draft levels
-    and the narrowest frontiers; verification depends on n only), drafting only those nodes (a level's frontier is
-    the number of nodes it adds). Costs are read from `cost` as the replay reads them."""
+    are `chains`: verify the roots and n = 0 .. sum(chains) accepted tokens, drafting only accepted nodes, in the
+    cheapest way (`min_drafting_seconds`). Costs are read from `cost` as the replay reads them."""
     b = len(chains)
-    by_depth = [sum(c >= d for c in chains) for d in range(1, max(chains, default=0) + 1)]
-    choices = [(b, float(cost.verify_time(b, context)))]
-    frontiers: list[int] = []
-    for width in by_depth:
-        frontiers.append(0)
-        for _ in range(width):
-            frontiers[-1] += 1
-            n = sum(frontiers)
-            choices.append((b + n, float(cost.verify_time(b + n, context)) + cost.drafting_time(frontiers, context)))
-    return choices
+    widths = [sum(c >= d for c in chains) for d in range(1, max(chains, default=0) + 1)]
+    level = torch.zeros(b + 1, dtype=torch.float64)
+    if b:
+        level[1:] = torch.as_tensor(cost.draft_level_time(torch.arange(1, b + 1), context), dtype=torch.float64)
+    drafting = min_drafting_seconds(widths, level)
+    verify = torch.as_tensor(cost.verify_time(torch.arange(b, b + drafting.numel()), context), dtype=torch.float64)
+    return [(b + n, float(v + d)) for n, (v, d) in enumerate(zip(verify.tolist(), drafting.tolist()))]
 
 
 def best_ratio(steps: list[list[tuple[int, float]]]) -> tuple[float, list[int]]:
-    """The highest sum(emitted) / sum(seconds) over one (emitted, seconds) choice per step, and the choices
-    (Dinkelbach's iteration: at rate r each step takes its choice maximising emitted - r * seconds; the rate of
-    those choices is >= r, with equality only at the optimum)."""
-    rate = 0.0
+    """The highest sum(emitted) / sum(seconds) over one (emitted, seconds) choice per step, and the choices that
+    reach it (Dinkelbach's iteration: at rate r each step takes its choice maximising emitted - r * seconds; the
+    rate of those choices is >= r, with equality only at the optimum)."""
+    rate, picks = 0.0, None
     while True:
-        picks = [max(range(len(c)), key=lambda k, c=c: c[k][0] - rate * c[k][1]) for c in steps]
-        new = sum(c[k][0] for c, k in zip(steps, picks)) / sum(c[k][1] for c, k in zip(steps, picks))
-        if new <= rate * (1 + 1e-12):
+        new_picks = [max(range(len(c)), key=lambda k, c=c: c[k][0] - rate * c[k][1]) for c in steps]
+        new = sum(c[k][0] for c, k in zip(steps, new_picks)) / sum(c[k][1] for c, k in zip(steps, new_picks))
+        if picks is not None and new <= rate * (1 + 1e-12):
             return rate, picks
-        rate = new
+        rate, picks = new, new_picks
 
 
 def simulate_oracle(records: list[dict], batch_size: int, cost: CostModel, steps: int = 200,
@@ -214,8 +231,9 @@ def simulate_oracle(records: list[dict], batch_size: int, cost: CostModel, steps
     """The hindsight ceiling's row (module docstring), steps built as `simulate_method` builds them."""
     if not records:
         raise ValueError("no trace records for the oracle")
-    if not all("depths" in r for r in records):
-        raise ValueError("the oracle needs records with their drafted trees (depths; traces written since the replay)")
+    if not has_trees(records):
+        raise ValueError("the oracle needs records with their drafted trees (depths and parents; traces written "
+                         "since the replay)")
     chains = [accepted_chain(r) for r in records]
     choices = [oracle_step([chains[(s * batch_size + j) % len(records)] for j in range(batch_size)], cost, context)
                for s in range(steps)]

@@ -158,7 +158,8 @@ def chain_record(accepted_depth: int, drafted_depth: int = 4) -> dict:
     """A drafted chain of `drafted_depth` nodes (plus one rejected sibling at depth 1) whose first
     `accepted_depth` nodes the target accepted."""
     depths = list(range(1, drafted_depth + 1)) + [1]
-    return {"depths": depths, "accepted": [int(d <= accepted_depth) for d in depths[:-1]] + [0]}
+    return {"depths": depths, "parents": list(range(-1, drafted_depth - 1)) + [-1],
+            "accepted": [int(d <= accepted_depth) for d in depths[:-1]] + [0]}
 
 
 def test_the_oracle_step_by_hand():
@@ -169,9 +170,13 @@ def test_the_oracle_step_by_hand():
     assert [e for e, _ in choices] == [3, 4, 5, 6]
     expected = [t_verify(3), t_verify(4) + t_draft(1), t_verify(5) + t_draft(2), t_verify(6) + t_draft(2) + t_draft(1)]
     assert [t for _, t in choices] == pytest.approx(expected, rel=1e-12)
+    # a level over two nodes dearer than two levels over one: two tokens drafted down one chain, not across two
+    convex = CostModel((1, 100), (0.11, 1.1), (1, 2), (0.01, 0.05))
+    _, two = oracle_step([2, 2], convex)[2]
+    assert two == pytest.approx(t_verify(4) + 2 * 0.01, rel=1e-12)
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(40))
 def test_the_oracle_is_the_best_of_every_per_request_choice(seed):
     """Brute force: every request of every step picks any depth up to its accepted chain, independently; the best
     tokens-over-seconds of all those combinations is the oracle's rate."""
