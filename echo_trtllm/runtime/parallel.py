@@ -13,7 +13,9 @@ cannot diverge, because only the leader decides anything.
 Launch: `LLM(..., tensor_parallel_size=N)` spawns ranks 1..N-1 itself (`start`); under `torchrun` every rank
 runs the same program and ranks > 0 become workers inside `LLM(...)` and leave the process when the leader shuts
 down. A rank that fails ends the group: collectives fail with a `TensorParallelError` naming it (peer gone, or
-after ECHO_TP_TIMEOUT_S seconds, default 300) and every later call fails at once; nothing waits forever.
+after ECHO_TP_TIMEOUT_S seconds, default 300) and every later call fails at once. Loading waits for the slowest
+rank's shard up to ECHO_TP_LOAD_TIMEOUT_S (default 3600). Rank 0 never waits without a limit; a worker waits for
+rank 0's next command without one (an idle server), and leaves when rank 0's sockets close.
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ from torch import Tensor
 from echo_trtllm.models.llama import CausalLM, ForwardBatch, KVCache
 from echo_trtllm.models.tp import TensorParallel, TensorParallelError, load_shard
 
-__all__ = ["TensorParallelError", "TPGroup", "start", "TIMEOUT_S"]
+__all__ = ["TensorParallelError", "TPGroup", "start", "TIMEOUT_S", "LOAD_TIMEOUT_S"]
 
 TIMEOUT_S = float(os.environ.get("ECHO_TP_TIMEOUT_S", 300))
+LOAD_TIMEOUT_S = float(os.environ.get("ECHO_TP_LOAD_TIMEOUT_S", 3600))  # a rank's shard may load later than rank 0's
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # workers wait for the next command here, however idle the server
 
 
@@ -62,6 +65,8 @@ class TPGroup:
         # than a collective may take (a worker that died unseen must not hold the leader past TIMEOUT_S)
         self.cmd_group = dist.new_group(backend="gloo", timeout=(
             IDLE_TIMEOUT if rank > 0 else datetime.timedelta(seconds=TIMEOUT_S)))
+        # loading: every rank reports its shard's outcome here, however much later than rank 0's it finishes
+        self.load_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=LOAD_TIMEOUT_S))
         self.tp = TensorParallel(rank, world, group=None)
         self.processes = list(processes)
         self.models: dict[str, CausalLM] = {}
@@ -86,10 +91,11 @@ class TPGroup:
 
     # ---------------------------------------------------------------- loading
 
-    def agree(self, value):
-        """The leader's `value` on every rank (e.g. the dtype "auto" resolved to)."""
+    def agree(self, value, group=None):
+        """The leader's `value` on every rank (e.g. the dtype "auto" resolved to), on the command group unless
+        `group` is given."""
         box = [value if self.is_leader else None]
-        dist.broadcast_object_list(box, src=0, group=self.cmd_group)
+        dist.broadcast_object_list(box, src=0, group=group or self.cmd_group)
         return box[0]
 
     def load(self, key: str, path, dtype: torch.dtype) -> CausalLM:
@@ -100,9 +106,9 @@ class TPGroup:
         except Exception as e:  # noqa: BLE001 - gathered below, raised on every rank
             error = f"{type(e).__name__}: {e}"
         errors = [None] * self.world if self.is_leader else None
-        self.tp.checked(lambda: dist.gather_object(error, errors, dst=0, group=self.cmd_group))
+        self.tp.checked(lambda: dist.gather_object(error, errors, dst=0, group=self.load_group))
         failed = self.tp.checked(lambda: self.agree([f"rank {r}: {e}" for r, e in enumerate(errors) if e]
-                                                    if self.is_leader else None))
+                                                    if self.is_leader else None, self.load_group))
         if failed:
             self.tp.fail(f"loading {key} failed")
             raise ValueError(f"loading {key} failed on {'; '.join(failed)}")

@@ -169,8 +169,8 @@ def test_a_stuck_worker_ends_the_group_after_the_timeout_not_a_hang(prompts, mon
 
     from echo_trtllm.runtime import parallel
 
-    monkeypatch.setattr(parallel, "TIMEOUT_S", 5.0)
-    monkeypatch.setenv("ECHO_TP_TIMEOUT_S", "5")
+    monkeypatch.setattr(parallel, "TIMEOUT_S", 30.0)  # also the ranks' start-up rendezvous: room for a busy machine
+    monkeypatch.setenv("ECHO_TP_TIMEOUT_S", "30")
     llm = LLM(DEFAULT_TARGET, DEFAULT_DRAFT, speculative_config=EchoConfig(policy="echo"), tensor_parallel_size=2,
               **TP)
     worker = llm._tp_group.processes[0]
@@ -180,7 +180,7 @@ def test_a_stuck_worker_ends_the_group_after_the_timeout_not_a_hang(prompts, mon
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match=r"tensor-parallel group failed \(a rank is gone or stuck"):
             llm.generate(prompts[:4], GREEDY, use_tqdm=False)
-        assert time.monotonic() - t0 < 60
+        assert time.monotonic() - t0 < 120  # the earlier code waited here for good
     finally:
         llm.shutdown()
         worker.kill()  # a stopped process ends on SIGKILL too
