@@ -1,6 +1,6 @@
 """FP8 (e4m3) in the runtime: the layer against a dequantised float reference, the CUDA kernel's shape rules, the
 checkpoint round trip, the loader's refusals, an FP8 engine directory, and lossless speculation on an FP8 target
-(ECHO greedy == AR greedy on the same FP8 model)."""
+(ECHO greedy == AR greedy on the same FP8 model, but where a CPU kernel breaks a near tie differently)."""
 
 import json
 
@@ -11,8 +11,10 @@ from echo_trtllm import LLM, EchoConfig, SamplingParams
 from echo_trtllm.models.fp8 import (FP8_MAX, Fp8Linear, calibrate_amax, fp8_layers, quantize_model,
                                     weight_bytes, write_checkpoint)
 from echo_trtllm.models.loader import load_model
+from echo_trtllm.runtime.inputs import sequence_logits
 
 E4M3 = torch.float8_e4m3fn
+NEAR_TIE = 0.01  # logits this close to the top are a near tie for FP8 on a CPU (see the lossless test)
 
 
 def _reference(x, layer: Fp8Linear, bias):
@@ -126,7 +128,23 @@ def test_speculation_on_an_fp8_target_equals_ar_on_it(fp8_target, default_pair, 
     with LLM(fp8_target, draft, tokenizer=tok, speculative_config=EchoConfig(policy=policy), fallback=False,
              max_batch_size=4) as spec:
         outs = spec.generate(prompts[:8], params, use_tqdm=False)
-    assert [o.token_ids for o in outs] == expected
+    # FP8's activation rounding turns a CPU kernel's row-count-dependent float32 noise (1e-5) into whole e4m3 steps,
+    # so a 1-row decode step and a many-row verification may break a near tie differently (docs/fp8.md; seen on an
+    # AVX512-BF16 EPYC: one prompt of eight, at logits 6.7335 vs 6.7306). Lossless here: equal to AR, or first apart
+    # where the target's own whole-sequence logits put both tokens within NEAR_TIE of the top, in one prompt at most.
+    apart = 0
+    for prompt, out, want in zip(prompts, outs, expected):
+        got = out.token_ids
+        if got == want:
+            continue
+        apart += 1
+        at = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
+        ids = torch.tensor(tok.encode(prompt) + want[:at])
+        logits = sequence_logits(fp8_target, ids, "last")[0]
+        top = float(logits.max())
+        assert top - float(logits[got[at]]) < NEAR_TIE and top - float(logits[want[at]]) < NEAR_TIE, (
+            f"{prompt!r}: speculation chose {got[at]} where AR chose {want[at]} at token {at}, not a near tie")
+    assert apart <= 1, f"{apart} of 8 prompts differ from AR"
     assert sum(o.stats.steps for o in outs) < sum(len(e) for e in expected), "nothing was accepted"
 
 
