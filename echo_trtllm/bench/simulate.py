@@ -55,8 +55,8 @@ from echo_trtllm.core.gating import GateSamples
 from echo_trtllm.core.policies import POLICIES, TreePolicy, draft_tree, make_policy
 from echo_trtllm.core.tree import DraftLevel
 
-__all__ = ["GPUSpec", "ModelSpec", "GPUS", "MODELS", "PAPER", "ORACLE", "roofline_cost", "min_drafting_seconds", "oracle_step",
-           "best_ratio", "simulate_method", "simulate", "load_traces"]
+__all__ = ["GPUSpec", "ModelSpec", "GPUS", "MODELS", "PAPER", "ORACLE", "roofline_cost", "min_drafting_seconds",
+           "oracle_step", "best_ratio", "simulate_method", "simulate", "load_traces"]
 
 
 @dataclass(frozen=True)
