@@ -24,7 +24,8 @@ charges each step
                 run's tokens over its seconds (a ratio of sums) is the highest any choice gives. A method
                 replayed on these trees verifies at least what it emits and drafts at least the parents of
                 what it accepts, so with verification and level times that do not fall as tokens grow it
-                emits no more per second (the ceiling pays no control time either).
+                emits no more per second (the ceiling pays no control time either, and ignores --k-max, so it
+                stays a bound for a capped method).
 
 Cost models: either the measured curve of a calibration file (`--calibration`; then the simulation can be
 checked against the real benchmark on the same machine), or an analytic roofline for a model class on a GPU:
