@@ -52,12 +52,13 @@ from torch import Tensor
 
 from echo_trtllm.core.config import EchoConfig
 from echo_trtllm.core.cost import CostModel, choose_budget
-from echo_trtllm.core.gating import GateSamples
+from echo_trtllm.core.gating import GateSamples, roc_auc
 from echo_trtllm.core.policies import POLICIES, TreePolicy, draft_tree, make_policy
 from echo_trtllm.core.tree import DraftLevel
 
 __all__ = ["GPUSpec", "ModelSpec", "GPUS", "MODELS", "PAPER", "ORACLE", "roofline_cost", "min_drafting_seconds",
-           "oracle_step", "best_ratio", "simulate_method", "simulate", "load_traces"]
+           "oracle_step", "best_ratio", "shift_confidence", "records_gate_samples", "depth_aucs", "simulate_method", "simulate",
+           "load_traces"]
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,54 @@ def replay_step(policy: TreePolicy, batch: list[dict], budget: int | None, conte
             if sel[k] and rec[-1] is not None:
                 emitted[req] += r["accepted"][rec[-1]]
     return verified, emitted, list(result.state.frontier_sizes)
+
+
+def shift_confidence(records: list[dict], shift: float) -> list[dict]:
+    """WHAT-IF: the records with every drafted node's path probability moved toward its hindsight outcome by `shift`
+    in logit space (accepted nodes up, rejected down; math.inf: the outcome itself, perfect knowledge). An accepted
+    node's parent is accepted, so path probabilities stay non-increasing along every path; two nodes with the same
+    outcome keep their order, so at every depth the AUC of accepted against rejected does not fall as `shift` grows
+    (0: the head's own confidence)."""
+    if not shift >= 0:
+        raise ValueError(f"confidence shift must be >= 0 (math.inf: perfect knowledge), got {shift}")
+    out = []
+    for r in records:
+        acc = torch.tensor(r["accepted"], dtype=torch.float64)
+        if math.isinf(shift):
+            probs = acc
+        else:
+            logit = torch.logit(torch.tensor(r["probs"], dtype=torch.float64), eps=1e-9)
+            probs = torch.sigmoid(logit + shift * (2 * acc - 1))
+        out.append({**r, "probs": probs.tolist()})
+    return out
+
+
+def records_gate_samples(records: list[dict], max_depth: int) -> GateSamples:
+    """Gate samples as a calibration takes them (one per request-step and depth: the most probable node there and
+    whether the target accepted it), from trace records (depths up to max_depth)."""
+    depths, confidences, accepted = [], [], []
+    for r in records:
+        best: dict[int, tuple[float, int]] = {}
+        for p, a, d in zip(r["probs"], r["accepted"], r["depths"]):
+            if d <= max_depth and (d not in best or p > best[d][0]):
+                best[d] = (p, a)
+        for d in sorted(best):
+            depths.append(d)
+            confidences.append(best[d][0])
+            accepted.append(bool(best[d][1]))
+    return GateSamples(torch.tensor(depths, dtype=torch.long), torch.tensor(confidences, dtype=torch.float32),
+                       torch.tensor(accepted, dtype=torch.bool), max_depth)
+
+
+def depth_aucs(records: list[dict], max_depth: int) -> list[float]:
+    """Per depth 1..max_depth, how well the records' path probability ranks the target's verdict: the AUC of
+    accepted against rejected over every drafted node there (nan where one outcome is missing)."""
+    out = []
+    for d in range(1, max_depth + 1):
+        probs = [p for r in records for p, e in zip(r["probs"], r["depths"]) if e == d]
+        flags = [a for r in records for a, e in zip(r["accepted"], r["depths"]) if e == d]
+        out.append(roc_auc(torch.tensor(probs, dtype=torch.float64), torch.tensor(flags, dtype=torch.bool)))
+    return out
 
 
 def accepted_chain(record: dict) -> int:
@@ -304,11 +353,15 @@ def simulate_method(method: str, records: list[dict], batch_size: int, cost: Cos
 def simulate(traces: dict[str, list[dict]], batch_sizes: list[int], cost_for_batch, steps: int = 200,
              k_max: int = 1 << 30, control_seconds: float = 0.0, config: EchoConfig | None = None,
              gate_samples: GateSamples | None = None, context: float | None = None,
-             methods: list[str] | None = None, tree_source: str | None = None) -> list[dict]:
+             methods: list[str] | None = None, tree_source: str | None = None,
+             confidence_shift: float | None = None) -> list[dict]:
     """traces: method -> records. cost_for_batch(B) -> CostModel. methods: what to simulate (bench --methods
     entries, shape options included; default: the traced methods, each on its own records). tree_source: replay
     every method on this traced method's trees (e.g. a wide eagle2 run, to compare shapes no run drafted). Rows
-    carry speedup_vs_ar when 'ar' is among them, and how many recorded request-steps each rests on ("records")."""
+    carry speedup_vs_ar when 'ar' is among them, and how many recorded request-steps each rests on ("records").
+    confidence_shift: WHAT-IF, every replayed method reads the records' confidence moved toward the outcome
+    (`shift_confidence`), and the echo family's gate and acceptance estimates are calibrated in-sample from those
+    records (`records_gate_samples`; gate_samples is then unused); methods run as recorded do not change."""
     if tree_source is not None and tree_source not in traces:
         raise ValueError(f"tree source {tree_source!r} is not traced; traced: {', '.join(traces)}")
     methods = list(methods or traces)
@@ -318,15 +371,22 @@ def simulate(traces: dict[str, list[dict]], batch_sizes: list[int], cost_for_bat
     missing = [m for m in methods if tree_source is None and m not in traces]
     if missing:
         raise ValueError(f"methods {missing} are not traced (traced: {', '.join(traces)}); give a tree source")
+    if confidence_shift is not None:
+        traces = {m: shift_confidence(recs, confidence_shift) for m, recs in traces.items()}
+        # one in-sample calibration per traced method, as each method is replayed on its own records
+        samples = {m: records_gate_samples(recs, (config or EchoConfig()).max_depth) if has_trees(recs) else None
+                   for m, recs in traces.items()}
     rows = []
     for b in batch_sizes:
         cost = cost_for_batch(b)
         cells = {m: simulate_method(m, traces[tree_source or m], b, cost, steps, k_max, control_seconds, config,
-                                    gate_samples, context)
+                                    gate_samples if confidence_shift is None else samples[tree_source or m], context)
                  for m in methods}
         ar = cells.get("ar")
         for m, cell in cells.items():
             cell["speedup_vs_ar"] = cell["tokens_per_s"] / ar["tokens_per_s"] if ar else None
+            if confidence_shift is not None and cell["allocation"] == "replayed":
+                cell["allocation"] = f"replayed, confidence shifted by {confidence_shift:g} (what-if)"
             rows.append(cell)
     return rows
 

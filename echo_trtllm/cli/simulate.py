@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cap on each request's verified tree, root included")
     g.add_argument("--tree-top-k", type=int, default=_DEFAULT.top_k, help="children drafted per expanded node")
     g.add_argument("--beam-width", type=int, default=_DEFAULT.beam_width, help="nodes expanded per request and level")
+    g.add_argument("--confidence-shift", type=float, default=None,
+                   help="WHAT-IF: move every drafted node's confidence toward its hindsight outcome by this much in "
+                        "logit space (inf: perfect knowledge) before the replay; the echo family's gate and "
+                        "acceptance estimates are then calibrated from the shifted trace itself")
     g.add_argument("--gate-calibration", help="calibration JSON whose gate samples calibrate the replayed gate "
                                               "(default: --calibration's when given, else the uncalibrated gate)")
     ap.add_argument("--json", help="write the rows here")
@@ -53,9 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from echo_trtllm.bench.simulate import GPUS, MODELS, PAPER, load_traces, roofline_cost, simulate
+    from echo_trtllm.bench.simulate import (GPUS, MODELS, PAPER, depth_aucs, has_trees, load_traces, roofline_cost,
+                                            shift_confidence, simulate)
 
     args = build_parser().parse_args(argv)
+    if args.confidence_shift is not None and not args.confidence_shift >= 0:
+        return options.fail(PROG, f"--confidence-shift must be a number >= 0 (inf: perfect knowledge), "
+                                  f"got {args.confidence_shift}")
     try:
         traces = load_traces(args.trace, args.source_batch_size)
         batch_sizes = options.int_list(args.batch_sizes, "--batch-sizes")
@@ -84,10 +92,21 @@ def main(argv: list[str] | None = None) -> int:
         rows = simulate(traces, batch_sizes, cost_for_batch, args.steps, args.k_max, args.control_us * 1e-6,
                         config, gate_samples,
                         methods=[m for m in args.methods.split(",") if m] if args.methods else None,
-                        tree_source=args.tree_source, context=args.context if args.calibration else None)
+                        tree_source=args.tree_source, context=args.context if args.calibration else None,
+                        confidence_shift=args.confidence_shift)
     except (*options.USAGE_ERRORS, KeyError) as e:
         return options.fail(PROG, e)
     print(f"SIMULATION — {label}; acceptance replayed from {args.trace.rsplit('/', 1)[-1]}")
+    if args.confidence_shift is not None:
+        print(f"WHAT-IF: the replayed methods read the draft confidence shifted by {args.confidence_shift:g} (logit) "
+              f"toward each node's outcome, the echo family's gate calibrated on that trace itself")
+    aucs = None
+    source = traces.get(args.tree_source) if args.tree_source else None
+    if source and has_trees(source):
+        if args.confidence_shift is not None:
+            source = shift_confidence(source, args.confidence_shift)
+        aucs = depth_aucs(source, max(d for r in source for d in r["depths"]))
+        print(f"confidence AUC by depth ({args.tree_source}): " + " ".join(f"{a:.3f}" for a in aucs))
     print("| method | B | sim tokens/s | sim ×AR | sim MAT | sim verified/step | request-steps | allocation |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -98,5 +117,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"for orientation ({PAPER[args.target]}); not comparable: other draft, other acceptance")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"simulation": True, "cost": label, "rows": rows}, f, indent=2)
+            json.dump({"simulation": True, "cost": label, "confidence_shift": args.confidence_shift,
+                       "confidence_auc_by_depth": aucs, "rows": rows}, f, indent=2)
     return 0

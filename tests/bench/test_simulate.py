@@ -209,3 +209,67 @@ def test_the_oracle_is_the_best_of_every_per_request_choice(seed):
 def test_the_oracle_needs_a_tree_source():
     with pytest.raises(ValueError, match="oracle.*needs a tree source"):
         simulate({"ar": [R0]}, [1], lambda b: COST, steps=1, methods=["ar", "oracle"])
+
+
+def random_tree_record(rng, nodes: int = 12) -> dict:
+    """A drafted tree: random parents and conditional probabilities, the target's accepted chain one path of it
+    (accepted nodes' parents accepted), in the trace's layout (parents before children)."""
+    parents, cond, depths = [], [], []
+    for j in range(nodes):
+        up = rng.randrange(-1, j)
+        parents.append(up)
+        depths.append(1 if up < 0 else depths[up] + 1)
+        cond.append(rng.uniform(0.01, 1.0))
+    probs: list[float] = []
+    for c, up in zip(cond, parents):
+        probs.append(c * (1.0 if up < 0 else probs[up]))
+    accepted, at = [0] * nodes, -1
+    while True:  # walk down from the root, each level accepting one child or stopping
+        kids = [j for j, up in enumerate(parents) if up == at]
+        if not kids or rng.random() < 0.3:
+            break
+        at = rng.choice(kids)
+        accepted[at] = 1
+    return {"probs": probs, "accepted": accepted, "depths": depths, "parents": parents, "verified": 1,
+            "emitted": 1, "levels": max(depths)}
+
+
+def test_a_confidence_shift_keeps_paths_ordered_and_never_lowers_any_depths_auc():
+    import random
+
+    from echo_trtllm.bench.simulate import depth_aucs, shift_confidence
+
+    rng = random.Random(0)
+    records = [random_tree_record(rng) for _ in range(200)]
+    assert shift_confidence(records, 0.0)[0]["probs"] == pytest.approx(records[0]["probs"], rel=1e-6)
+    assert [r["probs"] for r in shift_confidence(records, math.inf)] == [
+        [float(a) for a in r["accepted"]] for r in records]
+
+    # depth 1's AUC against a pairwise count (ties 1/2)
+    pos = [p for r in records for p, a, e in zip(r["probs"], r["accepted"], r["depths"]) if e == 1 and a]
+    neg = [p for r in records for p, a, e in zip(r["probs"], r["accepted"], r["depths"]) if e == 1 and not a]
+    pairs = sum((x > y) + 0.5 * (x == y) for x in pos for y in neg) / (len(pos) * len(neg))
+    previous = depth_aucs(records, 3)
+    assert previous[0] == pytest.approx(pairs, rel=1e-12)
+    assert all(0.3 < a < 0.8 for a in previous)  # the random confidence ranks the outcome poorly to start with
+    for shift in (0.25, 0.5, 1.0, 2.0, 4.0, math.inf):
+        shifted = shift_confidence(records, shift)
+        for r in shifted:
+            assert all(p <= r["probs"][up] + 1e-12 for p, up in zip(r["probs"], r["parents"]) if up >= 0)
+        now = depth_aucs(shifted, 3)
+        assert all(b >= a - 1e-12 for a, b in zip(previous, now)), (shift, previous, now)
+        previous = now
+    assert previous == [1.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="confidence shift must be >= 0"):
+        shift_confidence(records, -1.0)
+
+
+def test_gate_samples_from_records_take_each_depths_most_probable_node():
+    from echo_trtllm.bench.simulate import records_gate_samples
+
+    r = {"probs": [0.9, 0.05, 0.5, 0.3, 0.2], "accepted": [1, 0, 0, 1, 0], "depths": [1, 1, 2, 2, 3],
+         "parents": [-1, -1, 0, 0, 3]}
+    s = records_gate_samples([r], max_depth=2)
+    assert s.depths.tolist() == [1, 2]
+    assert s.confidences.tolist() == pytest.approx([0.9, 0.5])
+    assert s.accepted.tolist() == [True, False]

@@ -102,3 +102,27 @@ def test_no_replayed_shape_beats_the_oracle_on_the_same_trees(default_pair, prom
         ceiling = rows.pop("oracle")["tokens_per_s"]
         assert all(r["tokens_per_s"] <= ceiling * (1 + 1e-9) for r in rows.values()), (ceiling, rows)
         assert ceiling > rows["ar"]["tokens_per_s"]
+
+
+def test_with_perfect_knowledge_echo_verifies_no_rejected_token_and_stays_under_the_ceiling(default_pair, prompts):
+    """WHAT-IF (simulate --confidence-shift inf): each node's confidence is its outcome, so the acceptance estimates
+    price every rejected node at the calibration's smoothing floor (1/2 of n + 1 samples, a few thousandths here)
+    and, where every verified token costs (break-even acceptance ~0.2-0.5 on this linear curve), the budget rule
+    verifies none of them. A real run's trees through the runtime's own gate and budget rule."""
+    import math
+
+    from echo_trtllm.bench.simulate import simulate
+
+    linear = CostModel((1, 100), (0.11, 1.1), (1, 100), (0.011, 0.11))  # 0.1 + 0.01 T; a level 0.01 + 0.001 T
+    cfg, steps = traced_run(default_pair, prompts, "eagle2", 6, total_tokens=32)
+    traces = {"eagle2": [r for s in steps for r in s]}
+    for b in (1, 6):
+        rows = {r["method"]: r for r in simulate(traces, [b], lambda b: linear, steps=10, config=cfg,
+                                                 methods=["ar", "echo", "oracle"], tree_source="eagle2",
+                                                 confidence_shift=math.inf)}
+        echo = rows["echo"]
+        assert echo["allocation"] == "replayed, confidence shifted by inf (what-if)"
+        # verified = roots + verified drafts; emitted = bonus tokens + accepted drafts: equal iff none rejected
+        assert echo["verified_per_step"] == pytest.approx(echo["mat"] * b, rel=1e-12)
+        assert echo["mat"] > 1.0
+        assert echo["tokens_per_s"] <= rows["oracle"]["tokens_per_s"] * (1 + 1e-9)
