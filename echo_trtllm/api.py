@@ -71,8 +71,7 @@ class LLM:
     SpecForge repositories write them (config.json with `LlamaForCausalLMEagle3` + safetensors) or a loaded
     `Eagle3Head`; it drafts from the target's own hidden states (docs/eagle3.md). engine_dir: a directory built by
     `echo-trtllm build` (engine.json names both models and the EchoConfig). With neither, the embedded default
-    target, drafting with its committed EAGLE-3 head (`models.default_drafter`; under tensor parallelism with its
-    separate draft model).
+    target, drafting with its committed EAGLE-3 head (`models.default_drafter`).
 
     dtype: "auto" (bfloat16 on CUDA; on a CPU whichever of float32 / bfloat16 runs the model's linears faster,
     measured at load: see docs/dtype.md), "float32", "bfloat16", "float16".
@@ -90,10 +89,11 @@ class LLM:
     iter_stats_max_iterations: keep this many per-step reports for `get_stats()` (0 = none).
 
     tensor_parallel_size: shard the target and a separate draft model over this many ranks (one process each,
-    torch.distributed: gloo on CPU, NCCL on CUDA; docs/scale-out.md). This process is rank 0 and runs the one
-    control plane; it spawns the other ranks itself, or, under `torchrun`, ranks > 0 serve rank 0 from inside
-    `LLM(...)` and leave the process (exit status 0) when it shuts down. Needs model paths (each rank loads only
-    its shard).
+    torch.distributed: gloo on CPU, NCCL on CUDA; docs/scale-out.md); an EAGLE-3 head is not sharded: rank 0 runs
+    it, whole, on the features the sharded target's forward returns (with its own copy of the target's token
+    embedding). This process is rank 0 and runs the one control plane; it spawns the other ranks itself, or, under
+    `torchrun`, ranks > 0 serve rank 0 from inside `LLM(...)` and leave the process (exit status 0) when it shuts
+    down. Needs model paths (each rank loads only its shard).
     """
 
     def __init__(
@@ -148,7 +148,7 @@ class LLM:
         if model is None:
             model = DEFAULT_TARGET
             if draft_model is None:
-                draft_model = default_drafter(tensor_parallel_size)
+                draft_model = default_drafter()
         _check_source("model", model)
         if draft_model is not None:
             _check_source("draft_model", draft_model)
@@ -198,18 +198,17 @@ class LLM:
 
     def _load_parallel(self, model, draft_model, dtype: str, device: str, world: int):
         """Start the tensor-parallel group (runtime/parallel.py) and load the shards on every rank."""
-        from echo_trtllm.models.eagle3 import is_eagle3_dir
+        from echo_trtllm.models.eagle3 import is_eagle3_dir, load_eagle3
         from echo_trtllm.models.loader import choose_dtype, load_tokenizer, resolve_dtype
-        from echo_trtllm.models.tp import check_shardable, check_shardable_source, read_config
+        from echo_trtllm.models.tp import check_shardable, check_shardable_source, load_embedding, read_config
         from echo_trtllm.runtime import parallel
 
         for name, source in (("model", model), ("draft_model", draft_model)):
             if source is not None and not isinstance(source, (str, Path)):
                 raise ValueError(f"tensor_parallel_size > 1 needs {name} as a path (each rank loads only its "
                                  f"shard), got a loaded {type(source).__name__}")
-        if draft_model is not None and is_eagle3_dir(draft_model):
-            raise ValueError("tensor_parallel_size > 1 with an EAGLE-3 head is not supported yet; use a separate "
-                             "draft model or tensor_parallel_size=1")
+        # an EAGLE-3 head is not sharded: the leader runs it on the features every rank's forward ends with
+        eagle3 = draft_model is not None and is_eagle3_dir(draft_model)
         dev = torch.device(device)
         if dev.type not in ("cpu", "cuda"):
             raise ValueError(f"tensor_parallel_size > 1 runs on 'cpu' (gloo) or 'cuda' (NCCL), got device {device!r}")
@@ -218,7 +217,7 @@ class LLM:
                              f"index) with at most {torch.cuda.device_count()} ranks (the visible GPUs)")
         config = None
         for name, source in (("model", model), ("draft_model", draft_model)):
-            if source is None:
+            if source is None or (eagle3 and name == "draft_model"):
                 continue
             try:
                 check_shardable_source(source, world)
@@ -231,13 +230,14 @@ class LLM:
             dt = torch.bfloat16 if torch.device(device).type == "cuda" else choose_dtype(config)[0]
         else:
             dt = resolve_dtype(dtype)
-        specs = [("target", str(model))] + ([("draft", str(draft_model))] if draft_model is not None else [])
+        sharded_draft = draft_model is not None and not eagle3
+        specs = [("target", str(model))] + ([("draft", str(draft_model))] if sharded_draft else [])
         group = parallel.start(world, device, specs, dt)
         self._tp_group = group
         try:
             dt = group.agree(dt) if not group.processes and group.world > 1 else dt  # torchrun: the leader's
             target = group.load("target", model, dt)
-            draft = group.load("draft", draft_model, dt) if draft_model is not None else None
+            draft = group.load("draft", draft_model, dt) if sharded_draft else None
             if not group.is_leader:  # torchrun: this rank serves rank 0 until it shuts down, then leaves
                 parallel.ignore_stop_signals()
                 group.serve()
@@ -246,6 +246,8 @@ class LLM:
             tok = load_tokenizer(model, target.config)
             if draft is not None:
                 check_same_vocabulary(tok, load_tokenizer(draft_model, draft.config))
+            if eagle3:
+                draft = load_eagle3(draft_model, target, dt, embed_tokens=load_embedding(model, dt, target.device))
         except BaseException:
             self._close_group()
             raise

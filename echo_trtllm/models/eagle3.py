@@ -164,10 +164,12 @@ def is_eagle3_dir(path) -> bool:
     return EAGLE3_ARCHITECTURE in (cfg.get("architectures") or []) or "draft_vocab_size" in cfg
 
 
-def load_eagle3(path: str | Path, target: CausalLM, dtype: torch.dtype | None = None) -> Eagle3Head:
+def load_eagle3(path: str | Path, target: CausalLM, dtype: torch.dtype | None = None,
+                embed_tokens: nn.Embedding | None = None) -> Eagle3Head:
     """An EAGLE-3 head directory (config.json + *.safetensors) for this target. Errors name the file and what
     differs: the architecture, the layer count, the target's vocabulary or hidden size, missing, unexpected or
-    misshapen weights."""
+    misshapen weights. embed_tokens: the target's whole token embedding, where the target's own module holds only
+    a slice of it (a tensor-parallel shard; `models.tp.load_embedding`)."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -189,7 +191,11 @@ def load_eagle3(path: str | Path, target: CausalLM, dtype: torch.dtype | None = 
         raise ValueError(f"{cfg_file}: feature layers {layers} do not exist in a {t.num_hidden_layers}-layer target")
     config = replace(config, capture_layers=tuple(layers))
     state = _checkpoint_names(read_safetensors(path))
-    head = Eagle3Head(config, target.model.embed_tokens)
+    embed = target.model.embed_tokens if embed_tokens is None else embed_tokens
+    if embed.num_embeddings != t.vocab_size:
+        raise ValueError(f"{path}: the token embedding has {embed.num_embeddings} rows for a {t.vocab_size}-token "
+                         f"target: a tensor-parallel shard's slice (pass the whole embedding)")
+    head = Eagle3Head(config, embed)
     if raw.get("quantization_config") is not None:  # an FP8 head (echo-trtllm build --quantization fp8)
         from echo_trtllm.models.fp8 import fp8_checkpoint_state
 

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .llama import CausalLM, ModelConfig
 
-__all__ = ["TensorParallel", "TensorParallelError", "load_shard", "read_config", "check_shardable",
+__all__ = ["TensorParallel", "TensorParallelError", "load_shard", "load_embedding", "read_config", "check_shardable",
            "check_shardable_source"]
 
 
@@ -251,3 +251,31 @@ def load_shard(path: str | Path, tp: TensorParallel, dtype: torch.dtype, device)
     model = model.to(dtype)
     load_state(model, state, path)  # the one-rank loaders' check: tied head, inv_freq, missing / unexpected
     return model.to(device).eval()
+
+
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def load_embedding(path: str | Path, dtype: torch.dtype, device) -> torch.nn.Embedding:
+    """The whole token embedding of an HF directory or .gguf file, read alone. The ranks' embeddings are slices of
+    the vocabulary, so the leader's EAGLE-3 head, which runs on the leader only, looks its draft tokens up here."""
+    path = Path(path)
+    weight = None
+    if path.is_file():
+        from gguf import GGUFReader
+
+        from .loader import gguf_config, gguf_tensors
+
+        reader = GGUFReader(str(path))
+        weight = next((w for name, w in gguf_tensors(reader, gguf_config(reader)) if name == EMBEDDING), None)
+    else:
+        from safetensors import safe_open
+
+        for f in sorted(path.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as sf:
+                if EMBEDDING in sf.keys():
+                    weight = sf.get_tensor(EMBEDDING)
+                    break
+    if weight is None:
+        raise ValueError(f"{path}: no token embedding ({EMBEDDING}) to look draft tokens up in")
+    return torch.nn.Embedding.from_pretrained(weight.to(dtype=dtype, device=device), freeze=True)

@@ -169,16 +169,14 @@ def test_the_llm_api_and_an_engine_directory_carry_the_head(tmp_path, prompts):
 
 
 def test_build_with_no_models_bundles_the_head_that_llm_drafts_with(tmp_path):
-    """`echo-trtllm build` with no models bundles the embedded target's EAGLE-3 head, the draft `LLM()` uses;
-    under tensor parallelism, where heads are not sharded, the default is the separate draft model."""
+    """`echo-trtllm build` with no models bundles the embedded target's EAGLE-3 head, the draft `LLM()` uses (under
+    tensor parallelism too: tests/runtime/test_tensor_parallel.py)."""
     from echo_trtllm.cli import main
     from echo_trtllm.engine_dir import read_engine
-    from echo_trtllm.models import DEFAULT_DRAFT, default_drafter
     from echo_trtllm.models.eagle3 import is_eagle3_dir
 
     assert main(["build", "--output", str(tmp_path / "engine")]) == 0
     assert is_eagle3_dir(read_engine(tmp_path / "engine").draft)
-    assert default_drafter(2) == DEFAULT_DRAFT and not is_eagle3_dir(default_drafter(2))
 
 
 def test_a_head_for_another_target_is_refused(fp32_pair):

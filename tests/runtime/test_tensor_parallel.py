@@ -1,7 +1,7 @@
 """Tensor parallelism on CPU (gloo, two processes): the shard layout against the whole model's tensors, tp = 2
-logits and greedy outputs (AR and ECHO) against tp = 1 on the default pair and on SmolLM2-135M (whose 3 KV heads
-split 2 + 1), per-rank weight memory, bad arguments refused before any rank starts, and a dead rank (either side)
-ending the group with a clear error instead of a hang."""
+logits and greedy outputs (AR and ECHO, with a separate draft model or an EAGLE-3 head) against tp = 1 on the
+default pair and on SmolLM2-135M (whose 3 KV heads split 2 + 1), per-rank weight memory, bad arguments refused
+before any rank starts, and a dead rank (either side) ending the group with a clear error instead of a hang."""
 
 import os
 import subprocess
@@ -110,6 +110,39 @@ def test_tp2_ar_greedy_equals_tp1_ar(tp_echo, tp1_ar_reference, prompts):
         assert [o.token_ids for o in llm.generate(prompts[:8], GREEDY, use_tqdm=False)] == tp1_ar_reference
 
 
+def test_tp2_with_an_eagle3_head_equals_tp1_ar_and_drafts_as_tp1_does(tp_echo, tp1_ar_reference, prompts):
+    """The head is not sharded: rank 0 runs it whole on the features of the sharded target's forward, looking draft
+    tokens up in its own copy of the target's embedding (the ranks' are vocabulary slices)."""
+    tp_echo.shutdown()  # one tensor-parallel LLM per process at a time
+    config = EchoConfig(policy="echo")
+    with LLM(DEFAULT_TARGET, str(DEFAULT_EAGLE3), speculative_config=config, **TP) as llm:
+        tp1 = llm.generate(prompts[:8], GREEDY, use_tqdm=False)
+    with LLM(speculative_config=config, tensor_parallel_size=2, **TP) as llm:  # the default pair: target + head
+        assert type(llm.draft).__name__ == "Eagle3Head"
+        outs = llm.generate(prompts[:8], GREEDY, use_tqdm=False)
+        stats = llm.tensor_parallel_stats
+    assert [o.token_ids for o in outs] == tp1_ar_reference
+    steps = [o.stats.steps for o in outs]
+    assert sum(steps) < sum(map(len, tp1_ar_reference)), "nothing was accepted"
+    # the same drafts as one process (features equal up to float32 summation order): steps per request within one
+    assert all(abs(a - b.stats.steps) <= 1 for a, b in zip(steps, tp1)), (steps, [o.stats.steps for o in tp1])
+    assert [sorted(s["weight_bytes"]) for s in stats] == [["target"], ["target"]]  # the head is not on the ranks
+
+
+def test_the_whole_embedding_is_read_alone_and_a_shards_slice_is_refused_for_a_head():
+    from echo_trtllm.models.eagle3 import load_eagle3
+    from echo_trtllm.models.tp import load_embedding
+
+    full, _ = load_model(DEFAULT_TARGET, dtype="float32", with_tokenizer=False)
+    embed = load_embedding(DEFAULT_TARGET, torch.float32, "cpu")
+    assert torch.equal(embed.weight, full.model.embed_tokens.weight)
+    shard = load_shard(DEFAULT_TARGET, TensorParallel(0, 2), torch.float32, "cpu")
+    with pytest.raises(ValueError, match="tensor-parallel shard's slice"):
+        load_eagle3(DEFAULT_EAGLE3, shard)
+    head = load_eagle3(DEFAULT_EAGLE3, shard, embed_tokens=embed)
+    assert head.embed_tokens is embed
+
+
 def test_smollm2_tp2_ar_and_echo_equal_tp1():
     """A real GGUF model whose 9 query / 3 KV heads do not split evenly: rank 0 holds 2 KV heads, rank 1 one."""
     from echo_trtllm.models.fetch import fetch
@@ -119,6 +152,9 @@ def test_smollm2_tp2_ar_and_echo_equal_tp1():
     params = SamplingParams(max_tokens=16, temperature=0)
     with LLM(path, None, speculative_config=EchoConfig(policy="ar"), **TP) as llm:
         expected = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        from echo_trtllm.models.tp import load_embedding
+
+        assert torch.equal(load_embedding(path, torch.float32, "cpu").weight, llm.target.model.embed_tokens.weight)
     with LLM(path, None, speculative_config=EchoConfig(policy="ar"), tensor_parallel_size=2, **TP) as llm:
         assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
         stats = llm.tensor_parallel_stats
@@ -133,7 +169,6 @@ def test_smollm2_tp2_ar_and_echo_equal_tp1():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be"),
     (dict(tensor_parallel_size=3), "num_key_value_heads=2"),
-    (dict(draft_model=str(DEFAULT_EAGLE3), tensor_parallel_size=2), "EAGLE-3"),
 ])
 def test_bad_tensor_parallel_arguments_are_refused_before_any_rank_starts(kwargs, match):
     kwargs = {"model": DEFAULT_TARGET, "draft_model": DEFAULT_DRAFT, **kwargs}
