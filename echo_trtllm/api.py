@@ -198,7 +198,7 @@ class LLM:
 
     def _load_parallel(self, model, draft_model, dtype: str, device: str, world: int):
         """Start the tensor-parallel group (runtime/parallel.py) and load the shards on every rank."""
-        from echo_trtllm.models.eagle3 import is_eagle3_dir, load_eagle3
+        from echo_trtllm.models.eagle3 import is_eagle3_dir, load_eagle3, read_eagle3_config
         from echo_trtllm.models.loader import choose_dtype, load_tokenizer, resolve_dtype
         from echo_trtllm.models.tp import check_shardable, check_shardable_source, load_embedding, read_config
         from echo_trtllm.runtime import parallel
@@ -226,6 +226,8 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"{name} {str(source)!r}: {e}") from None
             config = config or cfg
+        if eagle3:  # the head is read on rank 0 only, after the shards: its fit is checked before any rank starts
+            read_eagle3_config(draft_model, config)
         if dtype == "auto":
             dt = torch.bfloat16 if torch.device(device).type == "cuda" else choose_dtype(config)[0]
         else:

@@ -57,8 +57,8 @@ from echo_trtllm.core.policies import POLICIES, TreePolicy, draft_tree, make_pol
 from echo_trtllm.core.tree import DraftLevel
 
 __all__ = ["GPUSpec", "ModelSpec", "GPUS", "MODELS", "PAPER", "ORACLE", "roofline_cost", "min_drafting_seconds",
-           "oracle_step", "best_ratio", "shift_confidence", "records_gate_samples", "depth_aucs", "simulate_method", "simulate",
-           "load_traces"]
+           "oracle_step", "best_ratio", "shift_confidence", "records_gate_samples", "depth_aucs", "simulate_method",
+           "simulate", "load_traces"]
 
 
 @dataclass(frozen=True)
@@ -199,8 +199,10 @@ def shift_confidence(records: list[dict], shift: float) -> list[dict]:
 
 
 def records_gate_samples(records: list[dict], max_depth: int) -> GateSamples:
-    """Gate samples as a calibration takes them (one per request-step and depth: the most probable node there and
-    whether the target accepted it), from trace records (depths up to max_depth)."""
+    """Gate samples from trace records (depths up to max_depth), one per request-step and depth as a calibration
+    takes them: the most probable node there and whether the target accepted it. A calibration keeps a sample only
+    where that node was verified; a trace knows every drafted node's outcome, so here every one counts. The
+    break-even probability is GateSamples' default: simulate always has a cost curve, which sets it per step."""
     depths, confidences, accepted = [], [], []
     for r in records:
         best: dict[int, tuple[float, int]] = {}
@@ -385,8 +387,8 @@ def simulate(traces: dict[str, list[dict]], batch_sizes: list[int], cost_for_bat
         ar = cells.get("ar")
         for m, cell in cells.items():
             cell["speedup_vs_ar"] = cell["tokens_per_s"] / ar["tokens_per_s"] if ar else None
-            if confidence_shift is not None and cell["allocation"] == "replayed":
-                cell["allocation"] = f"replayed, confidence shifted by {confidence_shift:g} (what-if)"
+            if confidence_shift is not None and cell["allocation"] not in ("as recorded", "hindsight ceiling"):
+                cell["allocation"] += f", confidence shifted by {confidence_shift:g} (what-if)"
             rows.append(cell)
     return rows
 

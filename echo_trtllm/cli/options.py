@@ -67,7 +67,7 @@ def add_model_options(ap: argparse.ArgumentParser, engine_dir: bool = True) -> N
     g.add_argument("--model", help="target: HF model directory or .gguf file (default: the embedded tiny target)")
     g.add_argument("--draft-model", help="draft: HF model directory or .gguf file, or an EAGLE-3 head directory "
                    "(default with the embedded target: its EAGLE-3 head for generate, serve, build and calibrate, "
-                   "the separate tiny draft for the benchmarks, export and --tp-size > 1)")
+                   "with --tp-size > 1 too; the separate tiny draft for the benchmarks and export)")
     if engine_dir:
         g.add_argument("--engine-dir", help="an engine directory built by `echo-trtllm build` (instead of --model)")
 
@@ -76,8 +76,9 @@ def add_runtime_options(ap: argparse.ArgumentParser, batch: bool = True, paralle
     g = ap.add_argument_group("runtime")
     if parallel:
         g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
-                       help="tensor-parallel ranks for the target and a separate draft model (spawned here, or "
-                            "one per process under torchrun; docs/scale-out.md; default: 1)")
+                       help="tensor-parallel ranks for the target and a separate draft model; an EAGLE-3 head runs "
+                            "whole on rank 0 (ranks spawned here, or one per process under torchrun; "
+                            "docs/scale-out.md; default: 1)")
     g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="weights and activations; auto: bfloat16 on CUDA, on a CPU the faster of float32/bfloat16 "
                         "for this model, measured at load (default: auto)")

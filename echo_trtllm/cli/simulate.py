@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from echo_trtllm.core.config import EchoConfig
 
@@ -64,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.confidence_shift is not None and not args.confidence_shift >= 0:
         return options.fail(PROG, f"--confidence-shift must be a number >= 0 (inf: perfect knowledge), "
                                   f"got {args.confidence_shift}")
+    if args.confidence_shift is not None and args.gate_calibration:
+        return options.fail(PROG, "--gate-calibration does not apply with --confidence-shift: the what-if calibrates "
+                                  "the gate from the shifted trace itself")
     try:
         traces = load_traces(args.trace, args.source_batch_size)
         batch_sizes = options.int_list(args.batch_sizes, "--batch-sizes")
@@ -99,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"SIMULATION — {label}; acceptance replayed from {args.trace.rsplit('/', 1)[-1]}")
     if args.confidence_shift is not None:
         print(f"WHAT-IF: the replayed methods read the draft confidence shifted by {args.confidence_shift:g} (logit) "
-              f"toward each node's outcome, the echo family's gate calibrated on that trace itself")
+              f"toward each node's outcome, the echo family's gate calibrated on that trace itself"
+              + (" (the calibration's cost curve is used, its gate samples are not)" if args.calibration else ""))
     aucs = None
     source = traces.get(args.tree_source) if args.tree_source else None
     if source and has_trees(source):
@@ -117,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"for orientation ({PAPER[args.target]}); not comparable: other draft, other acceptance")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"simulation": True, "cost": label, "confidence_shift": args.confidence_shift,
-                       "confidence_auc_by_depth": aucs, "rows": rows}, f, indent=2)
+            shift = args.confidence_shift  # strict JSON: no Infinity / NaN
+            json.dump({"simulation": True, "cost": label,
+                       "confidence_shift": "inf" if shift is not None and math.isinf(shift) else shift,
+                       "confidence_auc_by_depth": None if aucs is None else [None if math.isnan(a) else a for a in aucs],
+                       "rows": rows}, f, indent=2)
     return 0

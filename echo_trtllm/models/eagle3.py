@@ -29,10 +29,11 @@ from torch import Tensor, nn
 
 from echo_trtllm.jsonfile import read_json_object
 
-from .llama import MLP, Attention, CausalLM, ForwardBatch, KVCache, ModelConfig, RMSNorm, rope_cos_sin, rope_inv_freq
+from .llama import (MLP, Attention, CausalLM, ForwardBatch, KVCache, ModelConfig, RMSNorm, eagle3_layers, rope_cos_sin,
+                    rope_inv_freq)
 from .loader import read_safetensors
 
-__all__ = ["Eagle3Config", "Eagle3Head", "load_eagle3", "is_eagle3_dir", "EAGLE3_ARCHITECTURE"]
+__all__ = ["Eagle3Config", "Eagle3Head", "load_eagle3", "read_eagle3_config", "is_eagle3_dir", "EAGLE3_ARCHITECTURE"]
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 _IGNORED_KEYS = ("t2d",)  # target -> draft membership: derivable from d2t, not used here
@@ -164,14 +165,10 @@ def is_eagle3_dir(path) -> bool:
     return EAGLE3_ARCHITECTURE in (cfg.get("architectures") or []) or "draft_vocab_size" in cfg
 
 
-def load_eagle3(path: str | Path, target: CausalLM, dtype: torch.dtype | None = None,
-                embed_tokens: nn.Embedding | None = None) -> Eagle3Head:
-    """An EAGLE-3 head directory (config.json + *.safetensors) for this target. Errors name the file and what
-    differs: the architecture, the layer count, the target's vocabulary or hidden size, missing, unexpected or
-    misshapen weights. embed_tokens: the target's whole token embedding, where the target's own module holds only
-    a slice of it (a tensor-parallel shard; `models.tp.load_embedding`)."""
-    path = Path(path)
-    cfg_file = path / "config.json"
+def read_eagle3_config(path: str | Path, target: ModelConfig) -> tuple[dict, Eagle3Config]:
+    """An EAGLE-3 head directory's config.json (raw, parsed with its feature layers), checked against the target's
+    config without reading weights: errors name the file and what differs (vocabulary, feature width, layers)."""
+    cfg_file = Path(path) / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{path} is not an EAGLE-3 head directory: config.json is missing")
     try:
@@ -179,17 +176,28 @@ def load_eagle3(path: str | Path, target: CausalLM, dtype: torch.dtype | None = 
         config = Eagle3Config.from_hf(raw)
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"{cfg_file}: {e}") from None
-    t = target.config
-    if config.layer.vocab_size != t.vocab_size:
-        raise ValueError(f"{cfg_file}: vocab_size={config.layer.vocab_size} but the target's is {t.vocab_size}: "
+    if config.layer.vocab_size != target.vocab_size:
+        raise ValueError(f"{cfg_file}: vocab_size={config.layer.vocab_size} but the target's is {target.vocab_size}: "
                          f"the head was trained for another target")
-    if config.target_hidden_size != t.hidden_size:
+    if config.target_hidden_size != target.hidden_size:
         raise ValueError(f"{cfg_file}: the head expects target features of width {config.target_hidden_size} "
-                         f"(target_hidden_size / hidden_size) but the target's hidden_size is {t.hidden_size}")
-    layers = config.capture_layers or target.eagle3_layers()
-    if any(not 0 <= i <= t.num_hidden_layers for i in layers):
-        raise ValueError(f"{cfg_file}: feature layers {layers} do not exist in a {t.num_hidden_layers}-layer target")
-    config = replace(config, capture_layers=tuple(layers))
+                         f"(target_hidden_size / hidden_size) but the target's hidden_size is {target.hidden_size}")
+    n = target.num_hidden_layers
+    layers = config.capture_layers or eagle3_layers(n)
+    if any(not 0 <= i <= n for i in layers):
+        raise ValueError(f"{cfg_file}: feature layers {layers} do not exist in a {n}-layer target")
+    return raw, replace(config, capture_layers=tuple(layers))
+
+
+def load_eagle3(path: str | Path, target: CausalLM, dtype: torch.dtype | None = None,
+                embed_tokens: nn.Embedding | None = None) -> Eagle3Head:
+    """An EAGLE-3 head directory (config.json + *.safetensors) for this target. Errors name the file and what
+    differs: the architecture, the layer count, the target's vocabulary or hidden size, missing, unexpected or
+    misshapen weights. embed_tokens: the target's whole token embedding, where the target's own module holds only
+    a slice of it (a tensor-parallel shard; `models.tp.load_embedding`)."""
+    path = Path(path)
+    raw, config = read_eagle3_config(path, target.config)
+    t = target.config
     state = _checkpoint_names(read_safetensors(path))
     embed = target.model.embed_tokens if embed_tokens is None else embed_tokens
     if embed.num_embeddings != t.vocab_size:

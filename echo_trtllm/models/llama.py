@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["ModelConfig", "KVCache", "ForwardBatch", "CausalLM"]
+__all__ = ["ModelConfig", "KVCache", "ForwardBatch", "CausalLM", "eagle3_layers"]
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -295,6 +295,13 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+def eagle3_layers(num_hidden_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's default feature layers of an N-layer target: the inputs of decoder layers 2, N // 2 and N - 3 (the
+    outputs of layers 1, N // 2 - 1 and N - 4), as the EAGLE and SpecForge checkpoints were trained on."""
+    n = num_hidden_layers
+    return (2, n // 2, n - 3)
+
+
 class CausalLM(nn.Module):
     """Llama-family causal LM over a slotted KV cache (see the module docstring)."""
 
@@ -330,10 +337,8 @@ class CausalLM(nn.Module):
         return cache
 
     def eagle3_layers(self) -> tuple[int, int, int]:
-        """EAGLE-3's default feature layers: the inputs of decoder layers 2, N // 2 and N - 3 (the outputs of
-        layers 1, N // 2 - 1 and N - 4), as the EAGLE and SpecForge checkpoints were trained on."""
-        n = self.config.num_hidden_layers
-        return (2, n // 2, n - 3)
+        """EAGLE-3's default feature layers (`eagle3_layers`)."""
+        return eagle3_layers(self.config.num_hidden_layers)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache, capture: tuple[int, ...] = ()) -> Tensor | tuple[Tensor, Tensor]:

@@ -235,9 +235,9 @@ def gguf_config(reader) -> ModelConfig:
     )
 
 
-def gguf_tensors(reader, config: ModelConfig):
+def gguf_tensors(reader, config: ModelConfig, only: set[str] | None = None):
     """(HF name, float32 tensor) of each weight in a GGUF file, dequantised one at a time (Q/K rows of the `llama`
-    architecture put back in HF's order)."""
+    architecture put back in HF's order); only: these HF names, the others skipped before dequantising."""
     from gguf.quants import dequantize
 
     for t in reader.tensors:
@@ -248,6 +248,8 @@ def gguf_tensors(reader, config: ModelConfig):
             if parts[0] != "blk" or parts[2] not in _GGUF_BLOCK:
                 continue  # e.g. rope_freqs: recomputed from the config
             name = f"model.layers.{parts[1]}.{_GGUF_BLOCK[parts[2]]}.{parts[3]}"
+        if only is not None and name not in only:
+            continue
         shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims fastest-first
         w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(shape)
         if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):

@@ -267,7 +267,7 @@ def load_embedding(path: str | Path, dtype: torch.dtype, device) -> torch.nn.Emb
         from .loader import gguf_config, gguf_tensors
 
         reader = GGUFReader(str(path))
-        weight = next((w for name, w in gguf_tensors(reader, gguf_config(reader)) if name == EMBEDDING), None)
+        weight = next((w for _, w in gguf_tensors(reader, gguf_config(reader), only={EMBEDDING})), None)
     else:
         from safetensors import safe_open
 

@@ -273,3 +273,30 @@ def test_gate_samples_from_records_take_each_depths_most_probable_node():
     assert s.depths.tolist() == [1, 2]
     assert s.confidences.tolist() == pytest.approx([0.9, 0.5])
     assert s.accepted.tolist() == [True, False]
+
+
+def test_the_what_if_on_the_command_line_writes_strict_json_and_refuses_what_it_would_ignore(tmp_path, capsys):
+    import json
+    from pathlib import Path
+
+    from echo_trtllm.cli import main
+
+    trace = str(Path(__file__).parents[2] / "docs" / "bench" / "qwen-eagle3-h2-tune-trace.json")
+    source = "eagle2:total_tokens=8:max_depth=6"
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--trace", trace, "--tree-source", source, "--batch-sizes", "4", "--steps", "5",
+                 "--methods", "ar,echo,oracle", "--confidence-shift", "inf", "--json", str(out)]) == 0
+    assert "WHAT-IF" in capsys.readouterr().out
+
+    def strict(name):
+        raise ValueError(f"not strict JSON: {name}")
+
+    data = json.loads(out.read_text(), parse_constant=strict)
+    assert data["confidence_shift"] == "inf" and data["confidence_auc_by_depth"][:5] == [1.0] * 5
+    rows = {r["method"]: r for r in data["rows"]}
+    assert rows["echo"]["allocation"].endswith("confidence shifted by inf (what-if)")
+    assert rows["oracle"]["allocation"] == "hindsight ceiling" and rows["ar"]["allocation"] == "as recorded"
+    assert main(["simulate", "--trace", trace, "--confidence-shift", "-1"]) == 2
+    assert "--confidence-shift must be a number >= 0" in capsys.readouterr().err
+    assert main(["simulate", "--trace", trace, "--confidence-shift", "1", "--gate-calibration", trace]) == 2
+    assert "--gate-calibration does not apply with --confidence-shift" in capsys.readouterr().err

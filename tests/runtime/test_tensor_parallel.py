@@ -131,6 +131,23 @@ def test_tp2_with_an_eagle3_head_equals_tp1_ar_and_drafts_as_tp1_does(tp_echo, t
     assert [sorted(s["weight_bytes"]) for s in stats] == [["target"], ["target"]]  # the head is not on the ranks
 
 
+def test_tp2_with_an_fp8_eagle3_head_equals_tp1_ar(tmp_path, tp_echo, tp1_ar_reference, prompts):
+    """FP8 checkpoints are refused for the sharded models, not for a head: rank 0 loads it as one process does (here
+    the draft of `build --quantization fp8`, beside the float target)."""
+    from echo_trtllm.engine_dir import build_engine
+    from echo_trtllm.models.fp8 import Fp8Linear
+
+    tp_echo.shutdown()  # one tensor-parallel LLM per process at a time
+    out = build_engine(tmp_path / "e", DEFAULT_TARGET, DEFAULT_EAGLE3, EchoConfig(policy="echo"), "float32", "fp8",
+                       "per_tensor", prompts[:4])
+    with LLM(DEFAULT_TARGET, str(out / "draft"), speculative_config=EchoConfig(policy="echo"), tensor_parallel_size=2,
+             **TP) as llm:
+        assert isinstance(llm.draft.midlayer.mlp.down_proj, Fp8Linear)
+        outs = llm.generate(prompts[:8], GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == tp1_ar_reference
+    assert sum(o.stats.steps for o in outs) < sum(map(len, tp1_ar_reference)), "nothing was accepted"
+
+
 def test_the_whole_embedding_is_read_alone_and_a_shards_slice_is_refused_for_a_head():
     from echo_trtllm.models.eagle3 import load_eagle3
     from echo_trtllm.models.tp import load_embedding
@@ -171,6 +188,7 @@ def test_smollm2_tp2_ar_and_echo_equal_tp1():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be"),
     (dict(tensor_parallel_size=3), "num_key_value_heads=2"),
+    (dict(model=DEFAULT_DRAFT, draft_model=str(DEFAULT_EAGLE3), tensor_parallel_size=2), "target features of width 256"),
 ])
 def test_bad_tensor_parallel_arguments_are_refused_before_any_rank_starts(kwargs, match):
     kwargs = {"model": DEFAULT_TARGET, "draft_model": DEFAULT_DRAFT, **kwargs}
@@ -253,12 +271,13 @@ def test_a_dead_leader_ends_its_workers():
         leader.kill()
 
 
-def test_torchrun_launch_matches_tp1(tmp_path):
+@pytest.mark.parametrize("draft", ["eagle3", "draft model"])
+def test_torchrun_launch_matches_tp1(tmp_path, draft):
     """`torchrun --nproc-per-node 2 -m echo_trtllm.cli generate --tp-size 2`: rank 1 serves rank 0 from inside
-    LLM() and exits 0; rank 0 prints what a single process prints."""
-    # the draft named: without one a single process drafts with the EAGLE-3 head, tp = 2 with the draft model
+    LLM() and exits 0; rank 0 prints what a single process prints. With the default EAGLE-3 head rank 1 never loads
+    the head; with the separate draft model every rank loads its shard."""
     args = ["generate", "--dtype", "float32", "--max-tokens", "16", "--prompt", "ROMEO:", "--prompt", "def f(x):",
-            "--no-cost-model", "--fallback", "off", "--draft-model", str(DEFAULT_DRAFT)]
+            "--no-cost-model", "--fallback", "off"] + (["--draft-model", str(DEFAULT_DRAFT)] if draft != "eagle3" else [])
     single = subprocess.run([sys.executable, "-m", "echo_trtllm.cli", *args], capture_output=True, text=True,
                             timeout=180)
     assert single.returncode == 0, single.stderr

@@ -13,7 +13,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from echo_trtllm import LLM, EchoConfig, SamplingParams
-from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
+from echo_trtllm.models import DEFAULT_EAGLE3, DEFAULT_TARGET
 
 from .conftest import listening_url
 
@@ -40,8 +40,8 @@ def _alive(pid: int) -> bool:
 
 def test_serve_tp2_equals_one_process_and_ends_with_its_ranks():
     prompts = ["ROMEO:\nBut soft, what light", "def fibonacci(n):"]
-    # the pair `serve --tp-size 2` loads with no models (its default draft is the separate model, not the head)
-    with LLM(DEFAULT_TARGET, DEFAULT_DRAFT, speculative_config=EchoConfig(policy="echo"), dtype="float32",
+    # the pair `serve --tp-size 2` loads with no models: the embedded target and its EAGLE-3 head (on rank 0)
+    with LLM(DEFAULT_TARGET, DEFAULT_EAGLE3, speculative_config=EchoConfig(policy="echo"), dtype="float32",
              cost_model=None, fallback=False, max_batch_size=4) as llm:
         expected = [o.text for o in llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0),
                                                   use_tqdm=False)]
