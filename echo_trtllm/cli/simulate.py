@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     if source and has_trees(source):
         if args.confidence_shift is not None:
             source = shift_confidence(source, args.confidence_shift)
-        aucs = depth_aucs(source, max(d for r in source for d in r["depths"]))
+        aucs = depth_aucs(source, max((d for r in source for d in r["depths"]), default=0))
         print(f"confidence AUC by depth ({args.tree_source}): " + " ".join(f"{a:.3f}" for a in aucs))
     print("| method | B | sim tokens/s | sim ×AR | sim MAT | sim verified/step | request-steps | allocation |")
     print("|---|---|---|---|---|---|---|---|")
