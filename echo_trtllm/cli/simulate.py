@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             shift = args.confidence_shift  # strict JSON: no Infinity / NaN
+            auc = None if aucs is None else [None if math.isnan(a) else a for a in aucs]
             json.dump({"simulation": True, "cost": label,
                        "confidence_shift": "inf" if shift is not None and math.isinf(shift) else shift,
-                       "confidence_auc_by_depth": None if aucs is None else [None if math.isnan(a) else a for a in aucs],
-                       "rows": rows}, f, indent=2)
+                       "confidence_auc_by_depth": auc, "rows": rows}, f, indent=2)
     return 0

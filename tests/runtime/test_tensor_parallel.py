@@ -188,7 +188,8 @@ def test_smollm2_tp2_ar_and_echo_equal_tp1():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be"),
     (dict(tensor_parallel_size=3), "num_key_value_heads=2"),
-    (dict(model=DEFAULT_DRAFT, draft_model=str(DEFAULT_EAGLE3), tensor_parallel_size=2), "target features of width 256"),
+    (dict(model=DEFAULT_DRAFT, draft_model=str(DEFAULT_EAGLE3), tensor_parallel_size=2),
+     "target features of width 256"),
 ])
 def test_bad_tensor_parallel_arguments_are_refused_before_any_rank_starts(kwargs, match):
     kwargs = {"model": DEFAULT_TARGET, "draft_model": DEFAULT_DRAFT, **kwargs}
@@ -277,7 +278,8 @@ def test_torchrun_launch_matches_tp1(tmp_path, draft):
     LLM() and exits 0; rank 0 prints what a single process prints. With the default EAGLE-3 head rank 1 never loads
     the head; with the separate draft model every rank loads its shard."""
     args = ["generate", "--dtype", "float32", "--max-tokens", "16", "--prompt", "ROMEO:", "--prompt", "def f(x):",
-            "--no-cost-model", "--fallback", "off"] + (["--draft-model", str(DEFAULT_DRAFT)] if draft != "eagle3" else [])
+            "--no-cost-model", "--fallback", "off"]
+    args += ["--draft-model", str(DEFAULT_DRAFT)] if draft != "eagle3" else []
     single = subprocess.run([sys.executable, "-m", "echo_trtllm.cli", *args], capture_output=True, text=True,
                             timeout=180)
     assert single.returncode == 0, single.stderr
