@@ -374,8 +374,9 @@ def simulate(traces: dict[str, list[dict]], batch_sizes: list[int], cost_for_bat
     if missing:
         raise ValueError(f"methods {missing} are not traced (traced: {', '.join(traces)}); give a tree source")
     if confidence_shift is not None:
-        traces = {m: shift_confidence(recs, confidence_shift) for m, recs in traces.items()}
-        # one in-sample calibration per traced method, as each method is replayed on its own records
+        replayed = {tree_source or m for m in methods}  # the tree source, or each method's own records
+        traces = {src: shift_confidence(traces[src], confidence_shift) for src in replayed}
+        # one in-sample calibration per replayed record set
         samples = {m: records_gate_samples(recs, (config or EchoConfig()).max_depth) if has_trees(recs) else None
                    for m, recs in traces.items()}
     rows = []
