@@ -63,6 +63,10 @@ def _check_source(name: str, source) -> None:
     check_model_path(source, name)
 
 
+# what the engine runs at load to price real steps (any text works: only the steps' costs are kept)
+WARM_UP_TEXT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
+
+
 class LLM:
     """Target + draft model pair behind an in-flight-batching executor running on a background thread.
 
@@ -76,15 +80,17 @@ class LLM:
     dtype: "auto" (bfloat16 on CUDA; on a CPU whichever of float32 / bfloat16 runs the model's linears faster,
     measured at load: see docs/dtype.md), "float32", "bfloat16", "float16".
 
-    Speculation under load (echo family): each step's budget K and the gate's break-even probability come from a
-    cost curve, and a tracker falls back to plain AR when speculation does not pay, per batch size. calibration:
-    a file (or `Calibration`) written by `echo-trtllm calibrate` (an engine directory's own is used when none is
-    given): its cost curve and its gate samples. cost_model: "auto" (the calibration's curve, else one measured at
-    load, a few seconds), a `CostModel`, or None (no budget rule, no fallback: the fixed K_max of the config every
-    step, for ablations). clock: where step times come from (default wall time; `ModelledClock` for tests).
-    fallback: the AR fallback: "auto" (the echo family with a cost model), True (every drafting policy, the
-    fixed-shape baselines too, with a cost curve measured at load for its prior), False (never: "pure", every
-    step speculates with the policy's own budget rule; how the fair benchmark judges allocation).
+    Speculation under load (echo family): each step's budget K and the gate's break-even probability come from
+    prices learned online from the engine's own steps (`core.prices.StepCostModel`, warm-started by a cost curve
+    and a few real steps at load), and a controller runs plain AR steps where measured speculation does not pay
+    beyond its uncertainty (`core.controller.SpeculationController`). calibration: a file (or `Calibration`)
+    written by `echo-trtllm calibrate` (an engine directory's own is used when none is given): its cost curve and
+    its gate samples (the prior of the acceptance estimates, which are re-learned as traffic goes). cost_model:
+    "auto" (the calibration's curve, else one measured at load, a few seconds), a `CostModel`, or None (no prices,
+    no fallback: the fixed K_max of the config every step, for ablations). clock: where step times come from
+    (default wall time; `ModelledClock` for tests). fallback: the AR fallback: "auto" (the echo family with a cost
+    model), True (every drafting policy, the fixed-shape baselines too), False (never: "pure", every step drafts
+    and the policy's own rules choose its tree; how the fair benchmark judges allocation).
 
     iter_stats_max_iterations: keep this many per-step reports for `get_stats()` (0 = none).
 
@@ -194,6 +200,9 @@ class LLM:
         self.cost_model = self._cost_model(cost_model, calibration, policy, target, draft, fallback)
         self.executor = Executor(target, draft, self.tokenizer, config, max_batch_size, max_seq_len, max_num_tokens,
                                  cost_model=self.cost_model, gate_samples=gate_samples, clock=clock, fallback=fallback)
+        # a few real steps, speculative and plain, so the online prices know drafting and host work before the
+        # first request (Executor.warm_up; nothing without prices)
+        self.executor.warm_up(self.tokenizer.encode(WARM_UP_TEXT))
         self._loop = EngineLoop(self.executor, iter_stats_max_iterations)
 
     def _load_parallel(self, model, draft_model, dtype: str, device: str, world: int):

@@ -21,7 +21,6 @@
 # TAG (suffix of the calibration's, the simulation's and the benches' file names, so a rerun keeps earlier
 # results; the tuning trace is shared);
 # DROP (tuned methods left out of the bench, a regex of policy names, e.g. "eagle2|ddd": a B = 64 round is long);
-# NO_ABLATION=1 (leave out the echo-always-draft row; a B = 64 round is long);
 # PAPER_ABLATIONS=1 (also the paper's ablations with ECHO's tuned shape, pure: echo-dense, a threshold at every
 # depth, and echo-fixed, no budget moved between requests);
 # FALLBACK_ALL=1 (every tuned method twice, pure and +fallback; default: pure, and ECHO also +fallback);
@@ -88,11 +87,9 @@ for B in $BS; do
   E=$(echo "$M" | tr , '\n' | grep '^echo')
   if [ -n "${DROP:-}" ]; then M=$(echo "$M" | tr , '\n' | grep -Ev "^($DROP)(:|$)" | paste -sd, -); fi
   echo "B=$B tuned: $M" >&2
-  # AR listed too: its row (and the warning when its own spread over rounds exceeds 10 %) is in the table;
-  # echo-always-draft (ECHO's shape without draft pricing) is the ablation of the rule before drafting
+  # AR listed too: its row (and the warning when its own spread over rounds exceeds 10 %) is in the table
   A=""
   if [ -n "$E" ]; then
-    [ -n "${NO_ABLATION:-}" ] || A="$A,${E/#echo/echo-always-draft}"
     [ -z "${PAPER_ABLATIONS:-}" ] || A="$A,${E/#echo/echo-dense},${E/#echo/echo-fixed}"
   fi
   if [ -n "${FALLBACK_ALL:-}" ]; then

@@ -5,7 +5,8 @@ line is echo_trtllm/cli/bench.py).
         --max-tokens 32 --prompt-set humaneval --json results.json --markdown results.md --plot results
 
 Every method runs through the public API: one `LLM` per method, batch size and temperature, built on the same
-loaded models, reused across rounds (as a server's engine is: the echo family's tracker keeps what it learnt).
+loaded models, reused across rounds (as a server's engine is: the online prices, acceptance estimates and
+speculation controller keep what they learnt).
 For each batch size and round, every method runs the same requests (batch_size requests, one per slot, submitted
 at once with `LLM.generate`; with `waves` > 1, waves x batch_size requests kept batch_size at a time in flight, so
 the batch stays full until the last wave drains, as under a server's sustained load), AR first in even rounds and

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["isotonic_fit", "smoothed_blocks", "AcceptanceModel", "MIN_SAMPLES"]
+__all__ = ["isotonic_fit", "smoothed_blocks", "AcceptanceModel", "MIN_SAMPLES", "OnlineAcceptance", "BIN_EDGES"]
 
 MIN_SAMPLES = 20  # samples a depth needs before its estimate replaces the raw path probability
 
@@ -134,3 +134,137 @@ class AcceptanceModel:
                 i = (torch.searchsorted(starts, c[sel], right=True) - 1).clamp(min=0)
                 out[sel] = values[i]
         return out.to(confidences.device)
+
+
+# confidence bins of the online estimate: finer near 0 and 1, where path probabilities crowd
+BIN_EDGES = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 1.0)
+
+
+class OnlineAcceptance:
+    """Per-depth acceptance estimates re-learned from every verified draft node as traffic goes.
+
+    Per depth d and confidence bin b (`BIN_EDGES`), decayed counts of verified nodes n[d, b] and of accepted ones
+    k[d, b], and the confidences summed (each bin's centre is the mean confidence seen in it). Every step the
+    counts are multiplied by 2^(-1/half_life) (a workload that changes, code then prose, is followed within a few
+    half-lives of steps). The estimate of a bin is (k + w0 * p0) / (n + w0): a prior p0 of `prior_weight` pseudo-
+    nodes, the calibration's isotonic map at the bin's centre when there is one (`AcceptanceModel`), otherwise the
+    draft's own path probability (the bin's centre). Across bins of a depth the estimates are made non-decreasing
+    in confidence (pool adjacent violators weighted by n + w0) and read piecewise-linearly between bin centres.
+
+    `threshold(depth, lam)` is the smallest confidence whose estimate reaches lam: the gate's tau_d at the
+    break-even acceptance lam. On an isotonic fit that is the calibration rule's threshold (the upper set of
+    confidences with sum (a - lam) largest is where the fit exceeds lam), now kept current.
+
+    A node deeper than `max_depth` is counted at max_depth.
+    """
+
+    def __init__(self, max_depth: int, prior: "AcceptanceModel | None" = None, prior_weight: float = 4.0,
+                 half_life: float = 256.0) -> None:
+        if max_depth < 1:
+            raise ValueError(f"OnlineAcceptance.max_depth must be >= 1, got {max_depth}")
+        if not prior_weight > 0 or not half_life > 0:
+            raise ValueError("OnlineAcceptance.prior_weight and half_life must be > 0")
+        self.max_depth, self.prior_weight = max_depth, prior_weight
+        self.decay = 0.5 ** (1.0 / half_life)
+        self.edges = torch.tensor(BIN_EDGES, dtype=torch.float64)
+        bins = len(BIN_EDGES) - 1
+        self.mid = ((self.edges[1:] + self.edges[:-1]) / 2).expand(max_depth, bins).clone()
+        depth = torch.arange(1, max_depth + 1).repeat_interleave(bins)
+        self.p0 = (self.mid.clone() if prior is None
+                   else prior.estimate(self.mid.reshape(-1), depth).reshape(max_depth, bins))
+        self.n = torch.zeros(max_depth, bins, dtype=torch.float64)
+        self.k = torch.zeros_like(self.n)
+        self.csum = torch.zeros_like(self.n)
+        self.version = 0
+        self._fit_version = -1
+        self._centres = self._values = None
+
+    def observe(self, depths: Tensor, confidences: Tensor, accepted: Tensor) -> None:
+        """One step's verified draft nodes (roots excluded): their depths (>= 1), path probabilities and whether
+        the target accepted them; then the step's decay."""
+        self.n *= self.decay
+        self.k *= self.decay
+        self.csum *= self.decay
+        if depths.numel():
+            d = depths.long().cpu().clamp(1, self.max_depth) - 1
+            c = confidences.double().cpu().clamp(0.0, 1.0)
+            b = (torch.searchsorted(self.edges, c, right=True) - 1).clamp(0, len(BIN_EDGES) - 2)
+            flat = d * (len(BIN_EDGES) - 1) + b
+            self.n.view(-1).index_add_(0, flat, torch.ones_like(c))
+            self.k.view(-1).index_add_(0, flat, accepted.double().cpu())
+            self.csum.view(-1).index_add_(0, flat, c)
+        self.version += 1
+
+    def samples(self, depth: int) -> float:
+        """Decayed count of verified nodes at this depth."""
+        return float(self.n[min(max(depth, 1), self.max_depth) - 1].sum())
+
+    def _fit(self) -> tuple[Tensor, Tensor]:
+        """(centres, values), each (max_depth, bins): the bins' mean confidences and isotonic estimates."""
+        if self._fit_version == self.version:
+            return self._centres, self._values
+        w0 = self.prior_weight
+        weight = self.n + w0
+        centres = torch.where(self.n > 1e-9, self.csum / self.n.clamp(min=1e-12), self.mid)
+        raw = (self.k + w0 * self.p0) / weight
+        values = torch.stack([_weighted_isotonic(raw[d], weight[d]) for d in range(self.max_depth)])
+        # centres made increasing (a bin's mean lies inside the bin, so they are)
+        self._centres, self._values, self._fit_version = centres, values, self.version
+        return centres, values
+
+    def estimate(self, confidences: Tensor, depths: Tensor | int) -> Tensor:
+        """Acceptance estimates (float64) of nodes with these path probabilities at these depths."""
+        centres, values = self._fit()
+        c = confidences.double().cpu()
+        d = (torch.as_tensor(depths).cpu().long().clamp(1, self.max_depth) - 1).expand_as(c)
+        out = torch.empty_like(c)
+        for depth in torch.unique(d).tolist():
+            sel = d == depth
+            out[sel] = _piecewise(centres[depth], values[depth], c[sel])
+        return out.to(confidences.device)
+
+    def threshold(self, depth: int, lam: float) -> float:
+        """The smallest confidence at this depth whose estimate reaches lam (1.0: none does; 0.0: all do)."""
+        centres, values = self._fit()
+        i = min(max(depth, 1), self.max_depth) - 1
+        x, y = centres[i], values[i]
+        if float(y[0]) >= lam:
+            return 0.0
+        above = torch.nonzero(y >= lam)
+        if above.numel() == 0:
+            return 1.0
+        j = int(above[0])
+        x0, x1, y0, y1 = float(x[j - 1]), float(x[j]), float(y[j - 1]), float(y[j])
+        return min(1.0, max(0.0, x0 + (lam - y0) * (x1 - x0) / max(y1 - y0, 1e-12)))
+
+    def table(self) -> list[dict]:
+        """Per depth: samples, and the estimate at confidences 0.1, 0.5, 0.9 (for reports)."""
+        probe = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
+        return [{"depth": d, "samples": round(self.samples(d), 1),
+                 "estimate@0.1/0.5/0.9": [round(v, 3) for v in self.estimate(probe, d).tolist()]}
+                for d in range(1, self.max_depth + 1)]
+
+
+def _weighted_isotonic(y: Tensor, w: Tensor) -> Tensor:
+    """Non-decreasing fit of y with weights w (pool adjacent violators); same length as y."""
+    means: list[float] = []
+    weights: list[float] = []
+    sizes: list[int] = []
+    for yi, wi in zip(y.tolist(), w.tolist()):
+        means.append(yi)
+        weights.append(wi)
+        sizes.append(1)
+        while len(means) > 1 and means[-2] > means[-1]:
+            m1, w1, s1 = means.pop(), weights.pop(), sizes.pop()
+            means[-1] = (means[-1] * weights[-1] + m1 * w1) / (weights[-1] + w1)
+            weights[-1] += w1
+            sizes[-1] += s1
+    return torch.tensor([m for m, s in zip(means, sizes) for _ in range(s)], dtype=torch.float64)
+
+
+def _piecewise(xs: Tensor, ys: Tensor, x: Tensor) -> Tensor:
+    """Linear between the points (xs ascending), constant beyond the first and last."""
+    i = torch.searchsorted(xs.contiguous(), x, right=True).clamp(1, xs.numel() - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    u = ((x - x0) / (x1 - x0).clamp(min=1e-12)).clamp(0.0, 1.0)
+    return y0 + (y1 - y0) * u

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["EchoConfig", "POLICY_NAMES", "DEFAULT_STATIC_CHOICES"]
 
-POLICY_NAMES = ("ar", "chain", "static", "eagle2", "ddd", "echo", "echo-dense", "echo-fixed",
-                "echo-no-budget-stop", "echo-always-draft")
+POLICY_NAMES = ("ar", "chain", "static", "eagle2", "ddd", "echo", "echo-dense", "echo-fixed", "echo-no-budget-stop")
 
 # A 16-node tree in Medusa/EAGLE-1 "choices" form: each tuple is the path of sibling ranks from the root.
 DEFAULT_STATIC_CHOICES: tuple[tuple[int, ...], ...] = (

@@ -1,5 +1,5 @@
-"""The verification cost model, the budget rule that picks each step's K from it, and the tracker that decides
-whether a step drafts at all. Nothing here reads a clock: the runtime measures and hands seconds in.
+"""The verification cost model measured at load, and the budget rule that picks each step's K from a cost model.
+Nothing here reads a clock: the runtime measures and hands seconds in.
 
 A `CostModel` holds measured points of t_verify(T) (seconds of one target forward over T tokens in total) and of
 t_draft(T) (one draft forward over T tokens), interpolated piecewise-linearly and extrapolated along the last
@@ -16,17 +16,18 @@ fitted overhead per step (tree inputs, acceptance, commit) is part of every `ver
 where the candidates come in the scheduler's order (P1 depth, then P2 width; any prefix is ancestor-closed), B
 counts the bonus token every request gets, and t_spent is the drafting time already spent this step (sunk: it is
 charged to every choice). Whether to draft at all is decided before drafting, where the draft's time is not sunk
-yet: `drafting_pays` (the echo family's rule, from the acceptance its calibration expects at the first level) and
-the executor's `SpeculationTracker` (measured throughput, the +fallback mode). n = 0 verifies roots only.
+yet, by `core.controller.SpeculationController` (measured steps, the +fallback mode). n = 0 verifies roots only.
 Because the whole curve is evaluated, a flat region (verification nearly free) is filled and a steep one
 (compute-bound, or a CPU kernel whose cost is linear in T) is left alone.
 
 Example: B = 1, estimates [0.9, 0.5, 0.1], t_verify(T) = 0.1 + 0.01·T, t_spent = 0.02:
 n = 0: 1.0/0.13 = 7.69; n = 1: 1.9/0.14 = 13.57; n = 2: 2.4/0.15 = 16.0; n = 3: 2.5/0.16 = 15.63  -> K = 3.
 
-`break_even_accept_prob` turns the curve into the gate's lambda for a batch size, and `SpeculationTracker`
-completes the rule across steps: it compares the measured throughput of speculative and plain AR steps, per
-batch-size bucket, and probes the mode it is not using.
+`break_even_accept_prob` turns the curve into the gate's lambda for a batch size.
+
+The rules read any object with this interface (`verify_time`, `draft_time`, `draft_level_time`, `drafting_time`,
+`control_seconds`, `draft_tokens`): at run time that is `core.prices.StepPrices`, the whole-step model learned
+online from the engine's own steps, whose prior is the `CostModel` measured at load.
 """
 
 from __future__ import annotations
@@ -34,17 +35,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
-import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import Tensor
 
-__all__ = ["CostModel", "budget_rates", "choose_budget", "drafting_pays", "fit_draft_overhead", "fit_step_overhead",
-           "interpolate", "level_cost_ratio", "break_even_accept_prob", "batch_bucket", "SpeculationTracker"]
+__all__ = ["CostModel", "budget_rates", "choose_budget", "fit_draft_overhead", "fit_step_overhead", "interpolate",
+           "level_cost_ratio", "break_even_accept_prob"]
 
 
 def interpolate(xs: tuple[float, ...], ys: tuple[float, ...], x: Tensor) -> Tensor:
@@ -129,10 +127,12 @@ class CostModel:
     def has_grid(self) -> bool:
         return bool(self.grid_seconds)
 
-    def verify_time(self, tokens: Tensor | int, context: float | None = None) -> Tensor:
+    def verify_time(self, tokens: Tensor | int, context: float | None = None,
+                    batch_size: int | None = None) -> Tensor:
         """Seconds of a target forward over `tokens` tokens; with `context` (cached tokens per request as the step's
         attention reads them) and a grid, read from the grid (bilinear in tokens and context, extrapolated along
-        its edges)."""
+        its edges). batch_size: not read here (forwards are measured by tokens); `core.prices.StepPrices` prices a
+        per-request term with it."""
         tokens = torch.as_tensor(tokens)
         if context is None or not self.grid_seconds:
             return _interpolate(*self._tables["verify"], tokens) + self.step_overhead_seconds
@@ -238,13 +238,14 @@ def budget_rates(estimates: Tensor, batch_size: int, cost: CostModel, spent_seco
                  context: float | None = None, weight: float = 1.0) -> Tensor:
     """Expected emitted tokens per second of the step for n = 0, 1, ..., len(estimates) candidates verified
     (the module docstring's rate; n = 0 verifies the roots only). weight: tokens each candidate stands for
-    (1 for real candidates; B / M when M quantiles of a distribution stand for B requests, `drafting_pays`)."""
+    (1 for real candidates; B / M when M quantiles of a distribution stand for B requests)."""
     if estimates.ndim != 1:
         raise ValueError(f"estimates must be 1-D, got shape {tuple(estimates.shape)}")
     n = torch.arange(estimates.numel() + 1, dtype=torch.float64) * weight  # tokens taken
     gain = weight * torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(estimates.double(), 0)])
     speculative = n > 0
-    seconds = spent_seconds + cost.control_seconds * speculative + cost.verify_time(batch_size + n, context)
+    seconds = spent_seconds + cost.control_seconds * speculative + cost.verify_time(batch_size + n, context,
+                                                                                    batch_size)
     return (batch_size + gain) / seconds
 
 
@@ -254,22 +255,9 @@ def choose_budget(estimates: Tensor, batch_size: int, cost: CostModel, spent_sec
 
     estimates (n,): acceptance estimates of the candidates in the order they would be taken. context: cached
     tokens per request as the step's attention reads them (the grid's second axis; None: the curve).
-    Drafting time is already spent whatever is chosen now (`drafting_pays` decides before drafting)."""
+    Drafting time is already spent whatever is chosen now (whether to draft was decided before drafting)."""
     rate = budget_rates(estimates, batch_size, cost, spent_seconds, context)
     return batch_size + int(torch.argmax(rate))  # first maximum: the smaller K on ties
-
-
-def drafting_pays(estimates: Tensor, batch_size: int, cost: CostModel, draft_seconds: float,
-                  context: float | None = None, weight: float = 1.0) -> bool:
-    """The budget rule before drafting, when nothing is sunk yet: whether a step that drafts (paying
-    `draft_seconds`) and then verifies the best prefix of `estimates` is expected to emit more tokens per second
-    than a plain step, B / t_verify(B). estimates: the expected candidates' acceptance estimates, best first, each
-    standing for `weight` requests (a ratio of expected tokens to expected seconds: with M quantiles of the
-    acceptance distribution at weight B / M, verifying the best k is "verify when the estimate beats the k-th",
-    and t_verify is linear between its measured points)."""
-    rates = budget_rates(estimates, batch_size, cost, draft_seconds, context, weight)
-    plain = batch_size / float(cost.verify_time(batch_size, context))
-    return rates.numel() > 1 and float(rates[1:].max()) > plain
 
 
 def level_cost_ratio(cost: CostModel, batch_size: int, draft_width: int = 0) -> float:
@@ -278,8 +266,8 @@ def level_cost_ratio(cost: CostModel, batch_size: int, draft_width: int = 0) -> 
     tokens, (t_level(B * draft_width) + t_verify(2B) - t_verify(B)) / t_verify(B). A level yields p tokens per request
     where a step yields one, so it pays when p exceeds this ratio; at 1 or more it cannot pay at all."""
     b = max(1, batch_size)
-    base = float(cost.verify_time(b))
-    extra = float(cost.verify_time(2 * b)) - base
+    base = float(cost.verify_time(b, None, b))
+    extra = float(cost.verify_time(2 * b, None, b)) - base
     if draft_width > 0 and cost.draft_tokens:
         extra += float(cost.draft_level_time(b * draft_width))
     return extra / base
@@ -290,185 +278,3 @@ def break_even_accept_prob(cost: CostModel, batch_size: int, draft_width: int = 
     `level_cost_ratio` clamped to [0.02, 0.95] (the gate calibration's range). Verification is nearly free at
     B = 1 on a GPU (small lambda) and dear under load."""
     return min(0.95, max(0.02, level_cost_ratio(cost, batch_size, draft_width)))
-
-
-def batch_bucket(batch_size: int) -> int:
-    """The tracker's batch-size bucket: the next power of two (1, 2, 4, 8, ...; B = 5..8 share bucket 8)."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    return 1 << (batch_size - 1).bit_length()
-
-
-@dataclass
-class ModeRates:
-    """Exponential moving averages of one bucket's speculative and AR steps (None until the mode has run)."""
-
-    spec_tokens: float | None = None  # tokens per request per step
-    spec_seconds: float | None = None  # seconds per step
-    ar_tokens: float | None = None
-    ar_seconds: float | None = None
-    spec_steps: int = 0  # steps measured per mode (early averages are plain means, see SpeculationTracker)
-    ar_steps: int = 0
-    ar_start_seconds: list[float] = field(default_factory=list)  # the first AR steps, whose median seeds AR
-    probe_every: int = 8
-    steps_since_probe: int = 0
-    # draft levels a speculative step may use: starts at 1 (the policy's deepest with a prior that expects
-    # speculation to pay), doubles after a step that beat AR, halves after one that did not
-    depth: int = 1
-    # speculative steps run before AR is measured (SpeculationTracker.prior)
-    prior_steps: int = 0
-
-    @property
-    def spec_rate(self) -> float | None:
-        return None if self.spec_tokens is None else self.spec_tokens / max(self.spec_seconds, 1e-12)
-
-    @property
-    def ar_rate(self) -> float | None:
-        return None if self.ar_tokens is None else self.ar_tokens / max(self.ar_seconds, 1e-12)
-
-    def spec_better(self) -> bool | None:
-        if self.spec_rate is None or self.ar_rate is None:
-            return None
-        return self.spec_rate > self.ar_rate
-
-
-# the AR fallback's calibrated start applies only where a draft level costs less than this share of a plain step
-PRIOR_MAX_LEVEL_COST = 0.10
-
-
-@dataclass
-class SpeculationTracker:
-    """Decides before drafting whether a step should speculate at all (echo family with a cost model).
-
-    An explore/exploit rule on measured throughput, kept per batch-size bucket (`batch_bucket`): speculation
-    that pays at B = 1 may lose at B = 16, and one average over both would follow whichever ran last. Per bucket,
-    tokens per second per request of speculative steps and of plain AR steps: the ratio of exponential moving
-    averages of tokens and of seconds (wall time of the whole step, measured by the runtime). A ratio of
-    averages, not an average of per-step rates: speculative steps take about the same time but emit very
-    different numbers of tokens, and averaging their rates would favour lucky steps. AR's time starts as the
-    median of its first `min_ar_steps` steps, and a mode's first 1/`smoothing` steps are averaged with equal
-    weights: an EMA seeded by one step would let a single slow first AR step (a burst of other work on a shared
-    machine) make a losing speculation look better for dozens of steps.
-
-    Start safe: with a cost model, a batch size at which even a surely accepted draft level cannot pay
-    (`level_cost_ratio` >= 1) never speculates. Otherwise a bucket's first `min_ar_steps` steps are plain AR
-    (they cannot lose to AR), the next speculates once to measure speculation, with one draft level; the depth a speculative step
-    may draft (`depth_limit`) doubles after each speculative step that beat the AR rate and halves after one that
-    did not, up to `max_depth` (slow start: a probe costs about one draft forward until deeper trees have shown
-    they pay, instead of a whole tree built on overconfident drafts). From then on the better mode runs and the
-    other is re-measured by a probe every `probe_every` steps. With a calibrated `prior` (the policy's rule before
-    drafting, which reads the calibration's first-level acceptance and the cost curve) that expects speculation to
-    pay at a batch size, the order flips there: the bucket's first `min_probe_every` steps speculate with the
-    policy's full depth (what the pure policy would do), then AR is measured for `min_ar_steps` steps, and the
-    measured rates decide from then on; a server's first requests no longer pay an AR start and a slow start that a
-    calibration already answered. Only in verification's flat region (`trusts_prior`): under load the AR-first
-    start is kept. A speculative step right after AR steps also makes the draft model catch up on the
-    tokens it skipped; that one-off cost is charged to exploration, not to the speculative rate
-    (`update(..., one_off_seconds=...)`).
-
-    Probe spacing: a probe that confirms the choice costs `loss` tokens per request against running the better
-    mode for the same time (loss = probe seconds x better rate - tokens the probe produced). The next probe waits
-    until that is at most `explore_share` of the tokens produced meanwhile (at least twice the last interval, at
-    most `max_probe_every`). A probe that overturns the choice resets the interval. Within a speculative step
-    the cost model picks K (`choose_budget`).
-    """
-
-    min_ar_steps: int = 3
-    min_probe_every: int = 8
-    max_probe_every: int = 1024
-    explore_share: float = 0.02
-    smoothing: float = 0.1
-    # the engine's cost curve and draft width (nodes expanded per request and level); None: no prior
-    cost: CostModel | None = None
-    draft_width: int = 0
-    # the policy's deepest draft level (the depth limit's ceiling)
-    max_depth: int = 1 << 30
-    # batch size -> whether a calibration expects a speculative step to beat a plain one (None: no prior)
-    prior: Callable[[int], bool] | None = None
-    buckets: dict[int, ModeRates] = field(default_factory=dict)
-
-    def rates(self, batch_size: int) -> ModeRates:
-        key = batch_bucket(batch_size)
-        if key not in self.buckets:
-            r = ModeRates(probe_every=self.min_probe_every)
-            if self.prior is not None and self.trusts_prior(batch_size) and self.prior(batch_size):
-                r.prior_steps, r.depth = self.min_probe_every, self.max_depth
-            self.buckets[key] = r
-        return self.buckets[key]
-
-    def depth_limit(self, batch_size: int) -> int:
-        """Draft levels the next speculative step at this batch size may use."""
-        return min(self.rates(batch_size).depth, self.max_depth)
-
-    def trusts_prior(self, batch_size: int) -> bool:
-        """Whether the calibrated start may apply at this batch size: only where one more draft level costs less
-        than PRIOR_MAX_LEVEL_COST of a plain step (verification's flat region), so that the cost model's own error
-        cannot flip the sign of its prediction. Under load the prediction was wrong: on the Qwen EAGLE-3 pair at
-        B = 16 (a level 14-16 % of a step) it expected a first level to gain 24-30 %, the calibrated start kept
-        speculating, and ECHO +fallback ran 0.88 x AR against 0.98 with the AR-first start (docs/benchmarks.md)."""
-        return self.cost is None or level_cost_ratio(self.cost, batch_size, self.draft_width) < PRIOR_MAX_LEVEL_COST
-
-    def can_pay(self, batch_size: int) -> bool:
-        """False when the cost curve says one more level cannot pay even if surely accepted."""
-        return self.cost is None or level_cost_ratio(self.cost, batch_size, self.draft_width) < 1.0
-
-    def should_speculate(self, batch_size: int) -> bool:
-        if not self.can_pay(batch_size):
-            return False
-        r = self.rates(batch_size)
-        if r.ar_steps < self.min_ar_steps:
-            # the calibration's choice first where it expects speculation to pay, then AR's measurement: steps
-            # that cannot lose
-            return r.spec_steps < r.prior_steps
-        if r.spec_rate is None:
-            return True  # then speculation, once
-        better = r.spec_better()
-        if r.steps_since_probe + 1 >= r.probe_every:
-            return not better
-        return better
-
-    def update(self, batch_size: int, speculated: bool, emitted: int, seconds: float,
-               one_off_seconds: float = 0.0) -> None:
-        """One step's outcome: `emitted` tokens over the batch in `seconds`. one_off_seconds: part of `seconds`
-        that steady speculation would not pay (the draft's catch-up after AR steps); excluded from the rate,
-        counted in the probe's cost. A step at a batch size where speculation cannot pay was not a choice and is
-        not counted (B = 5..8 share a bucket; a forced AR step at B = 8 must not pass for a probe at B = 5)."""
-        if not self.can_pay(batch_size):
-            return
-        r = self.rates(batch_size)
-        per_request = emitted / batch_size
-        steady = max(seconds - one_off_seconds, 1e-12)
-        before = r.spec_better()
-        was_probe = before is not None and speculated != before
-        mode = "spec" if speculated else "ar"
-
-        n = getattr(r, f"{mode}_steps") + 1
-        setattr(r, f"{mode}_steps", n)
-        weight = max(self.smoothing, 1.0 / n)  # the mean of the first 1/smoothing steps, then an EMA
-
-        def ema(old: float | None, x: float) -> float:
-            return x if old is None else (1 - weight) * old + weight * x
-
-        if speculated and r.ar_rate is not None:
-            paid = per_request / steady > r.ar_rate
-            r.depth = min(2 * r.depth, self.max_depth) if paid else max(1, r.depth // 2)
-        setattr(r, f"{mode}_tokens", ema(getattr(r, f"{mode}_tokens"), per_request))
-        if not speculated and n <= self.min_ar_steps:
-            r.ar_start_seconds.append(steady)
-            r.ar_seconds = statistics.median(r.ar_start_seconds)
-            if r.prior_steps and n == self.min_ar_steps:
-                r.steps_since_probe = 0  # both modes measured now: the probe spacing starts here
-        else:
-            setattr(r, f"{mode}_seconds", ema(getattr(r, f"{mode}_seconds"), steady))
-        if was_probe:
-            r.steps_since_probe = 0
-            if r.spec_better() == before:
-                better = max(r.spec_rate, r.ar_rate)
-                loss = max(seconds * better - per_request, 0.0)  # tokens per request the probe cost
-                per_step = (r.spec_tokens if before else r.ar_tokens) or 1.0  # per chosen-mode step
-                stretched = math.ceil(loss / (self.explore_share * per_step))
-                r.probe_every = min(max(2 * r.probe_every, stretched), self.max_probe_every)
-            else:
-                r.probe_every = self.min_probe_every
-        else:
-            r.steps_since_probe += 1

@@ -378,10 +378,18 @@ class GateSamples:
 
 
 class GateSchedule:
-    """The gate of each step, by batch size and variant, from the one source chosen at construction (module
-    docstring: config gate, calibration samples, cost curve, default). Results are cached per batch size."""
+    """The gate of each step, by batch size and variant (module docstring: config gate, calibration samples, cost
+    curve, default).
 
-    def __init__(self, config: EchoConfig, cost: CostModel | None = None, samples: GateSamples | None = None) -> None:
+    With an online acceptance model (`core.acceptance.OnlineAcceptance`, the echo family's) and a cost model or
+    calibration samples, the thresholds are re-derived at every step from the current estimates: tau_d = the
+    confidence at which depth d's acceptance estimate reaches lambda(B) (`OnlineAcceptance.threshold`), at the
+    calibration's sweet-spot depths (chosen once by AUC: they do not depend on lambda) or the default gate depths;
+    "dense" gates every depth, "fixed" uses one tau, the thresholds' mean weighted by each depth's samples.
+    Without one, results are cached per batch size."""
+
+    def __init__(self, config: EchoConfig, cost: CostModel | None = None, samples: GateSamples | None = None,
+                 acceptance=None) -> None:
         if samples is not None and samples.max_depth != config.max_depth:
             raise ValueError(
                 f"the calibration was made for max_depth={samples.max_depth} but the config has "
@@ -396,8 +404,11 @@ class GateSchedule:
             self.source = "cost-curve"
         else:
             self.source = "default"
-        self._cache: dict[tuple[int, str], GateConfig] = {}
+        # the online estimates apply wherever a calibration or a cost curve would have set the thresholds
+        self.acceptance = acceptance if self.source in ("calibration", "cost-curve") else None
+        self._cache: dict[tuple, GateConfig] = {}
         self._calibrations: dict[float, GateCalibration] = {}
+        self._sweet_spots: tuple[int, ...] | None = None
 
     def break_even(self, batch_size: int) -> float:
         """lambda at this batch size (the samples' own when no cost curve is known)."""
@@ -414,13 +425,38 @@ class GateSchedule:
             self._calibrations[lam] = self.samples.calibrate(lam)
         return self._calibrations[lam]
 
+    def sweet_spots(self) -> tuple[int, ...]:
+        """The sparse gate's depths: the calibration's (AUC-ranked, independent of lambda) or the default gate's."""
+        if self._sweet_spots is None:
+            if self.source == "calibration":
+                self._sweet_spots = self.samples.calibrate(self.samples.accept_prob).gate_config().depths
+            else:
+                self._sweet_spots = default_gate(self.config.max_depth).depths
+        return self._sweet_spots
+
     def gate_for(self, batch_size: int, variant: str = "sparse") -> GateConfig:
         if variant not in GATE_VARIANTS:
             raise ValueError(f"gate variant {variant!r} is unknown; choose one of {', '.join(GATE_VARIANTS)}")
         key = (batch_size, variant)
+        if self.acceptance is not None:
+            key += (self.acceptance.version, getattr(self.cost, "version", 0))
+            if len(self._cache) > 1024:
+                self._cache.clear()
         if key not in self._cache:
-            self._cache[key] = self._make(batch_size, variant)
+            self._cache[key] = self._online(batch_size, variant) if self.acceptance is not None else self._make(
+                batch_size, variant)
         return self._cache[key]
+
+    def _online(self, batch_size: int, variant: str) -> GateConfig:
+        lam = self.break_even(batch_size)
+        acc = self.acceptance
+        depths = tuple(range(1, self.config.max_depth + 1)) if variant == "dense" else self.sweet_spots()
+        taus = [acc.threshold(d, lam) for d in depths]
+        if variant == "fixed":
+            weights = [max(acc.samples(d), 1e-9) for d in depths]
+            tau = sum(t * w for t, w in zip(taus, weights)) / sum(weights)
+            taus = [tau] * len(depths)
+        return GateConfig(depths, tuple(taus))
 
     def _make(self, batch_size: int, variant: str) -> GateConfig:
         cfg = self.config

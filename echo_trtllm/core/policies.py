@@ -22,7 +22,6 @@ everything a calibration holds at construction, once: `make_policy(config, cost_
 | echo-dense  | echo with a gate at every depth                   | as echo                                        |
 | echo-fixed  | echo with one tau at every gate depth             | as echo                                        |
 | echo-no-budget-stop | echo without the budget-aware early stop  | as echo                                        |
-| echo-always-draft | echo without draft pricing: every step drafts | as echo                                    |
 """
 
 from __future__ import annotations
@@ -35,8 +34,8 @@ from torch import Tensor
 
 from .budget import BudgetAllocation, allocate_budget, greedy_fill
 from .config import EchoConfig
-from .acceptance import AcceptanceModel
-from .cost import CostModel, choose_budget, drafting_pays
+from .acceptance import AcceptanceModel, OnlineAcceptance
+from .cost import CostModel, choose_budget
 from .gating import GateConfig, GateSamples, GateSchedule, best_path_confidence, gate
 from .tree import DraftLevel, DraftTopK, SuperTree, expand_level, priority_order, root_level, segment_rank
 
@@ -138,7 +137,7 @@ class TreePolicy:
     @classmethod
     def uses_cost_curve(cls, fallback: bool | None) -> bool:
         """Whether an engine of this policy measures (or takes) a cost curve: the echo family always (budget
-        rule, gate), any drafting policy whose AR fallback is on (the tracker's prior)."""
+        rule, gate), any drafting policy whose AR fallback is on (the speculation controller's prices)."""
         return cls.shares_budget or (bool(fallback) and cls.needs_draft_model)
 
     @property
@@ -176,11 +175,9 @@ class TreePolicy:
         for the fixed shapes."""
         return True
 
-    @property
-    def speculation_prior(self):
-        """batch size -> whether a calibration expects speculation to beat a plain step (the AR fallback's prior,
-        `SpeculationTracker.prior`); None without a calibrated rule (the fixed shapes have none)."""
-        return None
+    def learn(self, selected: SuperTree, accepted_node_ids: Tensor) -> None:
+        """A speculative step's verified tree and the flat indices of its accepted nodes (roots included), for
+        policies that re-learn acceptance as traffic goes (the echo family); nothing for the fixed shapes."""
 
     def frontier(self, prev: DraftLevel, state: DraftState) -> Tensor:
         eligible = state.active.to(prev.request_ids.device)[prev.request_ids]
@@ -395,15 +392,14 @@ class EchoPolicy(TreePolicy):
     verification already claimed (on a steep curve the next token costs more the more are claimed). Selection: `allocate_budget` (P1 depth, P2
     width), then `choose_budget` picks K along that order.
 
-    Draft pricing (with a cost model and a calibration's samples; `echo-always-draft` is the ablation without
-    it): once a level is drafted its time is sunk, and the stops above only weigh what comes next, so a step
-    whose first level cannot pay would still pay for it. Before drafting, `drafts` asks `cost.drafting_pays`
-    whether the batch's first level as the calibration expects it (`expected_first_level`: quantiles of the
-    first-level confidences, through the gate and the acceptance model, each standing for its share of the B
-    requests), verified as `choose_budget` would verify it, yields more expected tokens per expected second than
-    a plain step, with t_draft(B) charged; if not, the step verifies the roots only and no draft
-    forward runs. It decides per batch size and context, from calibration evidence, not from the step's own
-    drafts (which do not exist yet), so under load on a steep verification curve it chooses plain AR steps.
+    Whether a step drafts at all is not the policy's to decide: with the AR fallback the runtime's
+    `core.controller.SpeculationController` decides before drafting, from measured steps; without it ("pure")
+    every step drafts and the rules above choose the tree.
+
+    Acceptance estimates (the budget rule's and the cost stop's weights, the gate's thresholds) come from an
+    `OnlineAcceptance` re-learned from every verified node (`learn`), its prior the calibration's isotonic map
+    when there are samples, else the draft's own path probability. The gate's tau_d at batch size B is the
+    confidence at which that estimate reaches the break-even probability lambda(B) (`GateSchedule`).
     """
 
     name = "echo"
@@ -413,26 +409,26 @@ class EchoPolicy(TreePolicy):
     gate_variant: ClassVar[str] = "sparse"
     # whether drafting applies the budget-aware early stop (the class docstring)
     budget_stop: ClassVar[bool] = True
-    # whether the step's first draft level is priced before it is drafted (`drafts`; the class docstring)
-    price_drafting: ClassVar[bool] = True
-    # quantiles of the first-level distribution the rule reads at least (`expected_first_level`)
-    FIRST_LEVEL_POINTS: ClassVar[int] = 64
 
     def __init__(self, config: EchoConfig, cost_model: CostModel | None = None,
                  gate_samples: GateSamples | None = None) -> None:
         super().__init__(config, cost_model)
-        self.gates = GateSchedule(config, cost_model, gate_samples)
-        # acceptance estimates for the budget rule and the cost-aware stop: isotonic per depth from the
-        # calibration's samples (core.acceptance); without them the raw path probabilities
-        self.acceptance = None if gate_samples is None else AcceptanceModel.from_samples(
+        calibrated = None if gate_samples is None else AcceptanceModel.from_samples(
             gate_samples.depths, gate_samples.confidences, gate_samples.accepted)
-        # the calibration's first-level confidences (float64), for the rule before drafting (`drafts`)
-        first = None if gate_samples is None else gate_samples.confidences[gate_samples.depths == 1].double()
-        self.first_level = first if first is not None and first.numel() else None
-        self._first_level_by_batch: dict[int, tuple[Tensor, float]] = {}
+        # acceptance estimates for the budget rule, the cost-aware stop and the gate: re-learned online, starting
+        # from the calibration's isotonic map per depth (core.acceptance), else from the raw path probabilities
+        self.acceptance = OnlineAcceptance(config.max_depth, calibrated,
+                                           prior_weight=4.0 if calibrated is not None else 2.0)
+        self.gates = GateSchedule(config, cost_model, gate_samples, self.acceptance)
+
+    def learn(self, selected: SuperTree, accepted_node_ids: Tensor) -> None:
+        drafts = selected.depths > 0
+        accepted = torch.zeros(selected.total_nodes, dtype=torch.bool)
+        accepted[accepted_node_ids.cpu()] = True
+        self.acceptance.observe(selected.depths[drafts].cpu(), selected.path_probs[drafts].cpu(), accepted[drafts])
 
     def acceptance_estimates(self, path_probs: Tensor, depths: Tensor | int) -> Tensor:
-        return path_probs if self.acceptance is None else self.acceptance.estimate(path_probs, depths)
+        return self.acceptance.estimate(path_probs, depths)
 
     def gate_for(self, batch_size: int) -> GateConfig:
         """The gate a step of `batch_size` requests uses."""
@@ -457,42 +453,9 @@ class EchoPolicy(TreePolicy):
         return state
 
     def drafts(self, batch_size: int, budget: int | None = None, context: float | None = None) -> bool:
-        """The budget rule before drafting (the class docstring's draft pricing): False when there is no budget
-        beyond the roots, or when the first level is not expected to pay for its draft forward."""
+        """False when there is no budget beyond the roots (then nobody drafts: a plain step)."""
         budget = self.config.k_max if budget is None else budget
-        if budget <= batch_size:
-            return False  # no budget beyond the roots: nobody drafts (plain AR)
-        cost = self.cost_model
-        if not self.price_drafting or cost is None or not cost.draft_tokens or self.first_level is None:
-            return True
-        est, weight = self.expected_first_level(batch_size)
-        est = est[:max(0, int((budget - batch_size) / weight))]  # what the budget can verify
-        return drafting_pays(est, batch_size, cost, float(cost.draft_level_time(batch_size, context)), context,
-                             weight)
-
-    @property
-    def speculation_prior(self):
-        """The rule before drafting (`drafts`) where it reads a calibration (first-level samples and a draft
-        cost); None where it would always say yes."""
-        cost = self.cost_model
-        informed = self.price_drafting and cost is not None and bool(cost.draft_tokens) and self.first_level is not None
-        return self.drafts if informed else None
-
-    def expected_first_level(self, batch_size: int) -> tuple[Tensor, float]:
-        """A batch's first level as the calibration expects it: acceptance estimates at M = max(B, 64) quantiles
-        ((i + 1/2) / M) of the first-level confidences, best first, cut by the gate where depth 1 is a gate
-        depth, each standing for B / M requests (the weight). With M > B the rule weighs the distribution's tail:
-        a lone request is confident now and then, and the median alone would say never. Kept per batch size."""
-        if batch_size in self._first_level_by_batch:
-            return self._first_level_by_batch[batch_size]
-        m = max(batch_size, self.FIRST_LEVEL_POINTS)
-        q = (torch.arange(m, dtype=torch.float64) + 0.5) / m
-        c = torch.quantile(self.first_level, q).flip(0)
-        tau = self.gate_for(batch_size).threshold_at(1)
-        if tau is not None:
-            c = c[gate(c, tau, torch.ones_like(c, dtype=torch.bool))]
-        self._first_level_by_batch[batch_size] = self.acceptance_estimates(c, 1), batch_size / m
-        return self._first_level_by_batch[batch_size]
+        return budget > batch_size
 
     def observe(self, level: DraftLevel, state: DraftState) -> None:
         c = best_path_confidence(level, state.batch_size).cpu()  # (B,)
@@ -522,11 +485,11 @@ class EchoPolicy(TreePolicy):
         cost, b = self.cost_model, state.batch_size
         n = int(state.active.sum())
         ctx = state.context
-        step = float(cost.verify_time(b, ctx))
+        step = float(cost.verify_time(b, ctx, b))
         # the verification already claimed: every request's root and its spine so far (priority 1)
         claimed = b + int(state.spine_depth.sum())
         seconds = (float(cost.draft_level_time(n * self.expand_width, ctx))
-                   + float(cost.verify_time(claimed + n, ctx)) - float(cost.verify_time(claimed, ctx)))
+                   + float(cost.verify_time(claimed + n, ctx, b)) - float(cost.verify_time(claimed, ctx, b)))
         # tokens the next level may add, at most: its best nodes' path probabilities are at most this level's, so
         # their estimates at the next depth bound them (the estimates rise with the path probability at every
         # depth). The next depth's map, not this one's: a depth the calibration never saw accepted prices the
@@ -566,14 +529,6 @@ class EchoFixedThresholdPolicy(EchoPolicy):
 
 
 @register
-class EchoAlwaysDraftPolicy(EchoPolicy):
-    """Ablation: ECHO without draft pricing (every step drafts its first level; its time is treated as sunk)."""
-
-    name = "echo-always-draft"
-    price_drafting = False
-
-
-@register
 class EchoNoBudgetStopPolicy(EchoPolicy):
     """Ablation: ECHO without the budget-aware early stop (drafting ends by gates, depth or cost only)."""
 
@@ -589,7 +544,7 @@ def draft_tree(
 
     root_token_ids (B,): each request's last committed token. draft_fn(level, frontier) returns the draft
     distribution (F, V) after each frontier node; the runtime runs the draft model there, tests use synthetic
-    distributions. max_levels: draft at most this many levels this step (the tracker's depth limit; None: the
+    distributions. max_levels: draft at most this many levels this step (None: the
     policy's max_depth). context: cached tokens per request as the step's attention reads them (for a cost grid).
     """
     levels = [root_level(root_token_ids)]

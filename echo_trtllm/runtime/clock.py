@@ -1,4 +1,5 @@
-"""The runtime's clocks: where every second the executor, the budget rule and the tracker see comes from.
+"""The runtime's clocks: where every second the executor, its online prices and the speculation controller see
+comes from.
 
 The core reads no clock; the executor measures its steps through one `Clock` and hands the seconds on. Two
 clocks, one interface:

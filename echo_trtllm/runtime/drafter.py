@@ -123,6 +123,8 @@ class Drafter:
         self._requests: list[Request] = []
         self.model_seconds = 0.0  # draft forward time of the current step (the rest of drafting is control)
         self.catch_up_seconds = 0.0  # part of it spent catching up after AR steps (see _expand_roots)
+        self.forward_tokens: list[int] = []  # tokens of each draft forward of the current step, in order
+        self.catch_up_tokens = 0  # tokens of the level-0 forward beyond steady speculation's (see _expand_roots)
 
     # ---------------------------------------------------------------- per request, outside steps
 
@@ -149,6 +151,15 @@ class Drafter:
     def _root_position(self, r: Request) -> int:
         return len(r.all_token_ids) - 1 - r.draft_offset
 
+    def catch_up(self, requests: list[Request], max_pending: int | None = None) -> int:
+        """Tokens the next step's level-0 forward would read beyond steady speculation's (the draft catching up
+        after plain steps), each request's chain bounded by max_pending as `begin` bounds it."""
+        total = 0
+        for r in requests:
+            p = self.pending(r) if max_pending is None else min(self.pending(r), max_pending)
+            total += max(0, p - self.steady_chain)
+        return total
+
     # ---------------------------------------------------------------- per step
 
     def begin(self, requests: list[Request], top_k: int, max_pending: int | None = None) -> None:
@@ -164,6 +175,8 @@ class Drafter:
         self._requests = requests
         self.model_seconds = 0.0
         self.catch_up_seconds = 0.0
+        self.forward_tokens = []
+        self.catch_up_tokens = 0
         b = len(requests)
         self._slots = torch.tensor([r.slot for r in requests], dtype=torch.long)
         self._root_pos = torch.tensor([self._root_position(r) for r in requests], dtype=torch.long)
@@ -194,6 +207,7 @@ class Drafter:
         return top
 
     def _forward(self, batch, features: Tensor | None = None) -> Tensor:
+        self.forward_tokens.append(int(batch.input_ids.numel()))
         with self.clock.forward("draft", batch.input_ids.numel()):
             return self.model(batch, self.cache)
 
@@ -217,6 +231,7 @@ class Drafter:
         steady = self.steady_chain * len(chains)
         if tokens > steady:
             self.catch_up_seconds += (self.clock.now() - t0) * (1 - steady / tokens)
+            self.catch_up_tokens += tokens - steady
         b = len(self._requests)
         self._expanded_root[frontier] = True
         pos = torch.full((b,), -1, dtype=torch.long)
@@ -436,6 +451,7 @@ class Eagle3Drafter(Drafter):
             r.draft_ctx = last - r.draft_offset
 
     def _forward(self, batch, features: Tensor | None = None):
+        self.forward_tokens.append(int(batch.input_ids.numel()))
         with self.clock.forward("draft", batch.input_ids.numel()):
             return self.model(batch, self.cache, features)
 

@@ -25,8 +25,15 @@ Failures are contained by phase, and a request that got a slot always ends runni
     target KV commit     the requests it was committing finish with an error
     draft KV commit      ignored: the draft keeps its previous context and catches up
 
-Time: every second the executor hands to the budget rule and the tracker comes from its `Clock` (wall time by
-default; a `ModelledClock` makes every decision a function of the tokens processed).
+Time: every second the executor hands to its online models comes from its `Clock` (wall time by default; a
+`ModelledClock` makes every decision a function of the tokens processed).
+
+Prices and decisions (with a cost model): every step becomes a `StepSample` (batch, tokens verified, context, the
+draft forwards' sizes, the measured seconds of drafting and of verification) that the online whole-step cost
+model learns from (`core.prices.StepCostModel`, its prior the curve measured at load, then a few real steps of
+`warm_up`); the policy's rules (budget, gate, cost stop) read its prices. With the AR fallback a
+`core.controller.SpeculationController` decides before each step whether it speculates, from the measured
+speculative steps priced at the step's own batch size and context; without it ("pure") every step drafts.
 """
 
 from __future__ import annotations
@@ -42,9 +49,12 @@ import torch
 
 from echo_trtllm import kernels
 from echo_trtllm.core import EchoConfig, SamplingTensors, draft_tree, make_policy, pack, verify
-from echo_trtllm.core.cost import CostModel, SpeculationTracker
+from echo_trtllm.core.controller import Decision, SpeculationController
+from echo_trtllm.core.cost import CostModel, level_cost_ratio
 from echo_trtllm.core.gating import GateSamples
 from echo_trtllm.core.policies import DraftResult, draft_tree_batched
+from echo_trtllm.core.prices import StepCostModel, StepPrediction
+from echo_trtllm.core.steps import StepSample
 from echo_trtllm.core.verify import VerifyResult
 from echo_trtllm.models.eagle3 import Eagle3Head
 from echo_trtllm.models.llama import CausalLM
@@ -132,6 +142,11 @@ class StepReport:
     context: float = 0.0
     # host <-> device traffic of the step (`transfer.HostLink`): syncs, bytes each way, largest single read
     traffic: Traffic | None = None
+    # the step as the online cost model saw it, what it predicted for it before learning from it, and what the
+    # speculation controller decided (None without a cost model / without the AR fallback)
+    sample: StepSample | None = None
+    prediction: StepPrediction | None = None
+    decision: Decision | None = None
 
 
 class Executor:
@@ -151,26 +166,29 @@ class Executor:
     ) -> None:
         """draft: a separate draft model sharing the target's tokenizer, or an EAGLE-3 head loaded for this target
         (`models.eagle3.load_eagle3`); the target's forwards then also capture the head's features.
-        cost_model: measured forward times; with one the echo family picks each step's K from it, derives its
-        gate's lambda per batch size and falls back to plain AR by measured throughput (`SpeculationTracker`).
-        gate_samples: a calibration's warm-up evidence (the gate is then calibrated per batch size).
+        cost_model: forward times measured at load (or a calibration's): the prior of the online whole-step cost
+        model (`core.prices.StepCostModel`), whose prices the echo family's rules read (K per step, the gate's
+        lambda) and the speculation controller weighs; None: no prices, no controller.
+        gate_samples: a calibration's warm-up evidence (the gate's depths and the acceptance estimates' prior).
         clock: where step times come from (default: wall time).
-        fallback: the AR fallback (`SpeculationTracker`) for this policy: True for any drafting policy (with the
-        cost model's prior when there is one), False never ("pure": every step speculates), None the default
-        (the echo family with a cost model)."""
+        fallback: the AR fallback (`core.controller.SpeculationController`) for this policy: True for any drafting
+        policy, False never ("pure": every step speculates with the policy's own rules), None the default (the
+        echo family with a cost model)."""
         check_limits(config, max_batch_size, has_draft=draft is not None)
         if fallback not in (None, True, False):
             raise ValueError(f"fallback must be True, False or None, got {fallback!r}")
-        self.policy = make_policy(config, cost_model, gate_samples)
         self.cost_model = cost_model
+        self.step_cost = StepCostModel.from_cost_model(cost_model) if cost_model is not None else None
+        self.prices = self.step_cost.prices if self.step_cost is not None else None
+        self.policy = make_policy(config, self.prices, gate_samples)
         self.clock = clock or WallClock(target.device)
         self.link = HostLink(target.device)  # every tensor crossing host <-> model device, counted per step
-        self.tracker = None
+        self.controller = None
         default = cost_model is not None and self.policy.shares_budget
-        if self.policy.needs_draft_model and (fallback or (fallback is None and default)):
-            self.tracker = SpeculationTracker(cost=cost_model, draft_width=self.policy.expand_width,
-                                              max_depth=self.policy.max_depth, prior=self.policy.speculation_prior)
-        self._ar_policy = make_policy(EchoConfig(policy="ar"))  # plain AR steps (tracker's choice, draft failure)
+        if self.policy.needs_draft_model and self.step_cost is not None and (fallback or (fallback is None and default)):
+            self.controller = SpeculationController(self.step_cost)
+        self._forced: bool | None = None  # warm_up's choice for the next steps (None: the controller's)
+        self._ar_policy = make_policy(EchoConfig(policy="ar"))  # plain AR steps (the controller's, a draft failure)
         draft_vocab = None if draft is None else (
             draft.config.layer.vocab_size if isinstance(draft, Eagle3Head) else draft.config.vocab_size)
         if draft is not None and draft_vocab != target.config.vocab_size:
@@ -323,11 +341,16 @@ class Executor:
 
     def _draft_prefill(self, batch_size: int) -> bool:
         """Prefill the draft with the prompts now (the prefill phase; decode steps then feed it 1-2 tokens per
-        request) unless the cost curve says speculation cannot pay at this batch size: then the draft is left
-        alone and catches up on its pending chain only if the load drops and a step speculates."""
+        request) unless the prices say speculation cannot pay at this batch size: then the draft is left alone and
+        catches up on its pending chain only if the load drops and a step speculates."""
         if self.drafter is None:
             return False
-        return self.tracker is None or self.tracker.can_pay(batch_size)
+        return self.controller is None or self._can_pay(batch_size)
+
+    def _can_pay(self, batch_size: int) -> bool:
+        """False when one more draft level cannot pay at this batch size even if surely accepted (the prices'
+        `level_cost_ratio` >= 1): such a step is plain without asking the controller."""
+        return level_cost_ratio(self.prices, batch_size, self.policy.expand_width) < 1.0
 
     def _prefill_target(self, group: list[tuple[Request, int]]) -> torch.Tensor | None:
         """Run a prefill chunk through the target; returns the drafter's features of its tokens (or None)."""
@@ -419,8 +442,9 @@ class Executor:
         slots = torch.tensor([r.slot for r in reqs])
         positions = [len(r.output_token_ids) for r in reqs]
         t_step = self.clock.now()
-        wanted = self.tracker is None or self.tracker.should_speculate(b)  # the AR fallback's choice
-        # the policy's own rule before drafting (the echo family prices its first draft level)
+        decision = self._decide(reqs, float(ctx.max()))
+        wanted = decision.speculate if decision is not None else self._forced is not False
+        # the policy's own rule before drafting (the echo family: no budget beyond the roots means no draft)
         planned = wanted and self.policy.drafts(b, self._budget(), float(ctx.max()))
         drafted, packed, speculated = self._draft(reqs, roots, ctx, planned)
         drafter = self.drafter if speculated else None
@@ -477,15 +501,46 @@ class Executor:
                 self.running.remove(req)
             self._release(req)
         timings.total = self.clock.now() - t_step
-        # the tracker measures its own choices: not a draft failure, nor a step the policy chose to run plain
-        if self.tracker is not None and speculated == planned == wanted:
-            produced = int(result.cu_accepted[-1])  # before stop conditions cut anything
-            catch_up = drafter.catch_up_seconds if drafter is not None else 0.0
-            self.tracker.update(b, speculated, produced, timings.total, catch_up)
+        produced = int(result.cu_accepted[-1])  # before stop conditions cut anything
+        sample, prediction = self._learn(b, packed, float(ctx.max()), drafter, drafted, result, timings, produced,
+                                         decision if speculated == planned == wanted else None)
         return StepReport(b, int(packed.total_nodes), emitted, int(drafted.candidates.total_nodes) - b, finished,
                           reqs + failed, speculated, timings, drafted, result, [r.request_id for r in reqs],
                           positions, kept_counts, draft_failed=planned and not speculated and self.drafter is not None,
-                          context=float(ctx.max()), traffic=self.link.take())
+                          context=float(ctx.max()), traffic=self.link.take(), sample=sample, prediction=prediction,
+                          decision=decision)
+
+    def _decide(self, reqs: list[Request], context: float) -> Decision | None:
+        """The controller's choice for this step (None without one, during warm-up, or where a draft level cannot
+        pay at this batch size: then the step is plain)."""
+        if self.controller is None or self._forced is not None:
+            return None
+        b = len(reqs)
+        if not self._can_pay(b):
+            return Decision(False, "forced", b)
+        catch_up = self.drafter.catch_up(reqs, self._max_pending(b))
+        return self.controller.decide(b, context, catch_up)
+
+    def _learn(self, b: int, packed, context: float, drafter, drafted: DraftResult, result: VerifyResult,
+               timings: StepTimings, produced: int, decision: Decision | None):
+        """The step as a `StepSample` for the online cost model, the controller and the policy's acceptance
+        estimates. decision: the controller's, when the step ran as it chose (not a draft failure, nor a step the
+        policy ran plain). Returns (sample, the model's prediction for it) or (None, None) without a model."""
+        if self.step_cost is None:
+            return None, None
+        forwards = tuple(t for t in drafter.forward_tokens if t > 0) if drafter is not None else ()
+        sample = StepSample(b, int(packed.total_nodes), context, forwards, timings.drafting,
+                            max(timings.total - timings.drafting, 0.0),
+                            min(drafter.catch_up_tokens, sum(forwards)) if forwards else 0)
+        prediction = self.step_cost.observe(sample)
+        if self.controller is not None:
+            if self._forced is None:
+                self.controller.observe(sample, produced, decision)
+            else:  # warm-up: its speculative steps are the controller's first evidence, nothing more
+                self.controller.record(sample, produced)
+        if forwards and self._forced is None:
+            self.policy.learn(drafted.selected, result.accepted_node_ids)
+        return sample, prediction
 
     def _draft(self, reqs: list[Request], roots: torch.Tensor, ctx: torch.Tensor, speculate: bool):
         """The step's Super-Tree and its packed batch: (DraftResult, PackedVerifyBatch, speculated). Falls back to
@@ -495,7 +550,7 @@ class Executor:
             try:
                 self.drafter.begin(reqs, self.policy.max_children, self._max_pending(len(reqs)))
                 budget = self._budget()
-                levels = self.tracker.depth_limit(len(reqs)) if self.tracker is not None else None
+                levels = None
                 if self.policy.beam_frontier:  # the loop on the draft's device, one read per sync point
                     drafted = draft_tree_batched(self.policy, roots, self.drafter, budget, levels, float(ctx.max()),
                                                  read=lambda *t: self.link.read("draft levels", *t),
@@ -507,7 +562,7 @@ class Executor:
             except Exception:  # noqa: BLE001 - drafting is an optimisation: this step runs as plain AR
                 self._contain("drafting")
                 failed = True
-        drafted = draft_tree(self._ar_policy, roots, None, None)  # the ar policy, the tracker's choice or a failure
+        drafted = draft_tree(self._ar_policy, roots, None, None)  # the ar policy: a plain step or a failure
         # after a failure packed on the host: the failure may have been the device's packing kernel
         return drafted, pack(drafted.selected, ctx) if failed else self._pack(drafted.selected, ctx), False
 
@@ -525,16 +580,48 @@ class Executor:
 
     def _max_pending(self, batch_size: int) -> int | None:
         """Catch-up bound for the draft (drafter module docstring): the longest pending chain per request whose
-        draft forward the cost model prices at no more than one AR step (at least MIN_PENDING; None without a
-        cost model)."""
-        cost = self.cost_model
-        if cost is None or not cost.draft_tokens:
+        draft forward the prices put at no more than one plain step (at least MIN_PENDING; None without prices)."""
+        cost = self.prices
+        if cost is None:
             return None
-        step = float(cost.verify_time(batch_size))
+        step = float(cost.verify_time(batch_size, None, batch_size))
         w = MIN_PENDING
         while w < self.max_seq_len and float(cost.draft_time(2 * w * batch_size)) <= step:
             w *= 2
         return w
+
+    # ---------------------------------------------------------------- warm-up
+
+    @torch.inference_mode()
+    def warm_up(self, prompt: list[int], steps: int = 3, batch_sizes: tuple[int, ...] = (1, 4)) -> int:
+        """Real steps before the first request, so the online prices know what a speculative step's drafting and
+        host work cost (not only the forwards measured at load): at each batch size (capped at max_batch_size),
+        `steps` speculative and `steps` plain steps of copies of `prompt`, greedy, discarded. The cost model learns
+        from them, and the controller keeps the speculative ones as its first evidence (the oldest: the traffic's
+        own steps outweigh them within a few dozen); the acceptance estimates learn from the traffic only. Returns
+        the steps run. A no-op without prices or a drafter, or while requests are waiting or running."""
+        if self.step_cost is None or self.drafter is None or self.has_work:
+            return 0
+        ran = 0
+        params = SamplingParams(max_tokens=2 * steps + 2, temperature=0.0, ignore_eos=True)
+        try:
+            for b in sorted({min(max(1, x), self.max_batch_size) for x in batch_sizes}):
+                # ids below zero: the requests users submit keep theirs from 0
+                reqs = [Request(-1 - i, list(prompt), params, None, generator=torch.Generator().manual_seed(i))
+                        for i in range(b)]
+                for r in reqs:
+                    self.submit(r)
+                for forced in [True, False] * steps:
+                    self._forced = forced
+                    if not self.has_work:
+                        break
+                    self.step()
+                    ran += 1
+                for r in reqs:
+                    self.abort(r)
+        finally:
+            self._forced = None
+        return ran
 
     def _pack(self, selected, ctx: torch.Tensor):
         """Flatten & pack. With CUDA models and the plugin built, the packing runs in the plugin's CUDA kernel

@@ -111,3 +111,93 @@ def test_a_block_never_accepted_is_not_priced_at_zero():
     assert model.estimate(torch.tensor([0.2]), 1).item() == pytest.approx(0.5 / 8)
     # then blocks 1 of 2 (0.5, 0.6) and 1 of 1 (0.9): 1.5 / 3 and 1.5 / 2
     assert model.estimate(torch.tensor([0.55, 0.95]), 1).tolist() == pytest.approx([0.5, 0.75])
+
+
+# ---------------------------------------------------------------- OnlineAcceptance
+
+
+def weighted_minmax(y: list[float], w: list[float]) -> list[float]:
+    """The min-max formula with weights: y*_i = max_{a <= i} min_{b >= i} (weighted mean of y_a..y_b)."""
+    n = len(y)
+
+    def mean(a, b):
+        return sum(y[k] * w[k] for k in range(a, b + 1)) / sum(w[a : b + 1])
+
+    return [max(min(mean(a, b) for b in range(i, n)) for a in range(i + 1)) for i in range(n)]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_online_estimate_is_the_weighted_isotonic_fit_of_the_bins(seed):
+    """Per bin, (accepted + prior weight x prior) / (count + prior weight) after the decay, made non-decreasing by
+    the weighted min-max formula, read at the bins' mean confidences: computed here by hand from the raw samples."""
+    from echo_trtllm.core.acceptance import BIN_EDGES, OnlineAcceptance
+
+    gen = torch.Generator().manual_seed(seed)
+    online = OnlineAcceptance(2, prior_weight=3.0, half_life=5.0)
+    steps = []
+    for _ in range(6):
+        n = int(torch.randint(5, 40, (1,), generator=gen))
+        c = torch.rand(n, generator=gen, dtype=torch.float64)
+        a = torch.rand(n, generator=gen) < (c.float() * 0.8 if seed % 2 else torch.rand(n, generator=gen))
+        online.observe(torch.ones(n, dtype=torch.long), c, a)
+        steps.append((c, a))
+    decay = 0.5 ** (1 / 5.0)
+    bins = len(BIN_EDGES) - 1
+    k, cnt, csum = [0.0] * bins, [0.0] * bins, [0.0] * bins
+    for age, (c, a) in enumerate(reversed(steps)):
+        for ci, ai in zip(c.tolist(), a.tolist()):
+            b = max(i for i in range(bins) if BIN_EDGES[i] <= ci)
+            f = decay ** age
+            k[b] += f * ai
+            cnt[b] += f
+            csum[b] += f * ci
+    mids = [(BIN_EDGES[i] + BIN_EDGES[i + 1]) / 2 for i in range(bins)]
+    raw = [(k[b] + 3.0 * mids[b]) / (cnt[b] + 3.0) for b in range(bins)]
+    fit = weighted_minmax(raw, [cnt[b] + 3.0 for b in range(bins)])
+    centres = [csum[b] / cnt[b] if cnt[b] > 1e-9 else mids[b] for b in range(bins)]
+    probe = torch.tensor(centres, dtype=torch.float64)
+    torch.testing.assert_close(online.estimate(probe, 1), torch.tensor(fit, dtype=torch.float64))
+
+
+def test_the_online_threshold_is_where_the_estimate_crosses_lambda():
+    from echo_trtllm.core.acceptance import OnlineAcceptance
+
+    gen = torch.Generator().manual_seed(0)
+    online = OnlineAcceptance(3)
+    c = torch.rand(2000, generator=gen, dtype=torch.float64)
+    online.observe(torch.full((2000,), 2), c, torch.rand(2000, generator=gen, dtype=torch.float64) < c ** 2)
+    for lam in (0.05, 0.2, 0.5, 0.8):
+        tau = online.threshold(2, lam)
+        assert 0.0 < tau < 1.0
+        est = online.estimate(torch.tensor([tau - 1e-3, tau + 1e-3], dtype=torch.float64), 2)
+        assert float(est[0]) < lam <= float(est[1]) + 1e-9
+        assert abs(tau - lam ** 0.5) < 0.08  # the truth: accepted with probability c^2
+    never = OnlineAcceptance(1)
+    never.observe(torch.ones(500, dtype=torch.long), c[:500], torch.zeros(500, dtype=torch.bool))
+    assert never.threshold(1, 0.5) == 1.0  # nobody reaches it
+    assert never.threshold(1, 0.0) == 0.0  # everybody does
+
+
+def test_the_online_estimate_starts_from_the_calibration_and_follows_a_changing_workload():
+    """Prior: a calibration whose depth-1 nodes at confidence 0.8 were all rejected. Traffic in which they are
+    accepted 90 % of the time lifts the estimate there within a few half-lives (the calibration's prior still
+    holds the bins above, where no traffic fell, and pools a little of it down); prose in which they are accepted
+    10 % of the time brings it back down; code again lifts it."""
+    from echo_trtllm.core.acceptance import OnlineAcceptance
+
+    calibration = AcceptanceModel.from_samples(torch.ones(64, dtype=torch.long), torch.full((64,), 0.8),
+                                               torch.zeros(64, dtype=torch.bool))
+    online = OnlineAcceptance(2, calibration, prior_weight=4.0, half_life=32.0)
+    probe = torch.tensor([0.8], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(1)
+    assert float(online.estimate(probe, 1)) < 0.05
+
+    def traffic(rate, steps):
+        for _ in range(steps):
+            online.observe(torch.ones(4, dtype=torch.long), torch.full((4,), 0.8, dtype=torch.float64),
+                           torch.rand(4, generator=gen) < rate)
+        return float(online.estimate(probe, 1))
+
+    assert traffic(0.9, 100) > 0.7  # code
+    assert traffic(0.1, 100) < 0.2  # prose
+    assert traffic(0.9, 100) > 0.7  # code again

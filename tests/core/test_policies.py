@@ -30,7 +30,7 @@ def test_registry_holds_every_policy_with_capabilities():
     assert not POLICIES["ar"].needs_draft_model
     assert all(POLICIES[n].needs_draft_model for n in POLICY_NAMES if n != "ar")
     assert {n for n in POLICY_NAMES if POLICIES[n].shares_budget} == {"echo", "echo-dense", "echo-fixed",
-                                                                       "echo-no-budget-stop", "echo-always-draft"}
+                                                                       "echo-no-budget-stop"}
     assert not POLICIES["static"].is_dynamic and POLICIES["eagle2"].is_dynamic
 
 

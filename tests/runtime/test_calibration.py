@@ -99,15 +99,28 @@ def test_calibration_is_valid_and_round_trips(calibration, tmp_path):
 
 
 def test_the_policy_gets_the_calibrated_gate_at_construction(calibration):
-    """One way in: make_policy(config, cost_model, gate_samples); each variant's gate at the warm-up's batch size
-    is the calibration's own result, and another max_depth is refused."""
+    """One way in: make_policy(config, cost_model, gate_samples). The sparse gate sits at the calibration's sweet-spot
+    depths (dense: every depth), and each threshold is where the acceptance estimates, whose prior is the
+    calibration's isotonic map, cross the break-even probability at the batch size: just above tau_d a node is
+    worth verifying, just below it is not. echo-fixed uses one threshold. Another max_depth is refused."""
+    from echo_trtllm.core.cost import break_even_accept_prob
+
     samples = calibration.gate_samples()
     b = calibration.operating_batch_size
-    for policy, variant in (("echo", "gate_config"), ("echo-dense", "dense_gate_config"),
-                            ("echo-fixed", "fixed_gate_config")):
+    lam = break_even_accept_prob(calibration.cost_model, b, EchoConfig().beam_width)
+    for policy, depths in (("echo", calibration.gate.gate_config().depths), ("echo-dense", (1, 2, 3, 4, 5)),
+                           ("echo-fixed", calibration.gate.gate_config().depths)):
         p = make_policy(EchoConfig(max_depth=5, policy=policy), calibration.cost_model, samples)
         assert p.gates.source == "calibration"
-        assert p.gate_for(b) == getattr(calibration.gate, variant)()
+        gate = p.gate_for(b)
+        assert gate.depths == depths
+        if policy == "echo-fixed":
+            assert len(set(gate.thresholds)) == 1
+            continue
+        for d, tau in zip(gate.depths, gate.thresholds):
+            above = float(p.acceptance_estimates(torch.tensor([min(tau + 1e-3, 1.0)], dtype=torch.float64), d))
+            below = float(p.acceptance_estimates(torch.tensor([max(tau - 1e-3, 0.0)], dtype=torch.float64), d))
+            assert (tau >= 1.0 or above >= lam - 1e-9) and (tau <= 0.0 or below < lam + 1e-9), (d, tau, above, below)
     with pytest.raises(ValueError, match="max_depth=5 but the config has max_depth=6"):
         make_policy(EchoConfig(max_depth=6), calibration.cost_model, samples)
     with pytest.raises(ValueError, match="max_depth=5 but the config has max_depth=6"):
@@ -123,7 +136,7 @@ def test_calibrated_engine_directory_is_used_and_lossless(calibration, tmp_path,
     with LLM(engine_dir=out, max_batch_size=4) as llm, LLM(DEFAULT_TARGET, speculative_config=EchoConfig(policy="ar"),
                                                            max_batch_size=4, dtype="float32") as ar:
         ex = llm.executor
-        assert ex.cost_model == calibration.cost_model and ex.tracker is not None
+        assert ex.cost_model == calibration.cost_model and ex.controller is not None
         assert ex.policy.gates.source == "calibration" and ex.config.gate_depths is None
         assert ex.policy.gate_for(4) == calibration.gate.gate_config()
         got = [o.token_ids for o in llm.generate(prompts[:6], sp)]

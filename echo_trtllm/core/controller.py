@@ -1,0 +1,345 @@
+"""Whether a step speculates: measured outcomes, learned prices, and a bounded exploration budget.
+
+Before every step `SpeculationController.decide(B, C, catch_up)` compares the two modes at this batch size and
+context, in tokens per second:
+
+    plain         B / t_plain(B, C)                       t from the online cost model (`core/prices.py`)
+    speculative   sum_j w_j e_j s_j / sum_j w_j t_j'      over the last speculative steps j
+
+where step j (B_j requests, T_j verified tokens, draft forwards d_j, e_j tokens emitted) is rescaled to this batch:
+s_j = B / B_j, T_j' = B + (T_j - B_j) s_j, d_j' = d_j s_j (its catch-up taken out: steady speculation), and t_j'
+is what the cost model prices that shape at now, at this context. The weights
+w_j = 2^(-rank_j / memory_half_life) * 2^(-age_j / half_life) * exp(-(log2 B - log2 B_j)^2 / 2): the newest
+speculative steps count most (rank 0 is the last one; a workload that changes is followed within a few dozen
+speculative steps), steps long past fade (age in steps: evidence goes stale while plain steps run), and steps at
+nearby batch sizes count most, so a batch size never seen speculating is judged by its neighbours' trees priced at
+its own size. A ratio of averages (tokens over
+seconds), not an average of rates: a lucky step does not count for more than its time.
+
+The estimate includes one prior pseudo-step at break-even (the plain rate), so a few steps move it only part of the
+way. The ratio r = speculative / plain has an uncertainty (log scale): the sampling variance of the ratio estimate
+(delta method, the prior step's relative deviation `prior_sd` included; with fewer than MIN_EVIDENCE effective
+steps, (sum w)^2 / sum w^2, at least 1: three unlucky probes are not proof either way) and
+the cost model's variance of log(t_spec / t_plain) (its covariance read along the two shapes' relative features;
+a slowdown of the whole machine cancels in the ratio). With z = `z`:
+
+    r * exp(-z s) > 1          speculate ("exploit": the gain is positive beyond its uncertainty)
+    r > 1 otherwise            speculate as a probe: its expected loss is negative (free while credit >= 0)
+    r <= 1 < r * exp(+z s)     plain, unless the exploration budget covers a probe's expected loss ("probe")
+    r * exp(+z s) < 1          plain, unless the budget is more than half full after the probe's expected loss
+                               (a check that the workload has not changed)
+    no evidence near B         as the uncertain case, the probe's expected loss priced with no gain at all
+
+Where most of the doubt is the plain step's own price (its share of the variance at least half; with no evidence,
+a deviation above `PLAIN_KNOWN`), a plain step is run instead of a speculative probe: it is safe, and it is the
+measurement that resolves the doubt.
+
+Exploration budget (`credit`, in step-equivalents: tokens / B, so one step of the batch's worth is 1): every step
+adds `explore_share` x its tokens per request; a probe may run when the credit covers its expected loss (the
+tokens it is expected to emit short of what the other mode would in the same time, plus the draft's catch-up
+time, which steady speculation does not pay) and is charged its measured loss afterwards (a probe that gains
+pays credit back; the credit is capped at `max_credit`). So exploration costs at most `explore_share` of the
+tokens in steady state, plus the `initial_credit` a start spends, and `stats` measures what it really cost.
+A probe whose expected loss is negative (the estimate favours speculation but not beyond its uncertainty) is
+free in expectation and runs while the credit is not negative: that is how speculation that pays gathers the
+evidence to be exploited. While speculating, a plain step is run as a probe every `plain_probe_every` steps near
+this batch size (credit permitting), so the plain side of the comparison is measured too.
+
+Nothing here reads a clock or a model: the engine hands in `StepSample`s (`core/steps.py`) and token counts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .prices import StepCostModel
+from .steps import CONTEXT_SCALE, KNOTS, StepSample, hat, sample_features
+
+__all__ = ["SpeculationController", "Decision", "ControllerStats"]
+
+MAX_FORWARDS = 16  # draft forwards per step a record keeps (deeper trees are priced at their first 16)
+# a plain step's price is taken as known when its relative deviation is below this (else it is measured first)
+PLAIN_KNOWN = 0.1
+# effective speculative steps (sum w)^2 / sum w^2 below which the estimate is never confident either way
+MIN_EVIDENCE = 4.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One step's choice and what it expected."""
+
+    speculate: bool
+    # "exploit" | "probe" | "plain" | "plain-probe" | "forced"
+    reason: str
+    batch_size: int
+    # speculative / plain tokens per second as estimated (nan: no evidence near this batch size) and its bounds
+    ratio: float = math.nan
+    low: float = 0.0
+    high: float = math.inf
+    # predicted seconds of a plain step and of a steady speculative step of this batch (nan: unknown)
+    plain_seconds: float = math.nan
+    spec_seconds: float = math.nan
+    # step-equivalents the chosen mode is expected to lose against the other (exploration; 0 for exploits)
+    expected_loss: float = 0.0
+
+    @property
+    def probe(self) -> bool:
+        return self.reason in ("probe", "plain-probe")
+
+    @property
+    def expected_rate(self) -> float:
+        """Tokens per second the choice expected (nan when unknown)."""
+        plain = self.batch_size / self.plain_seconds if self.plain_seconds > 0 else math.nan
+        return plain * self.ratio if self.speculate else plain
+
+
+@dataclass
+class ControllerStats:
+    """What the controller did and what exploration cost, measured."""
+
+    steps: int = 0
+    speculative_steps: int = 0
+    probes: int = 0  # speculative probes
+    plain_probes: int = 0
+    tokens: float = 0.0  # tokens emitted
+    exploration_loss: float = 0.0  # tokens the probes emitted short of the other mode in the same time (>= 0 each)
+    exploration_gain: float = 0.0  # tokens probes emitted beyond it (a probe that paid)
+
+    @property
+    def exploration_share(self) -> float:
+        """Tokens lost to probes, net of what probes gained, over tokens emitted (what the budget bounds)."""
+        return max(self.exploration_loss - self.exploration_gain, 0.0) / self.tokens if self.tokens else 0.0
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "speculative_steps": self.speculative_steps, "probes": self.probes,
+                "plain_probes": self.plain_probes, "tokens": self.tokens,
+                "exploration_loss_tokens": round(self.exploration_loss, 2),
+                "exploration_gain_tokens": round(self.exploration_gain, 2),
+                "exploration_share": round(self.exploration_share, 5)}
+
+
+class _Records:
+    """The last `capacity` speculative steps (a ring buffer of arrays), and per batch size B the features of each
+    step rescaled to B, built once per record and B (`at`), so a decision costs a few products of small matrices.
+    Features are kept without the context (its two columns are the tokens, multiplied by the context when read)."""
+
+    KEEP_SIZES = 8  # batch sizes whose rescaled features are kept at once
+
+    def __init__(self, capacity: int) -> None:
+        c = self.capacity = capacity
+        self.size = self.head = 0
+        self.step, self.batch, self.verified = np.zeros(c), np.ones(c), np.ones(c)
+        self.emitted, self.catch_up, self.drafts = np.zeros(c), np.zeros(c), np.zeros((c, MAX_FORWARDS))
+        self._scaled: dict[int, dict] = {}  # B -> rescaled features and which rows are current
+
+    def add(self, step: int, sample: StepSample, emitted: float) -> None:
+        i = self.head
+        self.step[i], self.batch[i], self.verified[i] = step, sample.batch_size, sample.verified_tokens
+        self.emitted[i], self.catch_up[i] = emitted, sample.catch_up_tokens
+        self.drafts[i] = 0.0
+        tokens = sample.draft_tokens[:MAX_FORWARDS]
+        self.drafts[i, : len(tokens)] = tokens
+        for cache in self._scaled.values():
+            cache["valid"][i] = False
+        self.head = (self.head + 1) % self.capacity
+        self.size = min(self.size + 1, self.capacity)
+
+    def at(self, b: int) -> dict:
+        """Every kept step rescaled to batch size b (the controller's docstring): its drafting features without
+        the context column and its draft tokens (d, dt), its verification features likewise and verified tokens
+        (v, vt), and its tokens (e), each over the first `size` rows."""
+        cache = self._scaled.get(b)
+        if cache is None:
+            if len(self._scaled) >= self.KEEP_SIZES:
+                self._scaled.pop(next(iter(self._scaled)))
+            c = self.capacity
+            cache = self._scaled[b] = {"valid": np.zeros(c, dtype=bool), "d": np.zeros((c, len(KNOTS) + 2)),
+                                       "dt": np.zeros(c), "v": np.zeros((c, len(KNOTS) + 2)), "vt": np.zeros(c),
+                                       "e": np.zeros(c)}
+        stale = np.flatnonzero(~cache["valid"][: self.size])
+        if stale.size:
+            s = b / self.batch[stale]
+            verified = b + (self.verified[stale] - self.batch[stale]) * s
+            drafts = self.drafts[stale] * s[:, None]
+            drafts[:, 0] -= self.catch_up[stale] * s  # steady speculation: no catch-up
+            drafts = np.where(self.drafts[stale] > 0, np.maximum(drafts, 1.0), 0.0)  # a forward reads >= 1 token
+            spec = (drafts.sum(axis=1) > 0).astype(np.float64)
+            cache["d"][stale] = np.column_stack([np.ones(stale.size), spec, hat(drafts).sum(axis=1)])
+            cache["dt"][stale] = drafts.sum(axis=1)
+            cache["v"][stale] = np.column_stack([hat(verified), np.full(stale.size, float(b)), spec])
+            cache["vt"][stale] = verified
+            cache["e"][stale] = self.emitted[stale] * s
+            cache["valid"][stale] = True
+        n = self.size
+        return {k: v[:n] for k, v in cache.items() if k != "valid"}
+
+
+class SpeculationController:
+    """Decides, before drafting, whether a step speculates (module docstring)."""
+
+    def __init__(self, cost: StepCostModel, explore_share: float = 0.01, z: float = 1.0, prior_sd: float = 0.5,
+                 half_life: float = 1024.0, memory_half_life: float = 16.0, bandwidth: float = 1.0, memory: int = 256,
+                 initial_credit: float = 2.0, max_credit: float = 8.0, plain_probe_every: int = 64,
+                 min_weight: float = 0.05) -> None:
+        if not 0 <= explore_share < 1:
+            raise ValueError(f"explore_share must lie in [0, 1), got {explore_share}")
+        for name, v in (("z", z), ("prior_sd", prior_sd), ("half_life", half_life),
+                        ("memory_half_life", memory_half_life), ("bandwidth", bandwidth), ("min_weight", min_weight)):
+            if not v > 0:
+                raise ValueError(f"SpeculationController.{name} must be > 0, got {v}")
+        if memory < 1 or plain_probe_every < 1:
+            raise ValueError("SpeculationController.memory and plain_probe_every must be >= 1")
+        if not 0 <= initial_credit <= max_credit:
+            raise ValueError("SpeculationController needs 0 <= initial_credit <= max_credit")
+        self.cost = cost
+        self.explore_share, self.z, self.prior_sd = explore_share, z, prior_sd
+        self.decay = 0.5 ** (1.0 / half_life)
+        self.rank_decay = 0.5 ** (1.0 / memory_half_life)
+        self.bandwidth, self.min_weight = bandwidth, min_weight
+        self.records = _Records(memory)
+        self.credit, self.max_credit = initial_credit, max_credit
+        self.plain_probe_every = plain_probe_every
+        self.step = 0
+        # log2 batch bucket -> step of its last plain step (or of its first decision, before any)
+        self.last_plain: dict[int, int] = {}
+        self.stats = ControllerStats()
+
+    # ------------------------------------------------------------------ estimate
+
+    def estimate(self, batch_size: int, context: float) -> tuple[float, float, float, float, float]:
+        """(ratio, log-scale deviation, plain seconds, steady speculative seconds, the plain price's own relative
+        variance) at this batch size and context; ratio nan when the recent speculative steps say nothing about
+        it."""
+        cost = self.cost
+        plain_d, plain_v = sample_features(StepSample(batch_size, batch_size, context))
+        theta_d, theta_v = cost.drafting.theta, cost.verification.theta
+        t_plain = max(float(plain_d @ theta_d), 1e-6) + max(float(plain_v @ theta_v), 1e-6)
+        g_d, g_v = plain_d / t_plain, plain_v / t_plain
+        plain_var = float(g_d @ cost.drafting.cov @ g_d + g_v @ cost.verification.cov @ g_v)
+        if not self.records.size:
+            return math.nan, math.inf, t_plain, math.nan, plain_var
+        b = float(batch_size)
+        rec = self.records
+        n = rec.size
+        rank = (rec.head - 1 - np.arange(n)) % rec.capacity  # 0: the newest
+        w = self.rank_decay ** rank * self.decay ** (self.step - rec.step[:n]) * np.exp(
+            -((np.log2(b) - np.log2(rec.batch[:n])) ** 2) / (2 * self.bandwidth ** 2))
+        total = float(w.sum())
+        if total < self.min_weight:
+            return math.nan, math.inf, t_plain, math.nan, plain_var
+        f = rec.at(batch_size)
+        k = len(KNOTS)
+        ctx = context / CONTEXT_SCALE
+        # seconds of each rescaled step at this context: the features without the context, then its columns
+        seconds = (np.maximum(f["d"] @ theta_d[:-1] + f["dt"] * ctx * theta_d[-1], 1e-6)
+                   + np.maximum(f["v"] @ theta_v[[*range(k), k + 1, k + 2]] + f["vt"] * ctx * theta_v[k], 1e-6))
+        tokens = f["e"]
+        ws = float(w @ seconds)
+        t_spec = ws / total
+        # one prior pseudo-step at break-even (the plain rate for t_spec seconds): a few steps move the estimate
+        # only part of the way from "no better, no worse"
+        rate = (float(w @ tokens) + b / t_plain * t_spec) / (ws + t_spec)
+        # the ratio estimator's sampling variance (delta method), the prior step's deviation prior_sd included;
+        # below MIN_EVIDENCE effective steps the evidence is too thin to call either way
+        resid = tokens - rate * seconds
+        den = ws + t_spec
+        var = (float((w * w) @ (resid * resid)) + (self.prior_sd * rate * t_spec) ** 2) / den ** 2
+        rel_sampling = var / rate ** 2 if rate > 0 else math.inf
+        if total * total / float(w @ w) < MIN_EVIDENCE:
+            rel_sampling = max(rel_sampling, 1.0)
+        # the prices' uncertainty about t_spec / t_plain: the mean speculative step's features against the plain's
+        mean_d = np.concatenate([(w @ f["d"]) / total, [float(w @ f["dt"]) / total * ctx]])
+        v = (w @ f["v"]) / total
+        mean_v = np.concatenate([v[:k], [float(w @ f["vt"]) / total * ctx], v[k:]])
+        g_d, g_v = mean_d / t_spec - plain_d / t_plain, mean_v / t_spec - plain_v / t_plain
+        rel_model = float(g_d @ cost.drafting.cov @ g_d + g_v @ cost.verification.cov @ g_v)
+        ratio = rate * t_plain / b
+        return ratio, math.sqrt(rel_sampling + rel_model), t_plain, t_spec, plain_var
+
+    # ------------------------------------------------------------------ decide
+
+    def decide(self, batch_size: int, context: float, catch_up_tokens: int = 0) -> Decision:
+        """The choice for a step of `batch_size` requests at `context`; catch_up_tokens: what the draft would have
+        to read first beyond steady speculation (after plain steps), charged to a probe."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        ratio, dev, t_plain, t_spec, plain_var = self.estimate(batch_size, context)
+        catch_up = 0.0
+        if catch_up_tokens > 0:
+            catch_up = float(self.cost.prices.draft_time(int(catch_up_tokens), context))
+        common = dict(batch_size=batch_size, plain_seconds=t_plain)
+        if math.isnan(ratio):  # nothing known near this batch: a probe that gains nothing, one draft level deep
+            if plain_var > PLAIN_KNOWN ** 2:  # the plain price itself is a guess: measure it first (safe)
+                return Decision(False, "plain", **common)
+            probe = float(self.cost.predict(batch_size, 2 * batch_size, context,
+                                            np.array([[2 * batch_size + catch_up_tokens]]))[0][0])
+            loss = probe / t_plain - 1.0
+            if self.credit >= loss:
+                return Decision(True, "probe", expected_loss=loss, spec_seconds=probe, **common)
+            return Decision(False, "plain", **common)
+        low, high = ratio * math.exp(-self.z * dev), ratio * math.exp(self.z * dev)
+        common.update(ratio=ratio, low=low, high=high, spec_seconds=t_spec)
+        # where most of the doubt is the plain step's price, a plain step is what resolves it
+        plain_doubt = plain_var >= 0.5 * dev ** 2
+        if ratio > 1.0:  # speculation is expected to pay: exploit it, or probe it for free where it is uncertain
+            waited = self.step - self.last_plain.setdefault(self._bucket(batch_size), self.step)
+            loss = ratio - 1.0  # a plain step instead: its tokens short of speculation's, per request
+            if (waited >= self.plain_probe_every or (plain_doubt and low <= 1.0)) and self.credit >= loss:
+                return Decision(False, "plain-probe", expected_loss=loss, **common)
+            if low > 1.0:
+                return Decision(True, "exploit", **common)
+            loss = (1.0 - ratio) * t_spec / t_plain + catch_up / t_plain
+            return Decision(self.credit >= max(loss, 0.0), "probe" if self.credit >= max(loss, 0.0) else "plain",
+                            expected_loss=loss, **common)
+        loss = (1.0 - ratio) * t_spec / t_plain + catch_up / t_plain
+        # a loss within the uncertainty may be probed whenever the credit covers it; a confident loss only from the
+        # upper half of the budget (a check that the workload has not changed; a probe that pays funds the next)
+        reserve = 0.0 if high >= 1.0 else self.max_credit / 2
+        if not plain_doubt and self.credit - loss >= reserve:
+            return Decision(True, "probe", expected_loss=loss, **common)
+        return Decision(False, "plain", **common)
+
+    @staticmethod
+    def _bucket(batch_size: int) -> int:
+        return int(round(math.log2(batch_size)))
+
+    # ------------------------------------------------------------------ learn
+
+    def record(self, sample: StepSample, produced: float) -> None:
+        """Evidence without a decision (the engine's warm-up at load): a speculative step joins the records as the
+        oldest evidence there is; no step, credit or statistic is counted."""
+        if sample.speculated:
+            self.records.add(self.step, sample, produced)
+
+    def observe(self, sample: StepSample, produced: float, decision: Decision | None = None) -> None:
+        """A step's outcome: its sample (already given to the cost model or not: the controller reads the model's
+        current prices) and the tokens it produced (before stop conditions cut any). decision: what `decide` said
+        (None: the engine chose the mode itself, e.g. pure speculation; nothing is charged to exploration)."""
+        b = sample.batch_size
+        self.step += 1
+        st = self.stats
+        st.steps += 1
+        st.tokens += produced
+        if sample.speculated:
+            st.speculative_steps += 1
+            self.records.add(self.step, sample, produced)
+        else:
+            self.last_plain[self._bucket(b)] = self.step
+        self.credit = min(self.max_credit, self.credit + self.explore_share * produced / b)
+        if decision is None or not decision.probe:
+            return
+        t_plain = decision.plain_seconds
+        if decision.speculate:  # tokens short of what plain steps would have emitted in the same time
+            st.probes += 1
+            lost = sample.seconds / t_plain * b - produced
+        else:
+            st.plain_probes += 1
+            lost = decision.ratio * sample.seconds / t_plain * b - produced
+        if lost >= 0:
+            st.exploration_loss += lost
+        else:
+            st.exploration_gain -= lost
+        self.credit = min(self.max_credit, self.credit - lost / b)

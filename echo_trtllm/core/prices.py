@@ -1,0 +1,362 @@
+"""Prices learned from the engine's own steps: a whole-step cost model fitted online, read by every decision.
+
+`StepCostModel` prices a step as the sum of its two phases (`core/steps.py`: drafting, verification), each a
+linear function of the step's features whose coefficients are tracked by a Kalman filter (`KalmanLinear`):
+
+    seconds of a phase = features(step) . theta + noise
+    theta               a random walk: theta_next = theta + drift
+
+- **One model for every batch size.** The token axis is a piecewise-linear curve through fixed knots shared by all
+  batch sizes, so a batch size never seen is priced from its neighbours; the prior correlates neighbouring knots,
+  so a step at 16 tokens also moves the price at 8 and 32.
+- **Forgetting.** The drift has a common part (every coefficient scaled together: the machine got slower or faster;
+  `drift_common`, relative per step) and an independent part (`drift_each`): the filter follows a machine whose
+  speed changes, and what a stretch of steps never touches grows uncertain rather than stale. The variance of a
+  coefficient is capped at its prior's, so nothing grows without bound in a long run.
+- **Warm start.** `from_cost_model` turns what the runtime measured at load (forward times by tokens; with a grid,
+  by context too) into the prior mean; the runtime then runs a few real steps, speculative and plain, through the
+  same update (`Executor.warm_up`), so drafting and host work are priced before the first request.
+- **Noise.** The measurement noise is relative (a step of 1 s varies more than one of 10 ms), its scale the running
+  mean of the absolute relative residuals; an innovation beyond `huber` standard deviations is clipped, so one step
+  slowed by another process (a shared machine only ever adds time) moves the prices by a bounded amount.
+- **Uncertainty.** `predict` returns each prediction's variance (the coefficients' covariance read along the
+  features); the speculation controller reads the covariance along the difference of two step shapes' relative
+  features, the variance of log(t_a / t_b), which is what a decision between them needs: a slowdown of the whole
+  machine changes both and not their ratio (the common drift cancels).
+
+`StepPrices` is the read interface the policies' rules use (`verify_time`, `draft_level_time`, `drafting_time`,
+`control_seconds`, as `core.cost.CostModel` offers them), always reading the current coefficients.
+
+Example (`tests/core/test_prices.py`): the truth t = 2 ms + 0.1 ms per token; a prior that believes 4 ms + 0.1 ms per
+token; after 30 steps at 8, 16 and 64 tokens the prices at 8-64 tokens are within 3 % and the price at 32 tokens,
+never measured, follows from its neighbours.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .steps import (CONTEXT_SCALE, DRAFTING_FEATURES, KNOTS, VERIFICATION_FEATURES, StepSample, drafting_features,
+                    hat_at, sample_features, verification_features)
+
+__all__ = ["KalmanLinear", "StepCostModel", "StepPrices", "StepPrediction"]
+
+# a prediction is never below this many seconds (a relative noise needs a positive scale)
+MIN_SECONDS = 1e-6
+# the prior deviation of attention's cost where no grid measured it, in 64-token steps at 1,024 cached tokens
+ATTENTION_PRIOR = 16.0
+
+
+class KalmanLinear:
+    """y = phi . theta + e, theta a random walk (module docstring); numpy float64, host-side, small (n ~ 16)."""
+
+    def __init__(self, mean: np.ndarray, cov: np.ndarray, drift_common: float = 0.02, drift_each: float = 0.002,
+                 noise: float = 0.1, noise_floor: float = 0.02, noise_rate: float = 0.05, huber: float = 2.5) -> None:
+        mean = np.asarray(mean, dtype=np.float64).copy()
+        cov = np.asarray(cov, dtype=np.float64).copy()
+        if mean.ndim != 1 or cov.shape != (mean.size, mean.size):
+            raise ValueError(f"KalmanLinear: mean must be (n,) and cov (n, n), got {mean.shape} and {cov.shape}")
+        if not np.all(np.isfinite(mean)) or not np.all(np.isfinite(cov)):
+            raise ValueError("KalmanLinear: mean and cov must be finite")
+        for name, v in (("drift_common", drift_common), ("drift_each", drift_each), ("noise", noise),
+                        ("noise_floor", noise_floor), ("noise_rate", noise_rate), ("huber", huber)):
+            if not v >= 0:
+                raise ValueError(f"KalmanLinear.{name} must be >= 0, got {v}")
+        self.theta, self.cov = np.maximum(mean, 0.0), (cov + cov.T) / 2  # float64, updated in place
+        self.prior_sd = np.sqrt(np.diag(self.cov)).copy()
+        self._cap = self.prior_sd ** 2  # no coefficient becomes more uncertain than its prior
+        self.drift_common, self.drift_each = drift_common, drift_each
+        self.noise, self.noise_floor, self.noise_rate, self.huber = noise, noise_floor, noise_rate, huber
+        self.updates = 0
+
+    def predict(self, phi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(mean, variance of the mean) of phi . theta for phi (n, features)."""
+        phi = np.atleast_2d(phi)
+        mean = phi @ self.theta
+        var = np.einsum("ij,jk,ik->i", phi, self.cov, phi)
+        return np.maximum(mean, MIN_SECONDS), np.maximum(var, 0.0)
+
+    def _drift(self) -> None:
+        """One step of the random walk: common (scale) and independent parts, each relative to the coefficient
+        (with a floor of 5 % of its prior's deviation, so a coefficient at zero can still move)."""
+        level = np.maximum(self.theta, 0.05 * self.prior_sd)
+        self.cov += self.drift_common ** 2 * np.outer(self.theta, self.theta)
+        diagonal = self.cov.reshape(-1)[:: self.theta.size + 1]  # a view of the diagonal
+        diagonal += (self.drift_each * level) ** 2
+        over = diagonal > self._cap
+        if over.any():  # a congruence D P D keeps the matrix positive semi-definite
+            d = np.ones_like(self.theta)
+            d[over] = np.sqrt(self._cap[over] / diagonal[over])
+            self.cov *= np.outer(d, d)
+
+    def update(self, phi: np.ndarray, y: float) -> float:
+        """One measured y at features phi (features,): drift, then the measurement. Returns the prediction before
+        the update."""
+        self._drift()
+        predicted = max(float(phi @ self.theta), MIN_SECONDS)
+        r = y - predicted
+        scale = max(predicted, y, MIN_SECONDS)  # relative to the larger: a tiny prediction is no yardstick
+        noise_var = self.last_noise_var = (self.noise * scale) ** 2
+        p_phi = self.cov @ phi
+        s = float(phi @ p_phi) + noise_var
+        bound = self.huber * math.sqrt(s)
+        clipped = max(-bound, min(bound, r))
+        gain = p_phi / s
+        self.theta += gain * clipped
+        np.maximum(self.theta, 0.0, out=self.theta)
+        self.cov -= np.outer(gain, p_phi)  # symmetric: (P phi)(P phi)^T / s
+        # the noise scale: running mean absolute relative residual (x 1.25: the normal's sd from its mean |x|)
+        rel = abs(clipped) / scale
+        self.noise = max(self.noise_floor, (1 - self.noise_rate) * self.noise + self.noise_rate * 1.2533 * rel)
+        self.updates += 1
+        return predicted
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """What the model predicted for a step (before it learned from it) and what was measured."""
+
+    drafting: float
+    verification: float
+    measured_drafting: float
+    measured_verification: float
+
+    @property
+    def seconds(self) -> float:
+        return self.drafting + self.verification
+
+    @property
+    def measured(self) -> float:
+        return self.measured_drafting + self.measured_verification
+
+    @property
+    def relative_error(self) -> float:
+        """(predicted - measured) / measured of the whole step."""
+        return (self.seconds - self.measured) / max(self.measured, MIN_SECONDS)
+
+
+def _knot_cov(values: np.ndarray, relative: float, correlation: float) -> np.ndarray:
+    """Prior covariance of a curve's knot values: sd = relative x value (at least 5 % of the largest value, so a
+    knot measured at zero can still learn), correlation**|i - j| between knots i and j."""
+    sd = np.maximum(relative * values, 0.05 * max(values.max(), MIN_SECONDS))
+    i = np.arange(values.size)
+    return np.outer(sd, sd) * correlation ** np.abs(i[:, None] - i[None, :])
+
+
+class StepCostModel:
+    """Whole-step seconds = drafting phase + verification phase, each a `KalmanLinear` (module docstring)."""
+
+    def __init__(self, drafting: KalmanLinear, verification: KalmanLinear) -> None:
+        if drafting.theta.size != len(DRAFTING_FEATURES) or verification.theta.size != len(VERIFICATION_FEATURES):
+            raise ValueError(f"StepCostModel needs {len(DRAFTING_FEATURES)} drafting and {len(VERIFICATION_FEATURES)} "
+                             "verification coefficients (core/steps.py)")
+        self.drafting, self.verification = drafting, verification
+        self.version = 0  # bumped by every observation; readers cache per version
+        self.default_context = 64.0  # the last step's context: what a reader that does not know the context gets
+        self.prices = StepPrices(self)
+        self.history: list[StepPrediction] = []  # the last `HISTORY` predictions, for reports
+
+    HISTORY = 4096
+
+    @classmethod
+    def from_cost_model(cls, cost, relative: float = 0.5, correlation: float = 0.8, **kalman) -> "StepCostModel":
+        """The prior from forward times measured at load (`core.cost.CostModel`): each verification knot at the
+        curve's forward time (context 64; its attention part taken out when a grid gives the context slope) plus the
+        fitted per-step overhead, each draft knot at the draft forward plus the per-level overhead; `relative`
+        standard deviation, `correlation` between neighbouring knots. The terms the load does not measure (per
+        request, the speculative constants, attention without a grid) start at zero (or the fitted control time)
+        with deviations on the scale of a one-token step."""
+        knots = torch.tensor(KNOTS, dtype=torch.float64)
+        att_v = _context_slope(cost, "grid")
+        verify = cost.verify_time(knots).double().numpy() - att_v * np.asarray(KNOTS) * 64 / CONTEXT_SCALE
+        verify = np.maximum(verify, MIN_SECONDS)
+        one = float(verify[0])
+        if cost.draft_tokens:
+            att_d = _context_slope(cost, "draft_grid")
+            draft = np.maximum(cost.draft_level_time(knots).double().numpy()
+                               - att_d * np.asarray(KNOTS) * 64 / CONTEXT_SCALE, MIN_SECONDS)
+        else:  # no draft measured: a draft forward as dear as a target forward, very uncertain
+            att_d, draft = att_v, verify.copy()
+        # attention with no grid to say: up to ATTENTION_PRIOR steps of 64 tokens at 1,024 cached tokens each (a CPU
+        # measured 10 x on the embedded target, 1.5 x on Qwen2.5-Coder-1.5B)
+        scale_v = ATTENTION_PRIOR * float(verify[KNOTS.index(64)]) / 64 * CONTEXT_SCALE / 1024
+        scale_d = ATTENTION_PRIOR * float(draft[KNOTS.index(64)]) / 64 * CONTEXT_SCALE / 1024
+        v_mean = np.concatenate([verify, [att_v, 0.0, 0.0]])
+        v_cov = np.zeros((v_mean.size,) * 2)
+        n = len(KNOTS)
+        v_cov[:n, :n] = _knot_cov(verify, relative, correlation)
+        v_cov[n, n] = max(att_v * relative, scale_v) ** 2
+        v_cov[n + 1, n + 1] = (one / 8) ** 2  # per request
+        v_cov[n + 2, n + 2] = one ** 2  # a tree's verification beyond a plain step's
+        d_mean = np.concatenate([[0.0, float(cost.control_seconds)], draft, [att_d]])
+        d_cov = np.zeros((d_mean.size,) * 2)
+        d_cov[0, 0] = (one / 4) ** 2  # every step's tree and packing
+        d_cov[1, 1] = (one + float(cost.control_seconds)) ** 2  # a speculative step's host work
+        d_cov[2:2 + n, 2:2 + n] = _knot_cov(draft, relative if cost.draft_tokens else 2.0, correlation)
+        d_cov[-1, -1] = max(att_d * relative, scale_d) ** 2
+        return cls(KalmanLinear(d_mean, d_cov, **kalman), KalmanLinear(v_mean, v_cov, **kalman))
+
+    # ------------------------------------------------------------------ learning
+
+    def observe(self, sample: StepSample) -> StepPrediction:
+        """Learn from one measured step; returns what was predicted for it before."""
+        phi_d, phi_v = sample_features(sample)
+        pred_d = self.drafting.update(phi_d, sample.drafting_seconds)
+        pred_v = self.verification.update(phi_v, sample.verification_seconds)
+        self.default_context = float(sample.context)
+        self.version += 1
+        out = StepPrediction(pred_d, pred_v, sample.drafting_seconds, sample.verification_seconds)
+        self.history.append(out)
+        if len(self.history) > 2 * self.HISTORY:
+            del self.history[: self.HISTORY]
+        return out
+
+    # ------------------------------------------------------------------ reading
+
+    def predict(self, batch_size, verified, context, draft_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(seconds, variance) of n step shapes: batch_size, verified, context (n,) or scalars, draft_tokens (n, L)
+        tokens of each draft forward (0: none; L = 0 for plain steps)."""
+        draft_tokens = np.atleast_2d(np.asarray(draft_tokens, dtype=np.float64))
+        n = max(draft_tokens.shape[0], np.size(verified))
+        if draft_tokens.shape[0] != n:
+            draft_tokens = np.broadcast_to(draft_tokens, (n, draft_tokens.shape[1]))
+        ctx = np.broadcast_to(np.asarray(context, dtype=np.float64), (n,))
+        spec = (draft_tokens.sum(axis=1) > 0).astype(np.float64)
+        md, vd = self.drafting.predict(drafting_features(draft_tokens, ctx))
+        mv, vv = self.verification.predict(verification_features(batch_size, verified, ctx, spec))
+        return md + mv, vd + vv
+
+    def predict_sample(self, sample: StepSample) -> float:
+        phi_d, phi_v = sample_features(sample)
+        return max(float(phi_d @ self.drafting.theta), MIN_SECONDS) + max(float(phi_v @ self.verification.theta),
+                                                                           MIN_SECONDS)
+
+    def plain_seconds(self, batch_size: int, context: float) -> float:
+        """Predicted seconds of a plain (AR) step of `batch_size` requests at `context`."""
+        return self.predict_sample(StepSample(batch_size, batch_size, context))
+
+    def median_relative_error(self, last: int | None = None) -> float:
+        """Median |predicted - measured| / measured over the last `last` observed steps (all kept if None)."""
+        hist = self.history[-last:] if last else self.history
+        if not hist:
+            return float("nan")
+        return float(np.median([abs(p.relative_error) for p in hist]))
+
+    def describe(self) -> dict:
+        """The current coefficients by name (seconds), and each filter's noise scale."""
+        return {"drafting": dict(zip(DRAFTING_FEATURES, self.drafting.theta.round(9).tolist())),
+                "verification": dict(zip(VERIFICATION_FEATURES, self.verification.theta.round(9).tolist())),
+                "noise": {"drafting": self.drafting.noise, "verification": self.verification.noise},
+                "steps": self.version}
+
+
+def _context_slope(cost, grid: str) -> float:
+    """Seconds per CONTEXT_SCALE token-context pairs from a measured grid (least squares of the differences from
+    the first context column, through zero), 0 without one."""
+    rows = getattr(cost, f"{grid}_seconds", ())
+    if not rows:
+        return 0.0
+    seconds = np.asarray(rows, dtype=np.float64)  # (tokens, contexts)
+    tokens = np.asarray(cost.grid_tokens, dtype=np.float64)[:, None]
+    contexts = np.asarray(cost.grid_contexts, dtype=np.float64)[None, :]
+    x = (tokens * (contexts - contexts[:, :1]) / CONTEXT_SCALE).ravel()
+    y = (seconds - seconds[:, :1]).ravel()
+    return max(0.0, float(x @ y / max(x @ x, 1e-12)))
+
+
+class StepPrices:
+    """`StepCostModel` read the way the policies' rules read `core.cost.CostModel` (module docstring): every call
+    sees the current coefficients. Knot tables are rebuilt once per model version; a scalar argument is priced
+    in plain floats and gets a float back (the rules ask dozens of times a step), a tensor a float64 tensor."""
+
+    has_grid = True
+
+    def __init__(self, model: StepCostModel) -> None:
+        self.model = model
+        self._version = -1
+        self._t: dict = {}
+
+    @property
+    def version(self) -> int:
+        """Changes whenever the prices do (readers cache per version)."""
+        return self.model.version
+
+    def _tables(self) -> dict:
+        m = self.model
+        if self._version != m.version:
+            n = len(KNOTS)
+            v, d = m.verification.theta.tolist(), m.drafting.theta.tolist()
+            self._t = {"verify": v[:n], "verify_att": v[n], "per_request": v[n + 1], "tree": v[n + 2],
+                       "step": d[0], "speculative": d[1], "draft": d[2:2 + n], "draft_att": d[2 + n],
+                       "knots_t": torch.tensor(KNOTS, dtype=torch.float64),
+                       "verify_t": torch.tensor(v[:n], dtype=torch.float64),
+                       "draft_t": torch.tensor(d[2:2 + n], dtype=torch.float64)}
+            self._version = m.version
+        return self._t
+
+    @property
+    def draft_tokens(self) -> tuple[int, ...]:
+        """Truthy: the model prices draft forwards (the rules test `cost.draft_tokens` for a draft curve)."""
+        return KNOTS
+
+    @property
+    def control_seconds(self) -> float:
+        """What verifying a drafted tree costs beyond a plain step's verification, charged when drafts are
+        verified (`cost.budget_rates`)."""
+        return self._tables()["tree"]
+
+    def _context(self, context: float | None) -> float:
+        return self.model.default_context if context is None else float(context)
+
+    @staticmethod
+    def _curve(values: list[float], values_t: Tensor, knots_t: Tensor, x):
+        """The knot curve at x: a float for a scalar x, a float64 tensor for a tensor."""
+        if isinstance(x, Tensor) and x.ndim:
+            x = x.double()
+            i = torch.searchsorted(knots_t, x, right=True).clamp(1, len(KNOTS) - 1)
+            x0, x1, y0, y1 = knots_t[i - 1], knots_t[i], values_t[i - 1], values_t[i]
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        i, u = hat_at(float(x))
+        return values[i] + (values[i + 1] - values[i]) * u
+
+    @staticmethod
+    def _out(x, scalar_input):
+        return max(x, MIN_SECONDS) if scalar_input else x.clamp(min=MIN_SECONDS)
+
+    def verify_time(self, tokens: Tensor | int, context: float | None = None,
+                    batch_size: int | None = None) -> Tensor:
+        """Seconds of the verification phase over `tokens` tokens (a plain step's when tokens = batch size; the
+        speculative part is `control_seconds`). batch_size None: a plain step of `tokens` requests."""
+        t = self._tables()
+        scalar = not (isinstance(tokens, Tensor) and tokens.ndim)
+        x = float(tokens) if scalar else tokens.double()
+        b = x if batch_size is None else float(batch_size)
+        c = self._context(context)
+        y = (self._curve(t["verify"], t["verify_t"], t["knots_t"], x) + t["verify_att"] * x * c / CONTEXT_SCALE
+             + t["per_request"] * b)
+        return self._out(y, scalar)
+
+    def draft_time(self, tokens: Tensor | int, context: float | None = None) -> Tensor:
+        """Seconds of one draft forward over `tokens` tokens (its knot curve and attention)."""
+        t = self._tables()
+        scalar = not (isinstance(tokens, Tensor) and tokens.ndim)
+        x = float(tokens) if scalar else tokens.double()
+        c = self._context(context)
+        y = self._curve(t["draft"], t["draft_t"], t["knots_t"], x) + t["draft_att"] * x * c / CONTEXT_SCALE
+        return self._out(y, scalar)
+
+    def draft_level_time(self, frontier: Tensor | int, context: float | None = None) -> Tensor:
+        """One draft level over `frontier` tokens: its forward (the host work per forward is in the knots)."""
+        return self.draft_time(frontier, context)
+
+    def drafting_time(self, frontier_sizes: list[int], context: float | None = None) -> float:
+        """The drafting phase of a step whose draft forwards had these sizes: every forward plus the phase's
+        constants (a speculative step's host work)."""
+        t = self._tables()
+        forwards = sum(float(self.draft_time(f, context)) for f in frontier_sizes if f > 0)
+        return t["step"] + (t["speculative"] + forwards if frontier_sizes else 0.0)

@@ -1,0 +1,157 @@
+"""The online whole-step cost model (core/steps.py, core/prices.py) against independent references: numpy's
+interpolation for the knot basis, the closed-form Bayesian least-squares posterior for the filter without drift, and
+synthetic machines whose true costs are known."""
+
+import numpy as np
+import pytest
+import torch
+
+from echo_trtllm.core.cost import CostModel, budget_rates, choose_budget
+from echo_trtllm.core.prices import KalmanLinear, StepCostModel
+from echo_trtllm.core.steps import (KNOTS, StepSample, drafting_features, hat, hat_at, sample_features,
+                                    verification_features)
+
+
+def test_the_knot_basis_is_linear_interpolation():
+    y = np.random.default_rng(0).random(len(KNOTS))
+    x = np.array([1, 1.5, 3, 7, 100, 1000, 4096])
+    assert np.allclose(hat(x) @ y, np.interp(x, KNOTS, y))
+    assert np.allclose(hat(x).sum(axis=1), 1.0)
+    assert hat(np.array([0.0])).sum() == 0.0  # no forward, no weight
+    # beyond the last knot: the last segment extended
+    slope = (y[-1] - y[-2]) / (KNOTS[-1] - KNOTS[-2])
+    assert float((hat(np.array([5000.0])) @ y)[0]) == pytest.approx(y[-1] + slope * (5000 - KNOTS[-1]))
+    for v in (1, 3, 17, 4096, 6000):
+        i, u = hat_at(v)
+        row = np.zeros(len(KNOTS))
+        row[i], row[i + 1] = 1 - u, u
+        assert np.allclose(row, hat(np.array([float(v)]))[0])
+
+
+def test_one_samples_features_are_the_batch_features():
+    samples = [StepSample(4, 4, 100.0), StepSample(16, 40, 300.0, (48, 64, 64), 0.01, 0.02, 16),
+               StepSample(1, 7, 12.0, (3,), 0.001, 0.002)]
+    levels = max(len(s.draft_tokens) for s in samples)
+    draft = np.zeros((len(samples), levels))
+    for i, s in enumerate(samples):
+        draft[i, : len(s.draft_tokens)] = s.draft_tokens
+    ctx = np.array([s.context for s in samples])
+    d = drafting_features(draft, ctx)
+    v = verification_features([s.batch_size for s in samples], [s.verified_tokens for s in samples], ctx,
+                              [float(s.speculated) for s in samples])
+    for i, s in enumerate(samples):
+        sd, sv = sample_features(s)
+        assert np.allclose(sd, d[i]) and np.allclose(sv, v[i])
+
+
+def test_a_sample_refuses_what_no_step_can_be():
+    with pytest.raises(ValueError, match="verified_tokens"):
+        StepSample(4, 3, 0.0)
+    with pytest.raises(ValueError, match="batch_size"):
+        StepSample(0, 1, 0.0)
+    with pytest.raises(ValueError, match="catch_up_tokens"):
+        StepSample(1, 2, 0.0, (3,), catch_up_tokens=4)
+    with pytest.raises(ValueError, match="draft_tokens"):
+        StepSample(1, 2, 0.0, (0,))
+
+
+def test_without_drift_the_filter_is_the_bayesian_least_squares_posterior():
+    """Kalman updates with no drift and no clipping equal the closed-form posterior mean of linear regression with
+    the same Gaussian prior and the same per-measurement noise variances (the filter records the ones it used)."""
+    rng = np.random.default_rng(1)
+    truth = np.array([0.002, 0.004, 0.001, 0.003, 0.005])
+    n = truth.size
+    # a prior near the truth, so no update would push a coefficient below zero (the filter's projection)
+    m0, p0 = truth * (0.7 + 0.6 * rng.random(n)), np.diag((0.3 * truth) ** 2)
+    kf = KalmanLinear(m0, p0, drift_common=0.0, drift_each=0.0, huber=1e9)
+    phis, ys, noise = [], [], []
+    for _ in range(30):
+        phi = rng.random(n)
+        y = float(phi @ truth) * (1 + 0.05 * rng.normal())
+        kf.update(phi, y)
+        assert (kf.theta > 0).all()
+        phis.append(phi)
+        ys.append(y)
+        noise.append(kf.last_noise_var)
+    x, r = np.array(phis), np.diag(noise)
+    precision = np.linalg.inv(p0) + x.T @ np.linalg.inv(r) @ x
+    mean = np.linalg.solve(precision, np.linalg.inv(p0) @ m0 + x.T @ np.linalg.inv(r) @ np.array(ys))
+    assert np.allclose(kf.theta, np.maximum(mean, 0), rtol=1e-6, atol=1e-9)
+    assert np.allclose(kf.cov, np.linalg.inv(precision), rtol=1e-5, atol=1e-12)
+
+
+def plain(b: int, seconds: float, context: float = 64.0) -> StepSample:
+    return StepSample(b, b, context, (), 0.0001, seconds)
+
+
+def test_prices_learn_the_machine_and_price_an_unseen_batch_from_its_neighbours():
+    """The docstring's example: truth 2 ms + 0.1 ms per token, a prior that believes 4 ms + 0.1 ms per token; after
+    30 plain steps at 8, 16 and 64 tokens the prices there are within 3 %, and 32 tokens, never measured, is priced
+    from its neighbours within 5 %."""
+    model = StepCostModel.from_cost_model(CostModel.linear(0.004, 0.0001))
+    truth = lambda t: 0.0001 + 0.002 + 0.0001 * t  # noqa: E731 - drafting phase + verification
+    for i in range(30):
+        t = (8, 16, 64)[i % 3]
+        model.observe(plain(t, truth(t) - 0.0001))
+    for t in (8, 16, 64):
+        assert model.plain_seconds(t, 64.0) == pytest.approx(truth(t), rel=0.03)
+    assert model.plain_seconds(32, 64.0) == pytest.approx(truth(32), rel=0.05)
+    assert model.median_relative_error(10) < 0.03
+
+
+def test_prices_follow_a_machine_that_slows_by_half():
+    rng = np.random.default_rng(2)
+    model = StepCostModel.from_cost_model(CostModel.linear(0.004, 0.0001))
+    for i in range(400):
+        speed = 1.0 if i < 200 else 2.0
+        t = int(rng.choice([4, 16, 48]))
+        seconds = speed * (0.003 + 0.00015 * t) * float(np.exp(rng.normal(0, 0.03)))
+        model.observe(plain(t, seconds))
+        if i == 199:
+            before = model.plain_seconds(16, 64.0)
+    after = model.plain_seconds(16, 64.0)
+    assert before == pytest.approx(0.003 + 0.00015 * 16, rel=0.05)
+    assert after == pytest.approx(2 * (0.003 + 0.00015 * 16), rel=0.05)
+    assert model.median_relative_error(150) < 0.06  # within 50 steps of the change the error is noise again
+
+
+def test_one_burst_moves_the_prices_a_bounded_amount():
+    model = StepCostModel.from_cost_model(CostModel.linear(0.004, 0.0001))
+    for _ in range(100):
+        model.observe(plain(16, 0.0056))
+    steady = model.plain_seconds(16, 64.0)
+    model.observe(plain(16, 0.056))  # another process took the machine for one step: 10 x
+    assert model.plain_seconds(16, 64.0) < 1.15 * steady
+
+
+def test_speculative_steps_teach_the_drafting_prices():
+    """Draft forwards and a speculative step's host work, absent from the load-time prior, are learned: after 60
+    speculative steps of 1 to 4 draft levels on a machine whose drafting costs 1 ms per forward + 20 us per token
+    + 2 ms per step, the prices of a draft level and of the whole step match it."""
+    rng = np.random.default_rng(3)
+    model = StepCostModel.from_cost_model(CostModel((1, 64), (0.004, 0.01), (1, 64), (0.0003, 0.0006)))
+    for _ in range(60):
+        b = int(rng.choice([1, 4, 16]))
+        forwards = (2 * b,) + (b,) * int(rng.integers(0, 4))
+        drafting = 0.002 + sum(0.001 + 0.00002 * f for f in forwards)
+        model.observe(StepSample(b, 3 * b, 64.0, forwards, drafting, 0.004 + 0.0001 * 3 * b))
+    assert float(model.prices.draft_time(4, 64.0)) == pytest.approx(0.001 + 0.00002 * 4, rel=0.15)
+    assert float(model.prices.draft_time(16, 64.0)) == pytest.approx(0.001 + 0.00002 * 16, rel=0.15)
+    whole = model.predict_sample(StepSample(4, 12, 64.0, (8, 4, 4), 0, 0))
+    assert whole == pytest.approx(0.002 + 3 * 0.001 + 0.00002 * 16 + 0.004 + 0.0012, rel=0.05)
+
+
+def test_the_rules_read_the_same_prices():
+    """The read interface the budget rule uses (StepPrices) is the model: scalars and tensors agree with the
+    model's own prediction, and choose_budget works on it."""
+    model = StepCostModel.from_cost_model(CostModel.linear(0.004, 0.0001))
+    prices = model.prices
+    for b, t, c in ((1, 5, 30.0), (16, 40, 300.0)):
+        spec = StepSample(b, t, c, (2 * b,))
+        scalar = float(prices.verify_time(t, c, b))
+        tensor = float(prices.verify_time(torch.tensor([t]), c, b)[0])
+        assert scalar == pytest.approx(tensor)
+        whole = prices.drafting_time([2 * b], c) + scalar + prices.control_seconds
+        assert whole == pytest.approx(model.predict_sample(spec))
+    rates = budget_rates(torch.tensor([0.9, 0.5]), 4, prices, 0.001, 64.0)
+    assert rates.shape == (3,) and choose_budget(torch.tensor([0.9, 0.5]), 4, prices, 0.001, 64.0) >= 4
