@@ -395,6 +395,17 @@ class LLM:
         """Call `listener(report: StepReport)` on the engine thread after every step (quick, must not raise)."""
         self._loop.add_listener(listener)
 
+    def speculation_stats(self) -> dict | None:
+        """What the speculation controller did since load (`core.controller.ControllerStats`: steps, speculative
+        steps, probes, tokens, the exploration's measured loss and gain in tokens, its share), its exploration
+        credit, and the online cost model's median relative error over its last 256 steps; None without the AR
+        fallback. A snapshot read from another thread."""
+        ex = self.executor
+        if ex.controller is None:
+            return None
+        return {**ex.controller.stats.as_dict(), "credit": ex.controller.credit,
+                "step_prediction_error": ex.step_cost.median_relative_error(256)}
+
     @property
     def load(self) -> tuple[int, int]:
         """(running, waiting) requests in the executor now (a snapshot from another thread)."""

@@ -10,6 +10,16 @@ Two ways to run it:
 
 Every request uses the same prompts in the same order, greedy, `ignore_eos` and one `max_tokens`, so methods
 produce the same number of tokens; a warm-up request per cell is not timed.
+
+Sustained serving (`run_sustained`, `--duration`): instead of a fixed number of requests, clients keep the load up
+for a fixed time: at a fixed concurrency each of C clients sends its next request as soon as its last one ends; at
+a request rate arrivals are a Poisson process (at most `concurrency` in flight when both are given). Requests ask
+for `stream_options.continuous_usage_stats`, so every streamed chunk says how many tokens the request has so far,
+and the cell's throughput is the tokens that arrived inside the measured window (after `warmup` seconds, for
+`duration` seconds) over its length: requests cut by either edge count for what arrived inside, and nothing is
+lost to a drain. The server's /metrics are read at both edges of the window (`scrape_metrics`), so the cell also
+reports what the engine did inside it: the speculative share, mean accepted tokens, the controller's decisions
+and exploration, and the online prices' predicted against measured step seconds.
 """
 
 from __future__ import annotations
@@ -25,7 +35,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit
 
-__all__ = ["RequestTiming", "CellResult", "run_load", "summarise", "launch_server"]
+__all__ = ["RequestTiming", "CellResult", "run_load", "run_sustained", "scrape_metrics", "engine_stats", "summarise",
+           "launch_server"]
 
 
 @dataclass
@@ -108,12 +119,16 @@ async def _post_stream(host: str, port: int, path: str, body: dict):
         writer.close()
 
 
-async def _one(url: tuple[str, int], model: str, prompt: str, max_tokens: int) -> RequestTiming:
+async def _one(url: tuple[str, int], model: str, prompt: str, max_tokens: int, arrivals: list | None = None
+               ) -> RequestTiming:
+    """One streamed completion. arrivals: when given, (time, tokens so far) of every chunk is appended to it (the
+    server's continuous usage)."""
     t0 = time.perf_counter()
     last = None
     out = RequestTiming(ok=False)
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
+            "stream_options": {"include_usage": True, "continuous_usage_stats": arrivals is not None},
+            "ignore_eos": True}
     try:
         async for now, data in _post_stream(*url, "/v1/completions", body):
             if data == "[DONE]":
@@ -123,6 +138,8 @@ async def _one(url: tuple[str, int], model: str, prompt: str, max_tokens: int) -
                 raise RuntimeError(ch["error"]["message"])
             if ch.get("usage"):
                 out.output_tokens = ch["usage"]["completion_tokens"]
+                if arrivals is not None:
+                    arrivals.append((now, out.output_tokens))
             if not ch["choices"] or not ch["choices"][0]["text"]:
                 continue
             if last is None:
@@ -163,6 +180,126 @@ async def run_load(base_url: str, model: str, prompts: list[str], num_requests: 
             await asyncio.sleep(rng.expovariate(request_rate))
     timings = await asyncio.gather(*tasks)
     return timings, time.perf_counter() - t0
+
+
+def scrape_metrics(base_url: str) -> dict[str, float]:
+    """The server's /metrics as {series: value} (labels kept in the series name, e.g.
+    'echo_trtllm_speculation_decisions_total{reason="probe"}'); {} when the server has none."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            try:
+                out[name] = float(value)
+            except ValueError:
+                continue
+    return out
+
+
+def engine_stats(before: dict[str, float], after: dict[str, float]) -> dict:
+    """What the engine did between two scrapes (`scrape_metrics`): steps, the speculative share, mean accepted
+    tokens, mean verified tokens, the controller's decisions by reason, the exploration's net loss as a share of
+    the tokens, the predicted / measured step seconds and the mean absolute relative error of the prediction, the
+    tokens the decisions expected / emitted, and the prices' median error at the end."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    p = "echo_trtllm_"
+    steps = d.get(f"{p}steps_total", 0.0)
+    if not steps:
+        return {}
+    seconds = d.get(f"{p}step_seconds_total", 0.0)
+    predicted = d.get(f"{p}predicted_step_seconds_total", 0.0)
+    emitted = d.get(f"{p}emitted_tokens_total", 0.0)
+    net_loss = d.get(f"{p}exploration_loss_tokens", 0.0) - d.get(f"{p}exploration_gain_tokens", 0.0)
+    decisions = {k.split('reason="')[1].rstrip('"}'): v for k, v in d.items()
+                 if k.startswith(f"{p}speculation_decisions_total") and v}
+    return {"steps": steps, "speculative_share": d.get(f"{p}speculative_steps_total", 0.0) / steps,
+            "mat": emitted / max(d.get(f"{p}request_steps_total", 0.0), 1.0),
+            "verified_per_step": d.get(f"{p}verified_tokens_total", 0.0) / steps,
+            "decisions": decisions, "exploration_share": max(net_loss, 0.0) / emitted if emitted else 0.0,
+            "predicted_over_measured": predicted / seconds if seconds else float("nan"),
+            "prediction_abs_error": d.get(f"{p}step_prediction_abs_error_seconds_total", 0.0) / seconds
+            if seconds else float("nan"),
+            "expected_over_emitted": d.get(f"{p}expected_tokens_total", 0.0) / d[f"{p}decided_tokens_total"]
+            if d.get(f"{p}decided_tokens_total") else float("nan"),
+            "step_prediction_error_median": after.get(f"{p}step_prediction_error", float("nan")),
+            "step_seconds_mean": seconds / steps}
+
+
+async def run_sustained(base_url: str, model: str, prompts: list[str], duration: float, warmup: float,
+                        max_tokens: int, concurrency: int | None = None, request_rate: float | None = None,
+                        seed: int = 0):
+    """Keep the load up for warmup + duration seconds (module docstring). Returns (timings of the requests that
+    finished inside the window, tokens that arrived inside it, the window's seconds, the metrics scraped at its
+    two edges)."""
+    parts = urlsplit(base_url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"--base-url must be http://HOST:PORT, got {base_url!r}")
+    if not concurrency and not request_rate:
+        raise ValueError("sustained load needs a concurrency or a request rate")
+    url = (parts.hostname, parts.port or 80)
+    rng = random.Random(seed)
+    loop = asyncio.get_running_loop()
+    await _one(url, model, prompts[0], min(max_tokens, 8))  # warm-up, not timed
+    t0 = time.perf_counter()
+    start, end = t0 + warmup, t0 + warmup + duration
+    streams: list[list] = []  # [timing (None until it ends), chunk arrivals, time sent] per request
+    counter = iter(range(1 << 62))
+
+    async def request() -> None:
+        i = next(counter)
+        record = [None, [], time.perf_counter()]
+        streams.append(record)  # before it streams: a request cut at the end still counts what arrived
+        record[0] = await _one(url, model, prompts[i % len(prompts)], max_tokens, record[1])
+
+    before: dict = {}
+
+    async def scrape_at(t: float) -> dict:
+        await asyncio.sleep(max(0.0, t - time.perf_counter()))
+        return await loop.run_in_executor(None, scrape_metrics, base_url)
+
+    first_scrape = asyncio.ensure_future(scrape_at(start))
+    gate = asyncio.Semaphore(concurrency) if concurrency else None
+    tasks: list[asyncio.Future] = []
+    if request_rate is None:  # closed loop: C clients, back to back
+        async def client() -> None:
+            while time.perf_counter() < end:
+                await request()
+
+        tasks = [asyncio.ensure_future(client()) for _ in range(concurrency)]
+    else:
+        async def limited() -> None:
+            if gate is None:
+                return await request()
+            async with gate:
+                if time.perf_counter() < end:
+                    await request()
+
+        while time.perf_counter() < end:
+            tasks.append(asyncio.ensure_future(limited()))
+            await asyncio.sleep(rng.expovariate(request_rate))
+    await asyncio.sleep(max(0.0, end - time.perf_counter()))
+    before = await first_scrape
+    after = await loop.run_in_executor(None, scrape_metrics, base_url)
+    for t in tasks:  # requests still streaming: closing their connections aborts them on the server
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    tokens = 0
+    for _, arrivals, _ in streams:
+        prev = 0
+        for when, so_far in arrivals:
+            if start <= when <= end:
+                tokens += so_far - prev
+            prev = so_far
+    done = [timing for timing, arrivals, sent in streams
+            if timing is not None and sent >= start and arrivals and arrivals[-1][0] <= end]
+    return done, tokens, duration, before, after
 
 
 def summarise(method: str, timings: list[RequestTiming], wall: float, concurrency: int | None,

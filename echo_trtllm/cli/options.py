@@ -5,7 +5,7 @@ sampling flags are SamplingParams' names.
     models       --model --draft-model [--engine-dir]
     runtime      --dtype --device --threads --max-batch-size --max-seq-len
     speculation  --policy --k-max --max-depth --max-nodes-per-request --tree-top-k --beam-width --total-tokens
-                 --num-draft-tokens
+                 --num-draft-tokens --static-nodes
     sampling     --max-tokens --temperature --top-k --top-p --seed
     calibration  --calibration --no-calibration
 
@@ -104,6 +104,9 @@ def add_speculation_options(ap: argparse.ArgumentParser, policy: bool = True) ->
     g.add_argument("--total-tokens", type=int, default=_DEFAULT.total_tokens,
                    help="eagle2/ddd nodes verified per request, root included")
     g.add_argument("--num-draft-tokens", type=int, default=_DEFAULT.num_draft_tokens, help="chain length")
+    g.add_argument("--static-nodes", type=int,
+                   help="static: the first N - 1 paths of the default static tree, root included (default: all "
+                        f"{len(_DEFAULT.static_choices) + 1})")
 
 
 def add_sampling_options(ap: argparse.ArgumentParser, temperature: bool = True) -> None:
@@ -151,6 +154,11 @@ def echo_config(args: argparse.Namespace, **override) -> EchoConfig:
     fields = dict(policy=getattr(args, "policy", _DEFAULT.policy), k_max=args.k_max, max_depth=args.max_depth,
                   max_nodes_per_request=args.max_nodes_per_request, top_k=args.tree_top_k,
                   beam_width=args.beam_width, total_tokens=args.total_tokens, num_draft_tokens=args.num_draft_tokens)
+    nodes = getattr(args, "static_nodes", None)
+    if nodes is not None:
+        if not 2 <= nodes <= len(_DEFAULT.static_choices) + 1:
+            raise ValueError(f"--static-nodes takes 2..{len(_DEFAULT.static_choices) + 1} (root included), got {nodes}")
+        fields["static_choices"] = _DEFAULT.static_choices[: nodes - 1]
     fields.update(override)
     return EchoConfig(**fields)
 

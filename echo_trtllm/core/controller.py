@@ -30,9 +30,9 @@ a slowdown of the whole machine cancels in the ratio). With z = `z`:
                                (a check that the workload has not changed)
     no evidence near B         as the uncertain case, the probe's expected loss priced with no gain at all
 
-Where most of the doubt is the plain step's own price (its share of the variance at least half; with no evidence,
-a deviation above `PLAIN_KNOWN`), a plain step is run instead of a speculative probe: it is safe, and it is the
-measurement that resolves the doubt.
+Where the plain step's own price is uncertain (relative deviation above `PLAIN_KNOWN`) and most of the doubt (its
+share of the variance at least half; with no evidence, whenever it is uncertain), a plain step is run instead of a
+speculative probe: it is safe, and it is the measurement that resolves the doubt.
 
 Exploration budget (`credit`, in step-equivalents: tokens / B, so one step of the batch's worth is 1): every step
 adds `explore_share` x its tokens per request; a probe may run when the credit covers its expected loss (the
@@ -181,9 +181,9 @@ class SpeculationController:
     """Decides, before drafting, whether a step speculates (module docstring)."""
 
     def __init__(self, cost: StepCostModel, explore_share: float = 0.01, z: float = 1.0, prior_sd: float = 0.5,
-                 half_life: float = 1024.0, memory_half_life: float = 16.0, bandwidth: float = 1.0, memory: int = 256,
+                 half_life: float = 1024.0, memory_half_life: float = 16.0, bandwidth: float = 1.0, memory: int = 96,
                  initial_credit: float = 2.0, max_credit: float = 8.0, plain_probe_every: int = 64,
-                 min_weight: float = 0.05) -> None:
+                 min_weight: float = 0.05, refresh_every: int = 4) -> None:
         if not 0 <= explore_share < 1:
             raise ValueError(f"explore_share must lie in [0, 1), got {explore_share}")
         for name, v in (("z", z), ("prior_sd", prior_sd), ("half_life", half_life),
@@ -206,13 +206,27 @@ class SpeculationController:
         # log2 batch bucket -> step of its last plain step (or of its first decision, before any)
         self.last_plain: dict[int, int] = {}
         self.stats = ControllerStats()
+        self.refresh_every = refresh_every
+        self._estimate: dict = {}  # the last estimate: its key, step and records' head (`estimate`)
 
     # ------------------------------------------------------------------ estimate
 
     def estimate(self, batch_size: int, context: float) -> tuple[float, float, float, float, float]:
         """(ratio, log-scale deviation, plain seconds, steady speculative seconds, the plain price's own relative
         variance) at this batch size and context; ratio nan when the recent speculative steps say nothing about
-        it."""
+        it. Kept for up to `refresh_every` steps while the batch size, the evidence (no new speculative step) and the
+        context (within 10 %) stay: prices learnt in a few steps do not move a decision, and the estimate reads
+        every record."""
+        last = self._estimate
+        if (last.get("batch") == batch_size and last.get("head") == (self.records.head, self.records.size)
+                and self.step - last["step"] < self.refresh_every and abs(context - last["context"]) <= 0.1 * context):
+            return last["value"]
+        value = self._estimate_now(batch_size, context)
+        self._estimate = {"batch": batch_size, "head": (self.records.head, self.records.size), "step": self.step,
+                          "context": context, "value": value}
+        return value
+
+    def _estimate_now(self, batch_size: int, context: float) -> tuple[float, float, float, float, float]:
         cost = self.cost
         plain_d, plain_v = sample_features(StepSample(batch_size, batch_size, context))
         theta_d, theta_v = cost.drafting.theta, cost.verification.theta
@@ -259,6 +273,12 @@ class SpeculationController:
         ratio = rate * t_plain / b
         return ratio, math.sqrt(rel_sampling + rel_model), t_plain, t_spec, plain_var
 
+    def expects_plain(self, batch_size: int) -> bool:
+        """Whether the last estimate made at this batch size was a confident loss (its upper bound below 1): the
+        engine need not prepare speculation there (a draft's prompt prefill). False when none was made."""
+        last = self._estimate
+        return last.get("batch") == batch_size and last["value"][0] * math.exp(self.z * last["value"][1]) < 1.0
+
     # ------------------------------------------------------------------ decide
 
     def decide(self, batch_size: int, context: float, catch_up_tokens: int = 0) -> Decision:
@@ -282,8 +302,8 @@ class SpeculationController:
             return Decision(False, "plain", **common)
         low, high = ratio * math.exp(-self.z * dev), ratio * math.exp(self.z * dev)
         common.update(ratio=ratio, low=low, high=high, spec_seconds=t_spec)
-        # where most of the doubt is the plain step's price, a plain step is what resolves it
-        plain_doubt = plain_var >= 0.5 * dev ** 2
+        # where the plain step's price is uncertain and most of the doubt, a plain step is what resolves it
+        plain_doubt = plain_var > PLAIN_KNOWN ** 2 and plain_var >= 0.5 * dev ** 2
         if ratio > 1.0:  # speculation is expected to pay: exploit it, or probe it for free where it is uncertain
             waited = self.step - self.last_plain.setdefault(self._bucket(batch_size), self.step)
             loss = ratio - 1.0  # a plain step instead: its tokens short of speculation's, per request

@@ -50,6 +50,8 @@ __all__ = ["KalmanLinear", "StepCostModel", "StepPrices", "StepPrediction"]
 MIN_SECONDS = 1e-6
 # the prior deviation of attention's cost where no grid measured it, in 64-token steps at 1,024 cached tokens
 ATTENTION_PRIOR = 16.0
+# measurements per application of the drift (KalmanLinear.update)
+DRIFT_EVERY = 4
 
 
 class KalmanLinear:
@@ -73,6 +75,10 @@ class KalmanLinear:
         self.drift_common, self.drift_each = drift_common, drift_each
         self.noise, self.noise_floor, self.noise_rate, self.huber = noise, noise_floor, noise_rate, huber
         self.updates = 0
+        # for the per-step drift (`_drift`): a view of the covariance's diagonal (the matrix is only updated in
+        # place) and the floor of each coefficient's drift
+        self._diagonal = self.cov.reshape(-1)[:: mean.size + 1]
+        self._floor = 0.05 * self.prior_sd
 
     def predict(self, phi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(mean, variance of the mean) of phi . theta for phi (n, features)."""
@@ -81,13 +87,13 @@ class KalmanLinear:
         var = np.einsum("ij,jk,ik->i", phi, self.cov, phi)
         return np.maximum(mean, MIN_SECONDS), np.maximum(var, 0.0)
 
-    def _drift(self) -> None:
-        """One step of the random walk: common (scale) and independent parts, each relative to the coefficient
-        (with a floor of 5 % of its prior's deviation, so a coefficient at zero can still move)."""
-        level = np.maximum(self.theta, 0.05 * self.prior_sd)
-        self.cov += self.drift_common ** 2 * np.outer(self.theta, self.theta)
-        diagonal = self.cov.reshape(-1)[:: self.theta.size + 1]  # a view of the diagonal
-        diagonal += (self.drift_each * level) ** 2
+    def _drift(self, steps: int = 1) -> None:
+        """`steps` steps of the random walk at once: common (scale) and independent parts, each relative to the
+        coefficient (with a floor of 5 % of its prior's deviation, so a coefficient at zero can still move)."""
+        theta, diagonal = self.theta, self._diagonal
+        self.cov += (steps * self.drift_common ** 2) * np.multiply.outer(theta, theta)
+        level = np.maximum(theta, self._floor)
+        diagonal += (steps * self.drift_each ** 2) * (level * level)
         over = diagonal > self._cap
         if over.any():  # a congruence D P D keeps the matrix positive semi-definite
             d = np.ones_like(self.theta)
@@ -96,8 +102,10 @@ class KalmanLinear:
 
     def update(self, phi: np.ndarray, y: float) -> float:
         """One measured y at features phi (features,): drift, then the measurement. Returns the prediction before
-        the update."""
-        self._drift()
+        the update. The drift of DRIFT_EVERY steps is added at once, before every DRIFT_EVERY-th measurement (the
+        covariance grows by the same amount; a step costs a third less)."""
+        if self.updates % DRIFT_EVERY == 0:
+            self._drift(DRIFT_EVERY)
         predicted = max(float(phi @ self.theta), MIN_SECONDS)
         r = y - predicted
         scale = max(predicted, y, MIN_SECONDS)  # relative to the larger: a tiny prediction is no yardstick
@@ -109,7 +117,10 @@ class KalmanLinear:
         gain = p_phi / s
         self.theta += gain * clipped
         np.maximum(self.theta, 0.0, out=self.theta)
-        self.cov -= np.outer(gain, p_phi)  # symmetric: (P phi)(P phi)^T / s
+        self.cov -= np.multiply.outer(gain, p_phi)  # symmetric: (P phi)(P phi)^T / s
+        if self.updates % 64 == 63:  # rounding leaves the update's symmetry slowly: restore it now and then
+            self.cov += self.cov.T
+            self.cov *= 0.5
         # the noise scale: running mean absolute relative residual (x 1.25: the normal's sd from its mean |x|)
         rel = abs(clipped) / scale
         self.noise = max(self.noise_floor, (1 - self.noise_rate) * self.noise + self.noise_rate * 1.2533 * rel)

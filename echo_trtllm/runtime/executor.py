@@ -71,6 +71,8 @@ __all__ = ["Executor", "StepReport", "StepTimings", "check_limits"]
 log = logging.getLogger("echo_trtllm.executor")
 # the shortest pending chain a re-primed draft starts from (tokens of context it keeps)
 MIN_PENDING = 8
+# steps the prices learn before `_can_pay` reads them again for a batch size
+PRICE_REFRESH = 8
 
 def check_limits(config: EchoConfig, max_batch_size: int, has_draft: bool) -> None:
     """Reject configurations that cannot run, before anything heavy is loaded."""
@@ -188,6 +190,7 @@ class Executor:
         if self.policy.needs_draft_model and self.step_cost is not None and (fallback or (fallback is None and default)):
             self.controller = SpeculationController(self.step_cost)
         self._forced: bool | None = None  # warm_up's choice for the next steps (None: the controller's)
+        self._pay_cache: dict[int, tuple[int, bool]] = {}  # batch size -> (prices' version, `_can_pay`)
         self._ar_policy = make_policy(EchoConfig(policy="ar"))  # plain AR steps (the controller's, a draft failure)
         draft_vocab = None if draft is None else (
             draft.config.layer.vocab_size if isinstance(draft, Eagle3Head) else draft.config.vocab_size)
@@ -341,16 +344,23 @@ class Executor:
 
     def _draft_prefill(self, batch_size: int) -> bool:
         """Prefill the draft with the prompts now (the prefill phase; decode steps then feed it 1-2 tokens per
-        request) unless the prices say speculation cannot pay at this batch size: then the draft is left alone and
-        catches up on its pending chain only if the load drops and a step speculates."""
+        request) unless speculation is not expected at this batch size (the prices say a level cannot pay, or the
+        controller's last estimate there is a confident loss): then the draft is left alone and catches up on its
+        pending chain (bounded, `_max_pending`) only if a later step speculates."""
         if self.drafter is None:
             return False
-        return self.controller is None or self._can_pay(batch_size)
+        return self.controller is None or (self._can_pay(batch_size)
+                                           and not self.controller.expects_plain(batch_size))
 
     def _can_pay(self, batch_size: int) -> bool:
         """False when one more draft level cannot pay at this batch size even if surely accepted (the prices'
-        `level_cost_ratio` >= 1): such a step is plain without asking the controller."""
-        return level_cost_ratio(self.prices, batch_size, self.policy.expand_width) < 1.0
+        `level_cost_ratio` >= 1): such a step is plain without asking the controller. Re-read after every
+        PRICE_REFRESH steps the prices learn, or for another batch size."""
+        cached = self._pay_cache.get(batch_size)
+        if cached is None or self.prices.version - cached[0] >= PRICE_REFRESH:
+            cached = self._pay_cache[batch_size] = (
+                self.prices.version, level_cost_ratio(self.prices, batch_size, self.policy.expand_width) < 1.0)
+        return cached[1]
 
     def _prefill_target(self, group: list[tuple[Request, int]]) -> torch.Tensor | None:
         """Run a prefill chunk through the target; returns the drafter's features of its tokens (or None)."""
@@ -518,7 +528,9 @@ class Executor:
         b = len(reqs)
         if not self._can_pay(b):
             return Decision(False, "forced", b)
-        catch_up = self.drafter.catch_up(reqs, self._max_pending(b))
+        catch_up = self.drafter.catch_up(reqs)
+        if catch_up:  # what the draft would read first, each chain bounded as `begin` bounds it
+            catch_up = self.drafter.catch_up(reqs, self._max_pending(b))
         return self.controller.decide(b, context, catch_up)
 
     def _learn(self, b: int, packed, context: float, drafter, drafted: DraftResult, result: VerifyResult,

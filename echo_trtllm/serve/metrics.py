@@ -10,6 +10,12 @@ Definitions (per step of the engine, summed over the server's lifetime):
     mean accepted tokens     tokens emitted / request-steps (1.0 = plain autoregressive)
     speculative step share   steps that verified a draft / steps
     mean verified tokens     tokens the target verified / steps (the step's K)
+
+The online prices and the speculation controller (`core/prices.py`, `core/controller.py`) are measured too: the
+steps' measured and predicted seconds (the model's prediction before it learned from the step) and their absolute
+difference, summed; the controller's decisions by reason (exploit, probe, plain, plain-probe, forced); the tokens
+its decisions expected (the expected rate times the step's measured seconds) against those the steps emitted; and,
+from `LLM.speculation_stats()`, the exploration's measured loss in tokens and the prices' median relative error.
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ disable_created_metrics()  # no `_created` series beside every counter (as vLLM'
 
 
 class ServerMetrics:
-    def __init__(self, load, window_s: float = 10.0, clock=time.monotonic) -> None:
-        """load() -> (running, waiting) now; window_s: the tokens/s gauge's window; clock: seconds (tests inject)."""
+    def __init__(self, load, window_s: float = 10.0, clock=time.monotonic, speculation=lambda: None) -> None:
+        """load() -> (running, waiting) now; window_s: the tokens/s gauge's window; clock: seconds (tests inject);
+        speculation() -> `LLM.speculation_stats()` (None without the controller)."""
         self.registry = r = CollectorRegistry()
         self._load, self._window, self._clock = load, window_s, clock
         self._lock = threading.Lock()
@@ -48,6 +55,18 @@ class ServerMetrics:
                                     registry=r)
         self.accepted_tokens = Counter(f"{PREFIX}_accepted_draft_tokens", "draft tokens accepted", registry=r)
         self.emitted_tokens = Counter(f"{PREFIX}_emitted_tokens", "tokens the engine emitted", registry=r)
+        self.step_seconds = Counter(f"{PREFIX}_step_seconds", "measured seconds of the engine's steps", registry=r)
+        self.predicted_seconds = Counter(f"{PREFIX}_predicted_step_seconds",
+                                         "the online cost model's prediction of each step, before learning from it",
+                                         registry=r)
+        self.prediction_error = Counter(f"{PREFIX}_step_prediction_abs_error_seconds",
+                                        "|predicted - measured| seconds, summed over steps", registry=r)
+        self.decisions = Counter(f"{PREFIX}_speculation_decisions", "the speculation controller's choices, by "
+                                 "reason", ["reason"], registry=r)
+        self.expected_tokens = Counter(f"{PREFIX}_expected_tokens", "tokens the controller's decisions expected in "
+                                       "the seconds their steps took", registry=r)
+        self.decided_tokens = Counter(f"{PREFIX}_decided_tokens", "tokens emitted by steps the controller decided",
+                                      registry=r)
         gauges = {
             "tokens_per_second": ("tokens emitted per second over the last window", self._tokens_per_second),
             "acceptance_rate": ("accepted / verified draft tokens", lambda: self._ratio(self.accepted_tokens,
@@ -60,9 +79,20 @@ class ServerMetrics:
                 self.verified_tokens, self.steps)),
             "requests_running": ("requests in the engine's batch", lambda: self._load()[0]),
             "requests_waiting": ("requests accepted and not yet in the batch", lambda: self._load()[1]),
+            "exploration_loss_tokens": ("tokens the controller's probes emitted short of the other mode, since load",
+                                        lambda: self._speculation("exploration_loss_tokens")),
+            "exploration_gain_tokens": ("tokens probes emitted beyond the other mode, since load",
+                                        lambda: self._speculation("exploration_gain_tokens")),
+            "step_prediction_error": ("median |predicted - measured| / measured of the last 256 steps",
+                                      lambda: self._speculation("step_prediction_error")),
         }
+        self._speculation_stats = speculation
         for name, (doc, fn) in gauges.items():
             Gauge(f"{PREFIX}_{name}", doc, registry=r).set_function(fn)
+
+    def _speculation(self, key: str) -> float:
+        stats = self._speculation_stats()
+        return float(stats[key]) if stats is not None and stats.get(key) == stats.get(key) else 0.0
 
     @staticmethod
     def _ratio(num: Counter, den: Counter) -> float:
@@ -82,6 +112,17 @@ class ServerMetrics:
         self.request_steps.inc(report.batch_size)
         self.verified_tokens.inc(report.verified_tokens)
         self.emitted_tokens.inc(report.emitted_tokens)
+        self.step_seconds.inc(report.timings.total)
+        if report.prediction is not None:
+            self.predicted_seconds.inc(report.prediction.seconds)
+            self.prediction_error.inc(abs(report.prediction.seconds - report.prediction.measured))
+        d = report.decision
+        if d is not None:
+            self.decisions.labels(d.reason).inc()
+            rate = d.expected_rate
+            if rate == rate and rate != float("inf"):  # known
+                self.expected_tokens.inc(rate * report.timings.total)
+                self.decided_tokens.inc(report.emitted_tokens)
         if report.speculated:
             self.speculative_steps.inc()
             self.draft_tokens.inc(max(report.verified_tokens - report.batch_size, 0))

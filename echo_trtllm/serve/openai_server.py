@@ -84,7 +84,7 @@ class OpenAIServer:
         self.created = int(time.time())
         self._lock = threading.Lock()
         self.inflight = 0  # engine requests submitted through this server and not yet ended
-        self.metrics = ServerMetrics(self._load)
+        self.metrics = ServerMetrics(self._load, speculation=llm.speculation_stats)
         llm.add_step_listener(self.metrics.on_step)
         self.app = self._build_app()
 
@@ -272,6 +272,12 @@ class OpenAIServer:
             {"index": i, "text": (p if plan.echo else "") + o.text, "logprobs": None, "finish_reason": o.finish_reason}
             for i, (p, o) in enumerate(zip(plan.prompts, outputs))]}
 
+    def _with_usage(self, chunk: dict, plan: GenerationPlan, so_far: dict[int, tuple[int, int]]) -> dict:
+        """The chunk with the usage so far over every choice (stream_options.continuous_usage_stats)."""
+        if plan.continuous_usage:
+            chunk["usage"] = self._usage(sum(p for p, _ in so_far.values()), sum(c for _, c in so_far.values()))
+        return chunk
+
     async def _stream(self, handles: list[GenerationHandle], plan: GenerationPlan, rid: str, chat: bool):
         """Server-sent events: one chunk per new text of any choice, a last chunk per choice with its finish reason,
         the usage chunk when asked, `data: [DONE]`. Leaving early (the client went away) aborts every choice."""
@@ -296,6 +302,7 @@ class OpenAIServer:
 
         tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
         prompt_tokens = completion_tokens = 0
+        so_far: dict[int, tuple[int, int]] = {}  # choice -> (prompt, completion tokens) so far (continuous usage)
         try:
             for i, p in enumerate(plan.prompts):
                 if chat:
@@ -310,13 +317,15 @@ class OpenAIServer:
                     remaining -= 1
                     continue
                 diff = out.outputs[0].text_diff
+                if plan.continuous_usage:
+                    so_far[i] = (len(out.prompt_token_ids), len(out.token_ids))
                 if diff:
-                    yield _sse(chunk(i, diff, None))
+                    yield _sse(self._with_usage(chunk(i, diff, None), plan, so_far))
                 if out.finished:
                     remaining -= 1
                     prompt_tokens += len(out.prompt_token_ids)
                     completion_tokens += len(out.token_ids)
-                    yield _sse(chunk(i, None if chat else "", out.finish_reason))
+                    yield _sse(self._with_usage(chunk(i, None if chat else "", out.finish_reason), plan, so_far))
             if plan.include_usage:
                 yield _sse({"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [],
                             "usage": self._usage(prompt_tokens, completion_tokens)})

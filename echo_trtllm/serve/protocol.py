@@ -51,6 +51,8 @@ class GenerationPlan:
     echo: bool = False  # completions: prepend the prompt text to the completion
     max_tokens_given: bool = True  # False: max_tokens is "the rest of the context" (chat without max_tokens)
     extra: dict = field(default_factory=dict)
+    # stream_options.continuous_usage_stats (vLLM's name): every chunk carries the usage so far
+    continuous_usage: bool = False
 
 
 def _is_int(v) -> bool:
@@ -153,14 +155,17 @@ def _common(body, served_model: str):
     _unsupported(body)
     stream = _get(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
     options = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if options is not None:
         if not stream:
             raise _bad("stream_options", "absent unless stream is true", options)
-        if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
-            raise _bad("stream_options", 'an object such as {"include_usage": true}', options)
+        if not isinstance(options, dict) or not all(isinstance(options.get(k, False), bool)
+                                                    for k in ("include_usage", "continuous_usage_stats")):
+            raise _bad("stream_options", 'an object such as {"include_usage": true} (with '
+                                         '"continuous_usage_stats": true, usage in every chunk)', options)
         include_usage = options.get("include_usage", False)
-    return stream, include_usage
+        continuous = options.get("continuous_usage_stats", False)
+    return stream, include_usage, continuous
 
 
 def _max_tokens(body: dict, names: tuple[str, ...], default: int | None) -> tuple[int | None, str]:
@@ -185,7 +190,7 @@ def parse_completion(body, served_model: str, encode, vocab_size: int, context: 
     """POST /v1/completions. encode(text) -> token ids (for the length check); context: tokens per request;
     max_token_chars: the longest vocabulary entry in characters (a text longer than context x that cannot fit,
     and is refused without tokenizing it)."""
-    stream, include_usage = _common(body, served_model)
+    stream, include_usage, continuous = _common(body, served_model)
     if "prompt" not in body or body["prompt"] is None:
         raise RequestError(400, "prompt is required: a string, a list of strings, a list of token ids, or a list "
                                 "of lists of token ids", "prompt")
@@ -223,7 +228,7 @@ def parse_completion(body, served_model: str, encode, vocab_size: int, context: 
                 raise RequestError(400, f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
                                    "prompt")
         _check_length(len(ids), max_tokens, context, name)
-    return GenerationPlan(prompts, params, stream, include_usage, echo)
+    return GenerationPlan(prompts, params, stream, include_usage, echo, continuous_usage=continuous)
 
 
 def _message_text(i: int, message) -> tuple[str, str]:
@@ -259,7 +264,7 @@ def chat_prompt_ids(messages: list[tuple[str, str]], tokenizer) -> list[int]:
 
 def parse_chat(body, served_model: str, tokenizer, context: int) -> GenerationPlan:
     """POST /v1/chat/completions. tokenizer: the runtime's Tokenizer (chat template and length check)."""
-    stream, include_usage = _common(body, served_model)
+    stream, include_usage, continuous = _common(body, served_model)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", 'a non-empty list of {"role": ..., "content": ...} objects', messages)
@@ -278,4 +283,5 @@ def parse_chat(body, served_model: str, tokenizer, context: int) -> GenerationPl
         max_tokens = context - prompt_tokens
     params = _sampling(body, max_tokens, name, tokenizer.vocab_size)
     _check_length(prompt_tokens, max_tokens, context, name)
-    return GenerationPlan([prompt], params, stream, include_usage, max_tokens_given=given)
+    return GenerationPlan([prompt], params, stream, include_usage, max_tokens_given=given,
+                          continuous_usage=continuous)

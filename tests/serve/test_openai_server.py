@@ -272,3 +272,34 @@ def test_bench_serve_load_generator_counts_every_token(served):
         asyncio.run(run_load("https://x", MODEL, ["a"], 1, 1))
     bad, _ = asyncio.run(run_load(served.url, "no-such-model", ["a"], 2, 4))
     assert not any(t.ok for t in bad) and all("404" in t.error for t in bad)
+
+
+def test_continuous_usage_stats_count_the_tokens_so_far_in_every_chunk(served):
+    """vLLM's stream_options.continuous_usage_stats through the official client: every chunk carries the usage so
+    far, rising to the final count of the in-process reference."""
+    c = served.client()
+    prompt = "HAMLET:\n"
+    chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stream=True,
+                                       stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    ref = _reference(served.llm, prompt, max_tokens=20, temperature=0)
+    counts = [ch.usage.completion_tokens for ch in chunks if ch.choices]
+    assert counts == sorted(counts) and counts[-1] == len(ref.token_ids) and counts[0] >= 1
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref.text
+
+
+def test_sustained_load_counts_the_tokens_inside_its_window_and_reads_the_engine(served):
+    """bench-serve --duration: clients keep 3 requests in flight for a 2 s window after 0.5 s; the tokens counted
+    inside the window are at most what was streamed and at least the finished requests' tokens, and the engine's
+    steps in the window are read from /metrics."""
+    from echo_trtllm.bench.serve import engine_stats, run_sustained
+
+    done, tokens, window, before, after = asyncio.run(run_sustained(served.url, MODEL, ["HAMLET:\n", "def f("], 2.0,
+                                                                    0.5, 8, concurrency=3))
+    assert window == 2.0 and done and all(t.ok and t.output_tokens == 8 for t in done)
+    assert 8 * len(done) <= tokens
+    stats = engine_stats(before, after)
+    assert stats["steps"] > 0 and stats["mat"] >= 1.0
+    streamed = after["echo_trtllm_generation_tokens_total"] - before["echo_trtllm_generation_tokens_total"]
+    assert tokens <= streamed + 3 * 8  # requests cut at either edge count only what arrived inside
+    with pytest.raises(ValueError, match="concurrency or a request rate"):
+        asyncio.run(run_sustained(served.url, MODEL, ["a"], 1.0, 0.0, 4))
