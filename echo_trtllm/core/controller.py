@@ -42,8 +42,9 @@ pays credit back; the credit is capped at `max_credit`). So exploration costs at
 tokens in steady state, plus the `initial_credit` a start spends, and `stats` measures what it really cost.
 A probe whose expected loss is negative (the estimate favours speculation but not beyond its uncertainty) is
 free in expectation and runs while the credit is not negative: that is how speculation that pays gathers the
-evidence to be exploited. While speculating, a plain step is run as a probe every `plain_probe_every` steps near
-this batch size (credit permitting), so the plain side of the comparison is measured too.
+evidence to be exploited. While speculating, a plain step is run as a probe near this batch size (credit permitting)
+8, 16, 32, ... and then every `plain_probe_every` steps, so the plain side of the comparison is measured too (a
+plain price learnt from a cold start is corrected early).
 
 Nothing here reads a clock or a model: the engine hands in `StepSample`s (`core/steps.py`) and token counts.
 """
@@ -203,8 +204,9 @@ class SpeculationController:
         self.credit, self.max_credit = initial_credit, max_credit
         self.plain_probe_every = plain_probe_every
         self.step = 0
-        # log2 batch bucket -> step of its last plain step (or of its first decision, before any)
+        # log2 batch bucket -> step of its last plain step (or of its first decision, before any), plain probes
         self.last_plain: dict[int, int] = {}
+        self.plain_probes: dict[int, int] = {}
         self.stats = ControllerStats()
         self.refresh_every = refresh_every
         self._estimate: dict = {}  # the last estimate: its key, step and records' head (`estimate`)
@@ -305,9 +307,13 @@ class SpeculationController:
         # where the plain step's price is uncertain and most of the doubt, a plain step is what resolves it
         plain_doubt = plain_var > PLAIN_KNOWN ** 2 and plain_var >= 0.5 * dev ** 2
         if ratio > 1.0:  # speculation is expected to pay: exploit it, or probe it for free where it is uncertain
-            waited = self.step - self.last_plain.setdefault(self._bucket(batch_size), self.step)
+            bucket = self._bucket(batch_size)
+            waited = self.step - self.last_plain.setdefault(bucket, self.step)
+            # plain probes come early while the plain price is young (8, 16, 32, ... steps apart), then every
+            # plain_probe_every: a price fitted at a cold start must not carry a long stretch of speculation
+            spacing = min(self.plain_probe_every, 8 << self.plain_probes.get(bucket, 0))
             loss = ratio - 1.0  # a plain step instead: its tokens short of speculation's, per request
-            if (waited >= self.plain_probe_every or (plain_doubt and low <= 1.0)) and self.credit >= loss:
+            if (waited >= spacing or (plain_doubt and low <= 1.0)) and self.credit >= loss:
                 return Decision(False, "plain-probe", expected_loss=loss, **common)
             if low > 1.0:
                 return Decision(True, "exploit", **common)
@@ -357,6 +363,7 @@ class SpeculationController:
             lost = sample.seconds / t_plain * b - produced
         else:
             st.plain_probes += 1
+            self.plain_probes[self._bucket(b)] = self.plain_probes.get(self._bucket(b), 0) + 1
             lost = decision.ratio * sample.seconds / t_plain * b - produced
         if lost >= 0:
             st.exploration_loss += lost

@@ -190,6 +190,7 @@ class Executor:
         if self.policy.needs_draft_model and self.step_cost is not None and (fallback or (fallback is None and default)):
             self.controller = SpeculationController(self.step_cost)
         self._forced: bool | None = None  # warm_up's choice for the next steps (None: the controller's)
+        self._cold = False  # warm_up's first steps: run, not learnt from
         self._pay_cache: dict[int, tuple[int, bool]] = {}  # batch size -> (prices' version, `_can_pay`)
         self._ar_policy = make_policy(EchoConfig(policy="ar"))  # plain AR steps (the controller's, a draft failure)
         draft_vocab = None if draft is None else (
@@ -538,7 +539,7 @@ class Executor:
         """The step as a `StepSample` for the online cost model, the controller and the policy's acceptance
         estimates. decision: the controller's, when the step ran as it chose (not a draft failure, nor a step the
         policy ran plain). Returns (sample, the model's prediction for it) or (None, None) without a model."""
-        if self.step_cost is None:
+        if self.step_cost is None or self._cold:
             return None, None
         forwards = tuple(t for t in drafter.forward_tokens if t > 0) if drafter is not None else ()
         sample = StepSample(b, int(packed.total_nodes), context, forwards, timings.drafting,
@@ -607,7 +608,8 @@ class Executor:
     @torch.inference_mode()
     def warm_up(self, prompt: list[int], steps: int = 3, batch_sizes: tuple[int, ...] = (1, 4)) -> int:
         """Real steps before the first request, so the online prices know what a speculative step's drafting and
-        host work cost (not only the forwards measured at load): at each batch size (capped at max_batch_size),
+        host work cost (not only the forwards measured at load): at each batch size (capped at max_batch_size), one
+        speculative and one plain step that are not learnt from (they pay one-off costs of a cold start), then
         `steps` speculative and `steps` plain steps of copies of `prompt`, greedy, discarded. The cost model learns
         from them, and the controller keeps the speculative ones as its first evidence (the oldest: the traffic's
         own steps outweigh them within a few dozen); the acceptance estimates learn from the traffic only. Returns
@@ -615,7 +617,7 @@ class Executor:
         if self.step_cost is None or self.drafter is None or self.has_work:
             return 0
         ran = 0
-        params = SamplingParams(max_tokens=2 * steps + 2, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=8 * (steps + 1), temperature=0.0, ignore_eos=True)
         try:
             for b in sorted({min(max(1, x), self.max_batch_size) for x in batch_sizes}):
                 # ids below zero: the requests users submit keep theirs from 0
@@ -623,16 +625,17 @@ class Executor:
                         for i in range(b)]
                 for r in reqs:
                     self.submit(r)
-                for forced in [True, False] * steps:
+                for k, forced in enumerate([True, False] * (steps + 1)):
                     self._forced = forced
                     if not self.has_work:
                         break
+                    self._cold = k < 2  # the first of each kind pays one-off costs (allocation, kernel choice)
                     self.step()
                     ran += 1
                 for r in reqs:
                     self.abort(r)
         finally:
-            self._forced = None
+            self._forced, self._cold = None, False
         return ran
 
     def _pack(self, selected, ctx: torch.Tensor):
