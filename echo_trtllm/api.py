@@ -94,6 +94,9 @@ class LLM:
 
     iter_stats_max_iterations: keep this many per-step reports for `get_stats()` (0 = none).
 
+    adapt: learn prices and acceptance from the engine's own steps (default True). False is the ablation without
+    it: the budget rule and the gate read the load-time (or calibration's) cost model and acceptance, fixed.
+
     tensor_parallel_size: shard the target and a separate draft model over this many ranks (one process each,
     torch.distributed: gloo on CPU, NCCL on CUDA; docs/scale-out.md); an EAGLE-3 head is not sharded: rank 0 runs
     it, whole, on the features the sharded target's forward returns (with its own copy of the target's token
@@ -121,6 +124,7 @@ class LLM:
         iter_stats_max_iterations: int = 0,
         fallback: "bool | str" = "auto",
         tensor_parallel_size: int = 1,
+        adapt: bool = True,
     ) -> None:
         _positive_int("max_batch_size", max_batch_size)
         _positive_int("tensor_parallel_size", tensor_parallel_size)
@@ -131,6 +135,8 @@ class LLM:
             raise ValueError(f"cost_model must be 'auto', a CostModel or None, got {cost_model!r}")
         if not (fallback is True or fallback is False or fallback == "auto"):
             raise ValueError(f"fallback must be 'auto', True or False, got {fallback!r}")
+        if adapt is not True and adapt is not False:
+            raise ValueError(f"adapt must be True or False, got {adapt!r}")
         fallback = None if fallback == "auto" else fallback
         if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
             raise TypeError(f"tokenizer must be an echo_trtllm.models.loader.Tokenizer, got {type(tokenizer).__name__}")
@@ -186,20 +192,21 @@ class LLM:
             draft = None if draft_model is None else load_draft(draft_model, target, dtype, device, self.tokenizer)
         try:
             self._start(target, draft, config, calibration, policy, cost_model, fallback, max_batch_size,
-                        max_seq_len, max_num_tokens, gate_samples, clock, iter_stats_max_iterations)
+                        max_seq_len, max_num_tokens, gate_samples, clock, iter_stats_max_iterations, adapt)
         except BaseException:
             self._close_group()
             raise
 
     def _start(self, target, draft, config, calibration, policy, cost_model, fallback, max_batch_size, max_seq_len,
-               max_num_tokens, gate_samples, clock, iter_stats_max_iterations) -> None:
+               max_num_tokens, gate_samples, clock, iter_stats_max_iterations, adapt) -> None:
         self.config = config
         self.target, self.draft = target, draft
         self.dtype = {"target": str(target.dtype).removeprefix("torch."),
                       "draft": str(draft.dtype).removeprefix("torch.") if draft is not None else None}
         self.cost_model = self._cost_model(cost_model, calibration, policy, target, draft, fallback)
         self.executor = Executor(target, draft, self.tokenizer, config, max_batch_size, max_seq_len, max_num_tokens,
-                                 cost_model=self.cost_model, gate_samples=gate_samples, clock=clock, fallback=fallback)
+                                 cost_model=self.cost_model, gate_samples=gate_samples, clock=clock, fallback=fallback,
+                                 adapt=adapt)
         # a few real steps, speculative and plain, so the online prices know drafting and host work before the
         # first request (Executor.warm_up; nothing without prices)
         self.executor.warm_up(self.tokenizer.encode(WARM_UP_TEXT))

@@ -29,7 +29,10 @@ Metrics per (method, batch size, temperature):
   latency_p50/p99_s   request latency from submission to finish
   control_share       ECHO control (gate + schedule + pack) as a share of decode step time
   draft_share         draft model forwards as a share of decode step time
-  speculated_share    share of steps that speculated (the budget rule may choose plain AR)
+  speculated_share    share of steps that verified drafted tokens (the controller or the budget rule may choose a
+                      plain step)
+  drafted_share       share of steps that drafted (a pure row drafts in every step; its budget rule may still
+                      verify the roots only)
   mat_vs_oracle       emitted tokens / the hindsight oracle's with the same per-step budget, choosing from every
                       output-path token any method of the cell drafted (T=0; bench.trace); mat_vs_own_oracle:
                       from this method's own drafts only
@@ -69,7 +72,8 @@ __all__ = ["BenchConfig", "run_cell", "bench", "markdown_table", "profile_table"
            "machine_info", "report_meta", "cpu_flags", "METRICS"]
 
 METRICS = ("tokens_per_s", "e2e_tokens_per_s", "mat", "verified_per_step", "acceptance_rate", "latency_p50_s",
-           "latency_p99_s", "control_share", "draft_share", "speculated_share", "mat_vs_oracle", "mat_vs_own_oracle",
+           "latency_p99_s", "control_share", "draft_share", "speculated_share", "drafted_share", "mat_vs_oracle",
+           "mat_vs_own_oracle",
            "ar_agreement", "ar_prefix_agreement", "full_batch_time_share", "full_batch_tokens_per_s",
            "full_batch_speedup_vs_ar")
 FALLBACK_LABELS = {"on": "+fallback", "off": "pure"}
@@ -265,7 +269,7 @@ def run_cell(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int, tem
     wall = time.perf_counter() - t0
     reports = llm.get_stats()
     midpoint = t0 + wall / 2
-    steps = verified = speculated = full_tokens = 0
+    steps = verified = speculated = drafted = full_tokens = 0
     decode = control = draft_model = full_seconds = 0.0
     policy = llm.executor.policy
     recorder = TraceRecorder(policy.max_tree_nodes - 1, policy.max_depth) if temperature == 0 else None
@@ -273,6 +277,7 @@ def run_cell(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int, tem
         steps += 1
         verified += rep.verified_tokens
         speculated += rep.verified_tokens > rep.batch_size
+        drafted += rep.speculated
         decode += rep.timings.total
         control += rep.timings.control
         draft_model += rep.timings.draft_model
@@ -293,6 +298,7 @@ def run_cell(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int, tem
         "acceptance_rate": (tokens - req_steps) / drafts_verified if drafts_verified else 0.0,
         "latency_p50_s": _percentile(latencies, 0.5), "latency_p99_s": _percentile(latencies, 0.99),
         "control_share": control / decode, "draft_share": draft_model / decode, "speculated_share": speculated / steps,
+        "drafted_share": drafted / steps,
         "mat_vs_oracle": float("nan"), "trace": None,
         "ar_agreement": float("nan"), "ar_prefix_agreement": float("nan"),
         "token_ids": [o.token_ids for o in outputs], "traffic": traffic,

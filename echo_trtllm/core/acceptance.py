@@ -138,6 +138,10 @@ class AcceptanceModel:
 
 # confidence bins of the online estimate: finer near 0 and 1, where path probabilities crowd
 BIN_EDGES = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 1.0)
+# confidences at which `OnlineAcceptance.threshold` reads the estimate: geometric below 0.01 (deep path
+# probabilities are tiny), linear above
+_GRID = torch.cat([torch.zeros(1, dtype=torch.float64), torch.logspace(-6, -2, 64, dtype=torch.float64)[:-1],
+                   torch.linspace(0.01, 1.0, 199, dtype=torch.float64)])
 
 
 class OnlineAcceptance:
@@ -150,6 +154,11 @@ class OnlineAcceptance:
     nodes, the calibration's isotonic map at the bin's centre when there is one (`AcceptanceModel`), otherwise the
     draft's own path probability (the bin's centre). Across bins of a depth the estimates are made non-decreasing
     in confidence (pool adjacent violators weighted by n + w0) and read piecewise-linearly between bin centres.
+
+    Within a bin the prior's own shape is kept in proportion to its weight: the estimate at c is the fitted curve
+    plus w0 / (n + w0) times (p(c) - the curve the prior alone gives at c), so with no traffic the estimate is the
+    prior exactly (the calibration's map, steps included; the draft's own probability), and traffic takes over bin
+    by bin.
 
     `threshold(depth, lam)` is the smallest confidence whose estimate reaches lam: the gate's tau_d at the
     break-even acceptance lam. On an isotonic fit that is the calibration rule's threshold (the upper set of
@@ -170,12 +179,14 @@ class OnlineAcceptance:
         bins = len(BIN_EDGES) - 1
         self.mid = ((self.edges[1:] + self.edges[:-1]) / 2).expand(max_depth, bins).clone()
         depth = torch.arange(1, max_depth + 1).repeat_interleave(bins)
+        self.prior = prior
         self.p0 = (self.mid.clone() if prior is None
                    else prior.estimate(self.mid.reshape(-1), depth).reshape(max_depth, bins))
         self.n = torch.zeros(max_depth, bins, dtype=torch.float64)
         self.k = torch.zeros_like(self.n)
         self.csum = torch.zeros_like(self.n)
         self.version = 0
+        self._grid: dict = {}  # the last depth's estimates on _GRID (`threshold`)
         self._fit_version = -1
         self._centres = self._values = None
 
@@ -220,21 +231,31 @@ class OnlineAcceptance:
         out = torch.empty_like(c)
         for depth in torch.unique(d).tolist():
             sel = d == depth
-            out[sel] = _piecewise(centres[depth], values[depth], c[sel])
+            x = c[sel]
+            fitted = _piecewise(centres[depth], values[depth], x)
+            if self.prior is not None:  # the prior's shape within the bin, in proportion to its weight there
+                b = (torch.searchsorted(self.edges, x.clamp(0.0, 1.0), right=True) - 1).clamp(0, len(BIN_EDGES) - 2)
+                share = self.prior_weight / (self.n[depth, b] + self.prior_weight)
+                exact = self.prior.estimate(x, depth + 1)
+                fitted = fitted + share * (exact - _piecewise(centres[depth], self.p0[depth], x))
+            out[sel] = fitted.clamp(0.0, 1.0)
         return out.to(confidences.device)
 
     def threshold(self, depth: int, lam: float) -> float:
-        """The smallest confidence at this depth whose estimate reaches lam (1.0: none does; 0.0: all do)."""
-        centres, values = self._fit()
-        i = min(max(depth, 1), self.max_depth) - 1
-        x, y = centres[i], values[i]
+        """The smallest confidence at this depth whose estimate reaches lam (1.0: none does; 0.0: all do), read
+        on a grid of confidences (`_GRID`; linear between the two around the crossing)."""
+        i = min(max(depth, 1), self.max_depth)
+        key = (i, self.version)
+        if self._grid.get("key") != key:
+            self._grid = {"key": key, "y": self.estimate(_GRID, i)}
+        y = self._grid["y"]
         if float(y[0]) >= lam:
             return 0.0
         above = torch.nonzero(y >= lam)
         if above.numel() == 0:
             return 1.0
         j = int(above[0])
-        x0, x1, y0, y1 = float(x[j - 1]), float(x[j]), float(y[j - 1]), float(y[j])
+        x0, x1, y0, y1 = float(_GRID[j - 1]), float(_GRID[j]), float(y[j - 1]), float(y[j])
         return min(1.0, max(0.0, x0 + (lam - y0) * (x1 - x0) / max(y1 - y0, 1e-12)))
 
     def table(self) -> list[dict]:

@@ -242,6 +242,12 @@ class StepCostModel:
         mv, vv = self.verification.predict(verification_features(batch_size, verified, ctx, spec))
         return md + mv, vd + vv
 
+    def predict_phases(self, sample: StepSample) -> tuple[float, float]:
+        """(drafting, verification) seconds predicted for the sample's step, without learning from it."""
+        phi_d, phi_v = sample_features(sample)
+        return (max(float(phi_d @ self.drafting.theta), MIN_SECONDS),
+                max(float(phi_v @ self.verification.theta), MIN_SECONDS))
+
     def predict_sample(self, sample: StepSample) -> float:
         phi_d, phi_v = sample_features(sample)
         return max(float(phi_d @ self.drafting.theta), MIN_SECONDS) + max(float(phi_v @ self.verification.theta),

@@ -165,6 +165,7 @@ class Executor:
         gate_samples: GateSamples | None = None,
         clock: Clock | None = None,
         fallback: bool | None = None,
+        adapt: bool = True,
     ) -> None:
         """draft: a separate draft model sharing the target's tokenizer, or an EAGLE-3 head loaded for this target
         (`models.eagle3.load_eagle3`); the target's forwards then also capture the head's features.
@@ -175,13 +176,20 @@ class Executor:
         clock: where step times come from (default: wall time).
         fallback: the AR fallback (`core.controller.SpeculationController`) for this policy: True for any drafting
         policy, False never ("pure": every step speculates with the policy's own rules), None the default (the
-        echo family with a cost model)."""
+        echo family with a cost model).
+        adapt: learn prices and acceptance from the executor's own steps (the default). False is the ablation without
+        it: the policy's rules read `cost_model` itself and the calibration's acceptance estimates, fixed (the
+        controller, with the AR fallback, weighs measured steps at those fixed prices)."""
         check_limits(config, max_batch_size, has_draft=draft is not None)
         if fallback not in (None, True, False):
             raise ValueError(f"fallback must be True, False or None, got {fallback!r}")
         self.cost_model = cost_model
+        if adapt not in (True, False):
+            raise ValueError(f"adapt must be True or False, got {adapt!r}")
+        self.adapt = adapt
         self.step_cost = StepCostModel.from_cost_model(cost_model) if cost_model is not None else None
-        self.prices = self.step_cost.prices if self.step_cost is not None else None
+        # what the rules read: the learned prices, or (adapt=False) the load-time cost model itself
+        self.prices = self.step_cost.prices if self.step_cost is not None and adapt else cost_model
         self.policy = make_policy(config, self.prices, gate_samples)
         self.clock = clock or WallClock(target.device)
         self.link = HostLink(target.device)  # every tensor crossing host <-> model device, counted per step
@@ -358,9 +366,10 @@ class Executor:
         `level_cost_ratio` >= 1): such a step is plain without asking the controller. Re-read after every
         PRICE_REFRESH steps the prices learn, or for another batch size."""
         cached = self._pay_cache.get(batch_size)
-        if cached is None or self.prices.version - cached[0] >= PRICE_REFRESH:
+        version = getattr(self.prices, "version", 0)
+        if cached is None or version - cached[0] >= PRICE_REFRESH:
             cached = self._pay_cache[batch_size] = (
-                self.prices.version, level_cost_ratio(self.prices, batch_size, self.policy.expand_width) < 1.0)
+                version, level_cost_ratio(self.prices, batch_size, self.policy.expand_width) < 1.0)
         return cached[1]
 
     def _prefill_target(self, group: list[tuple[Request, int]]) -> torch.Tensor | None:
@@ -545,13 +554,14 @@ class Executor:
         sample = StepSample(b, int(packed.total_nodes), context, forwards, timings.drafting,
                             max(timings.total - timings.drafting, 0.0),
                             min(drafter.catch_up_tokens, sum(forwards)) if forwards else 0)
-        prediction = self.step_cost.observe(sample)
+        prediction = self.step_cost.observe(sample) if self.adapt else StepPrediction(
+            *self.step_cost.predict_phases(sample), sample.drafting_seconds, sample.verification_seconds)
         if self.controller is not None:
             if self._forced is None:
                 self.controller.observe(sample, produced, decision)
             else:  # warm-up: its speculative steps are the controller's first evidence, nothing more
                 self.controller.record(sample, produced)
-        if forwards and self._forced is None:
+        if forwards and self._forced is None and self.adapt:
             self.policy.learn(drafted.selected, result.accepted_node_ids)
         return sample, prediction
 
@@ -614,7 +624,7 @@ class Executor:
         from them, and the controller keeps the speculative ones as its first evidence (the oldest: the traffic's
         own steps outweigh them within a few dozen); the acceptance estimates learn from the traffic only. Returns
         the steps run. A no-op without prices or a drafter, or while requests are waiting or running."""
-        if self.step_cost is None or self.drafter is None or self.has_work:
+        if self.step_cost is None or self.drafter is None or self.has_work or not self.adapt:
             return 0
         ran = 0
         params = SamplingParams(max_tokens=8 * (steps + 1), temperature=0.0, ignore_eos=True)

@@ -218,9 +218,9 @@ def test_agreement_and_the_ar_spread_warning():
 
 def test_bench_runs_each_method_pure_and_with_the_fallback(tmp_path, monkeypatch):
     """--fallback off,on: every drafting method twice ("chain pure", "chain +fallback"), AR once; the pure rows
-    speculate in every step; every row still equals AR token for token; traces come from the pure rows. The cost
-    curve measured at load is replaced by an injected flat one (a verified token costs nothing more than AR's), so
-    ECHO's budget rule never prices its drafts out whatever this machine's speed."""
+    draft in every step (chain verifies its drafts in every step; ECHO's budget rule, reading prices learned from
+    this machine's steps, may verify the roots only); every row still equals AR token for token; traces come from
+    the pure rows. The cost curve measured at load is replaced by an injected flat one (it only seeds the prices)."""
     import echo_trtllm.runtime.calibrate as calibrate
     from echo_trtllm.core.cost import CostModel
 
@@ -234,7 +234,7 @@ def test_bench_runs_each_method_pure_and_with_the_fallback(tmp_path, monkeypatch
     rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
     assert set(rows) == {"ar", "chain pure", "chain +fallback", "echo pure", "echo +fallback"}
     assert rows["chain pure"]["policy"] == "chain" and rows["chain pure"]["fallback"] == "off"
-    assert rows["echo pure"]["speculated_share"] == 1.0 and rows["chain pure"]["speculated_share"] == 1.0
+    assert rows["echo pure"]["drafted_share"] == 1.0 and rows["chain pure"]["speculated_share"] == 1.0
     assert all(r["ar_agreement"] == 1.0 for r in rows.values())
     assert set(json.loads(trace.read_text())["traces"]) == {"ar/2", "chain/2", "echo/2"}
 

@@ -1,6 +1,7 @@
 """`simulate` replays the real gate and budget: fed the trees an ECHO run drafted, grouped as that run's steps,
 with the run's tree options and cost model, the replay verifies exactly the nodes the runtime verified and emits
-what the runtime emitted (the runtime is the reference; the replay shares only the core's policy code)."""
+what the runtime emitted (the runtime is the reference; the replay shares only the core's policy code). The runs
+here use fixed prices (`adapt=False`): a replay prices every step with one cost model, as a what-if does."""
 
 import pytest
 
@@ -20,7 +21,7 @@ def traced_run(default_pair, prompts, policy, batch_size, **config):
     target, draft, tok = default_pair
     cfg = EchoConfig(policy=policy, **config)
     ex = Executor(target, draft, tok, cfg, max_batch_size=batch_size, max_seq_len=256, cost_model=COST,
-                  fallback=False)
+                  fallback=False, adapt=False)
     reqs = [ex.make_request(p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
             for p in prompts[:batch_size]]
     for r in reqs:
