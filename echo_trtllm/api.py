@@ -403,15 +403,17 @@ class LLM:
         self._loop.add_listener(listener)
 
     def speculation_stats(self) -> dict | None:
-        """What the speculation controller did since load (`core.controller.ControllerStats`: steps, speculative
-        steps, probes, tokens, the exploration's measured loss and gain in tokens, its share), its exploration
-        credit, and the online cost model's median relative error over its last 256 steps; None without the AR
-        fallback. A snapshot read from another thread."""
+        """The online cost model's median relative error over its last 256 steps and, with the AR fallback, what the
+        speculation controller did since load (`core.controller.ControllerStats`: steps, speculative steps, probes,
+        tokens, the exploration's measured loss and gain in tokens, its share) and its exploration credit; None
+        without prices. A snapshot read from another thread."""
         ex = self.executor
-        if ex.controller is None:
+        if ex.step_cost is None:
             return None
-        return {**ex.controller.stats.as_dict(), "credit": ex.controller.credit,
-                "step_prediction_error": ex.step_cost.median_relative_error(256)}
+        out = {"step_prediction_error": ex.step_cost.median_relative_error(256)}
+        if ex.controller is not None:
+            out.update(ex.controller.stats.as_dict(), credit=ex.controller.credit)
+        return out
 
     @property
     def load(self) -> tuple[int, int]:

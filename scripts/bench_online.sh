@@ -7,15 +7,16 @@
 #   bash scripts/bench_online.sh qwen-head      # Qwen2.5-Coder-1.5B + its EAGLE-3 head (build_scripts/qwen_eagle3.py)
 #
 # Steps (each writes docs/bench/online-$WHICH-*.json beside its markdown; skip any with SKIP="closed serve ..."):
-#   closed   echo-trtllm bench: AR, ECHO (+fallback, the default), ECHO pure, the tree (pure and +fallback) at
-#            B = 1, 4, 16, 64, 32 tokens, ROUNDS timed rounds after a warm-up round, AR at both ends
+#   closed   echo-trtllm bench: AR, ECHO (+fallback, the default), ECHO pure and (default pair) the tree pure and
+#            +fallback at B = 1, 4, 16, 64, 32 tokens, ROUNDS timed rounds after a warm-up round, AR at both ends
 #   serve    echo-trtllm bench-serve --duration: AR, ECHO, the tree +fallback at concurrency 1, 4, 16, 64 and at
 #            RATES Poisson arrivals, DURATION seconds per cell after WARMUP, ROUNDS rounds alternating the order
 #   online   python -m echo_trtllm.bench.online: the prices' prediction error after 50 steps at B = 1, 16, 64 and
 #            the controller's expected vs emitted tokens
 #   hf       (qwen-draft) B = 1 beside HF transformers' assisted generation (4 draft tokens) in the same process
-# Environment: ROUNDS (3), DURATION (120), WARMUP (15), RATES (per pair), TREE (the tree to compare, per pair),
-# PROMPTS (per pair), OUT (docs/bench), PY, SKIP.
+# Environment: ROUNDS (3), DURATION (120), WARMUP (15), RATES (per pair: near AR's capacity at concurrency 16),
+# TREE (the tree to compare, per pair), CLOSED (the closed-batch methods), PROMPTS (per pair), OUT (docs/bench),
+# PY, SKIP.
 set -euo pipefail
 {
 cd "$(dirname "$0")/.."
@@ -32,8 +33,9 @@ case "$WHICH" in
     MODEL=(--draft-model echo_trtllm/models/default/draft)
     PROMPTS=${PROMPTS:-mixed}
     TREE=${TREE:-chain:num_draft_tokens=2}
-    RATES=${RATES:-100}
+    RATES=${RATES:-20}
     MAXSEQ=1024
+    CLOSED=${CLOSED:-"ar,echo,echo:fallback=off,${TREE}:fallback=off,${TREE}:fallback=on"}
     ;;
   qwen-draft)
     TARGET=$($PY -m echo_trtllm.models.fetch qwen2.5-coder-1.5b)
@@ -41,8 +43,9 @@ case "$WHICH" in
     MODEL=(--model "$TARGET" --draft-model "$DRAFT")
     PROMPTS=${PROMPTS:-humaneval}
     TREE=${TREE:-chain:num_draft_tokens=2}
-    RATES=${RATES:-1.5}
+    RATES=${RATES:-0.7}
     MAXSEQ=512
+    CLOSED=${CLOSED:-"ar,echo,echo:fallback=off"}
     ;;
   qwen-head)
     TARGET=$($PY -m echo_trtllm.models.fetch qwen2.5-coder-1.5b)
@@ -50,8 +53,9 @@ case "$WHICH" in
     MODEL=(--model "$TARGET" --draft-model "$HEAD")
     PROMPTS=${PROMPTS:-humaneval}
     TREE=${TREE:-static:static_nodes=2}
-    RATES=${RATES:-1.5}
+    RATES=${RATES:-0.7}
     MAXSEQ=512
+    CLOSED=${CLOSED:-"ar,echo,echo:fallback=off"}
     ;;
   *) echo "usage: $0 default|qwen-draft|qwen-head" >&2; exit 2 ;;
 esac
@@ -61,7 +65,7 @@ skip() { [[ " $SKIP " == *" $1 "* ]]; }
 if ! skip closed; then
   for B in 1 4 16 64; do
     "${CLI[@]}" bench "${MODEL[@]}" --prompt-set "$PROMPTS" --batch-sizes "$B" --max-tokens 32 --max-seq-len "$MAXSEQ" \
-      --methods "ar,echo,echo:fallback=off,${TREE}:fallback=off,${TREE}:fallback=on" \
+      --methods "$CLOSED" \
       --rounds "$ROUNDS" --warmup-rounds 1 --ar-both-ends \
       --json "$OUT/$NAME-closed-b$B.json" --markdown "$OUT/$NAME-closed-b$B.md"
   done

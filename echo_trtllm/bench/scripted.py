@@ -142,8 +142,10 @@ def run_script(phases: list[Phase], steps: int, machine: Machine = Machine(), de
                **controller) -> tuple[list[PhaseResult], dict]:
     """Run the script for `steps` steps through a fresh cost model (prior: `machine.prior()`) and controller;
     returns per-phase results and the controller's stats."""
-    if not phases or phases[0].start != 0 or [p.start for p in phases] != sorted(p.start for p in phases):
-        raise ValueError("phases must start at step 0 and be in order")
+    if not phases or phases[0].start != 0 or [p.start for p in phases] != sorted(set(p.start for p in phases)):
+        raise ValueError("phases must start at step 0 and be in strictly increasing order")
+    if phases[-1].start >= steps:
+        raise ValueError(f"steps ({steps}) must exceed the last phase's start ({phases[-1].start})")
     engine = ScriptedEngine(machine, depth, seed)
     cost = StepCostModel.from_cost_model(machine.prior())
     ctl = SpeculationController(cost, **controller)

@@ -216,13 +216,14 @@ def engine_stats(before: dict[str, float], after: dict[str, float]) -> dict:
     seconds = d.get(f"{p}step_seconds_total", 0.0)
     predicted = d.get(f"{p}predicted_step_seconds_total", 0.0)
     emitted = d.get(f"{p}emitted_tokens_total", 0.0)
-    net_loss = d.get(f"{p}exploration_loss_tokens", 0.0) - d.get(f"{p}exploration_gain_tokens", 0.0)
+    net_loss = d.get(f"{p}exploration_loss_tokens", float("nan")) - d.get(f"{p}exploration_gain_tokens", float("nan"))
     decisions = {k.split('reason="')[1].rstrip('"}'): v for k, v in d.items()
                  if k.startswith(f"{p}speculation_decisions_total") and v}
     return {"steps": steps, "speculative_share": d.get(f"{p}speculative_steps_total", 0.0) / steps,
             "mat": emitted / max(d.get(f"{p}request_steps_total", 0.0), 1.0),
             "verified_per_step": d.get(f"{p}verified_tokens_total", 0.0) / steps,
-            "decisions": decisions, "exploration_share": max(net_loss, 0.0) / emitted if emitted else 0.0,
+            "decisions": decisions,
+            "exploration_share": max(net_loss, 0.0) / emitted if emitted and net_loss == net_loss else float("nan"),
             "predicted_over_measured": predicted / seconds if seconds else float("nan"),
             "prediction_abs_error": d.get(f"{p}step_prediction_abs_error_seconds_total", 0.0) / seconds
             if seconds else float("nan"),

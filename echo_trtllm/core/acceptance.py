@@ -233,11 +233,11 @@ class OnlineAcceptance:
             sel = d == depth
             x = c[sel]
             fitted = _piecewise(centres[depth], values[depth], x)
-            if self.prior is not None:  # the prior's shape within the bin, in proportion to its weight there
-                b = (torch.searchsorted(self.edges, x.clamp(0.0, 1.0), right=True) - 1).clamp(0, len(BIN_EDGES) - 2)
-                share = self.prior_weight / (self.n[depth, b] + self.prior_weight)
-                exact = self.prior.estimate(x, depth + 1)
-                fitted = fitted + share * (exact - _piecewise(centres[depth], self.p0[depth], x))
+            # the prior's own shape within the bin, in proportion to its weight there
+            b = (torch.searchsorted(self.edges, x.clamp(0.0, 1.0), right=True) - 1).clamp(0, len(BIN_EDGES) - 2)
+            share = self.prior_weight / (self.n[depth, b] + self.prior_weight)
+            exact = x if self.prior is None else self.prior.estimate(x, depth + 1)
+            fitted = fitted + share * (exact - _piecewise(centres[depth], self.p0[depth], x))
             out[sel] = fitted.clamp(0.0, 1.0)
         return out.to(confidences.device)
 

@@ -21,7 +21,7 @@ way. The ratio r = speculative / plain has an uncertainty (log scale): the sampl
 (delta method, the prior step's relative deviation `prior_sd` included; with fewer than MIN_EVIDENCE effective
 steps, (sum w)^2 / sum w^2, at least 1: three unlucky probes are not proof either way) and
 the cost model's variance of log(t_spec / t_plain) (its covariance read along the two shapes' relative features;
-a slowdown of the whole machine cancels in the ratio). With z = `z`:
+within a phase a slowdown of the whole machine cancels in the ratio). With z = `z`:
 
     r * exp(-z s) > 1          speculate ("exploit": the gain is positive beyond its uncertainty)
     r > 1 otherwise            speculate as a probe: its expected loss is negative (free while credit >= 0)
@@ -61,7 +61,7 @@ from .steps import CONTEXT_SCALE, KNOTS, StepSample, hat, sample_features
 
 __all__ = ["SpeculationController", "Decision", "ControllerStats"]
 
-MAX_FORWARDS = 16  # draft forwards per step a record keeps (deeper trees are priced at their first 16)
+MAX_FORWARDS = 64  # draft forwards per step a record keeps (a deeper tree's further forwards are not priced)
 # a plain step's price is taken as known when its relative deviation is below this (else it is measured first)
 PLAIN_KNOWN = 0.1
 # effective speculative steps (sum w)^2 / sum w^2 below which the estimate is never confident either way
@@ -158,7 +158,7 @@ class _Records:
                 self._scaled.pop(next(iter(self._scaled)))
             c = self.capacity
             cache = self._scaled[b] = {"valid": np.zeros(c, dtype=bool), "d": np.zeros((c, len(KNOTS) + 2)),
-                                       "dt": np.zeros(c), "v": np.zeros((c, len(KNOTS) + 2)), "vt": np.zeros(c),
+                                       "dt": np.zeros(c), "v": np.zeros((c, len(KNOTS) + 3)), "vt": np.zeros(c),
                                        "e": np.zeros(c)}
         stale = np.flatnonzero(~cache["valid"][: self.size])
         if stale.size:
@@ -170,7 +170,8 @@ class _Records:
             spec = (drafts.sum(axis=1) > 0).astype(np.float64)
             cache["d"][stale] = np.column_stack([np.ones(stale.size), spec, hat(drafts).sum(axis=1)])
             cache["dt"][stale] = drafts.sum(axis=1)
-            cache["v"][stale] = np.column_stack([hat(verified), np.full(stale.size, float(b)), spec])
+            cache["v"][stale] = np.column_stack([hat(verified), np.full(stale.size, float(b)), spec,
+                                                 (verified > b).astype(np.float64)])
             cache["vt"][stale] = verified
             cache["e"][stale] = self.emitted[stale] * s
             cache["valid"][stale] = True
@@ -230,11 +231,12 @@ class SpeculationController:
 
     def _estimate_now(self, batch_size: int, context: float) -> tuple[float, float, float, float, float]:
         cost = self.cost
-        plain_d, plain_v = sample_features(StepSample(batch_size, batch_size, context))
-        theta_d, theta_v = cost.drafting.theta, cost.verification.theta
-        t_plain = max(float(plain_d @ theta_d), 1e-6) + max(float(plain_v @ theta_v), 1e-6)
-        g_d, g_v = plain_d / t_plain, plain_v / t_plain
-        plain_var = float(g_d @ cost.drafting.cov @ g_d + g_v @ cost.verification.cov @ g_v)
+        plain = cost.joint(*sample_features(StepSample(batch_size, batch_size, context)))
+        theta_d, theta_v = cost.theta_drafting, cost.theta_verification
+        nd = cost.ND
+        t_plain = max(float(plain[:nd] @ theta_d), 1e-6) + max(float(plain[nd:] @ theta_v), 1e-6)
+        g = plain / t_plain
+        plain_var = cost.variance(g)
         if not self.records.size:
             return math.nan, math.inf, t_plain, math.nan, plain_var
         b = float(batch_size)
@@ -251,7 +253,7 @@ class SpeculationController:
         ctx = context / CONTEXT_SCALE
         # seconds of each rescaled step at this context: the features without the context, then its columns
         seconds = (np.maximum(f["d"] @ theta_d[:-1] + f["dt"] * ctx * theta_d[-1], 1e-6)
-                   + np.maximum(f["v"] @ theta_v[[*range(k), k + 1, k + 2]] + f["vt"] * ctx * theta_v[k], 1e-6))
+                   + np.maximum(f["v"] @ theta_v[[*range(k), k + 1, k + 2, k + 3]] + f["vt"] * ctx * theta_v[k], 1e-6))
         tokens = f["e"]
         ws = float(w @ seconds)
         t_spec = ws / total
@@ -270,16 +272,18 @@ class SpeculationController:
         mean_d = np.concatenate([(w @ f["d"]) / total, [float(w @ f["dt"]) / total * ctx]])
         v = (w @ f["v"]) / total
         mean_v = np.concatenate([v[:k], [float(w @ f["vt"]) / total * ctx], v[k:]])
-        g_d, g_v = mean_d / t_spec - plain_d / t_plain, mean_v / t_spec - plain_v / t_plain
-        rel_model = float(g_d @ cost.drafting.cov @ g_d + g_v @ cost.verification.cov @ g_v)
+        g = cost.joint(mean_d, mean_v) / t_spec - plain / t_plain
+        rel_model = cost.variance(g)
         ratio = rate * t_plain / b
         return ratio, math.sqrt(rel_sampling + rel_model), t_plain, t_spec, plain_var
 
     def expects_plain(self, batch_size: int) -> bool:
-        """Whether the last estimate made at this batch size was a confident loss (its upper bound below 1): the
-        engine need not prepare speculation there (a draft's prompt prefill). False when none was made."""
+        """Whether the last estimate, made at this batch size within the last 64 steps, was a confident loss (its
+        upper bound below 1): the engine need not prepare speculation there (a draft's prompt prefill). False when
+        none was made."""
         last = self._estimate
-        return last.get("batch") == batch_size and last["value"][0] * math.exp(self.z * last["value"][1]) < 1.0
+        return (last.get("batch") == batch_size and self.step - last["step"] < 64
+                and last["value"][0] * math.exp(self.z * last["value"][1]) < 1.0)
 
     # ------------------------------------------------------------------ decide
 

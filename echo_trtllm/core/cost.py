@@ -235,14 +235,13 @@ def fit_draft_overhead(cost: CostModel, steps: list[tuple[list[int], float, floa
 
 
 def budget_rates(estimates: Tensor, batch_size: int, cost: CostModel, spent_seconds: float = 0.0,
-                 context: float | None = None, weight: float = 1.0) -> Tensor:
+                 context: float | None = None) -> Tensor:
     """Expected emitted tokens per second of the step for n = 0, 1, ..., len(estimates) candidates verified
-    (the module docstring's rate; n = 0 verifies the roots only). weight: tokens each candidate stands for
-    (1 for real candidates; B / M when M quantiles of a distribution stand for B requests)."""
+    (the module docstring's rate; n = 0 verifies the roots only)."""
     if estimates.ndim != 1:
         raise ValueError(f"estimates must be 1-D, got shape {tuple(estimates.shape)}")
-    n = torch.arange(estimates.numel() + 1, dtype=torch.float64) * weight  # tokens taken
-    gain = weight * torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(estimates.double(), 0)])
+    n = torch.arange(estimates.numel() + 1, dtype=torch.float64)  # tokens taken
+    gain = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(estimates.double(), 0)])
     speculative = n > 0
     seconds = spent_seconds + cost.control_seconds * speculative + cost.verify_time(batch_size + n, context,
                                                                                     batch_size)

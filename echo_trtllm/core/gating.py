@@ -74,6 +74,8 @@ __all__ = [
 ]
 
 GATE_VARIANTS = ("sparse", "dense", "fixed")
+# steps the online estimates and prices learn between two derivations of a batch size's gate
+GATE_REFRESH = 4
 
 
 @dataclass(frozen=True)
@@ -385,8 +387,9 @@ class GateSchedule:
     calibration samples, the thresholds are re-derived at every step from the current estimates: tau_d = the
     confidence at which depth d's acceptance estimate reaches lambda(B) (`OnlineAcceptance.threshold`), at the
     calibration's sweet-spot depths (chosen once by AUC: they do not depend on lambda) or the default gate depths;
-    "dense" gates every depth, "fixed" uses one tau, the thresholds' mean weighted by each depth's samples.
-    Without one, results are cached per batch size."""
+    "dense" gates every depth, "fixed" uses one tau, the thresholds' mean weighted by each depth's samples; a batch
+    size's gate is derived again after every GATE_REFRESH steps the estimates or the prices learn. Without one,
+    results are cached per batch size."""
 
     def __init__(self, config: EchoConfig, cost: CostModel | None = None, samples: GateSamples | None = None,
                  acceptance=None) -> None:
@@ -438,8 +441,8 @@ class GateSchedule:
         if variant not in GATE_VARIANTS:
             raise ValueError(f"gate variant {variant!r} is unknown; choose one of {', '.join(GATE_VARIANTS)}")
         key = (batch_size, variant)
-        if self.acceptance is not None:
-            key += (self.acceptance.version, getattr(self.cost, "version", 0))
+        if self.acceptance is not None:  # re-derived as the estimates and prices learn, every few steps
+            key += (self.acceptance.version // GATE_REFRESH, getattr(self.cost, "version", 0) // GATE_REFRESH)
             if len(self._cache) > 1024:
                 self._cache.clear()
         if key not in self._cache:

@@ -37,7 +37,7 @@ from .config import EchoConfig
 from .acceptance import AcceptanceModel, OnlineAcceptance
 from .cost import CostModel, choose_budget
 from .gating import GateConfig, GateSamples, GateSchedule, best_path_confidence, gate
-from .tree import DraftLevel, DraftTopK, SuperTree, expand_level, priority_order, root_level, segment_rank
+from .tree import DraftLevel, DraftTopK, SuperTree, expand_level, priority_order, root_level
 
 __all__ = [
     "DraftState",

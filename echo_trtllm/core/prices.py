@@ -21,11 +21,17 @@ linear function of the step's features whose coefficients are tracked by a Kalma
   slowed by another process (a shared machine only ever adds time) moves the prices by a bounded amount.
 - **Uncertainty.** `predict` returns each prediction's variance (the coefficients' covariance read along the
   features); the speculation controller reads the covariance along the difference of two step shapes' relative
-  features, the variance of log(t_a / t_b), which is what a decision between them needs: a slowdown of the whole
-  machine changes both and not their ratio (the common drift cancels).
+  features, the variance of log(t_a / t_b), which is what a decision between them needs: within a phase a slowdown
+  of the whole machine changes both and not their ratio (the common drift cancels; across the phases, below).
 
 `StepPrices` is the read interface the policies' rules use (`verify_time`, `draft_level_time`, `drafting_time`,
 `control_seconds`, as `core.cost.CostModel` offers them), always reading the current coefficients.
+
+The two phases are separate filters: a phase whose time did not change (a plain step's tiny drafting phase, say)
+must not hold the other back when the machine slows. Within a phase the common drift cancels in the ratio of two
+step shapes' predictions; across the phases it does not, so the controller's variance of such a ratio counts the
+phases' drifts as independent (it overstates the uncertainty a little where two shapes split their time between
+the phases differently: the conservative side).
 
 Example (`tests/core/test_prices.py`): the truth t = 2 ms + 0.1 ms per token; a prior that believes 4 ms + 0.1 ms per
 token; after 30 steps at 8, 16 and 64 tokens the prices at 8-64 tokens are within 3 % and the price at 32 tokens,
@@ -55,10 +61,15 @@ DRIFT_EVERY = 4
 
 
 class KalmanLinear:
-    """y = phi . theta + e, theta a random walk (module docstring); numpy float64, host-side, small (n ~ 16)."""
+    """y = phi . theta + e, theta a random walk (module docstring); numpy float64, host-side, small (n ~ 32).
+
+    Measurements come on `channels` (the step's phases): each channel has its own relative noise scale, and every
+    channel's features index the one joint coefficient vector, so the common drift correlates them (a slower machine
+    slows both phases together)."""
 
     def __init__(self, mean: np.ndarray, cov: np.ndarray, drift_common: float = 0.02, drift_each: float = 0.002,
-                 noise: float = 0.1, noise_floor: float = 0.02, noise_rate: float = 0.05, huber: float = 2.5) -> None:
+                 noise: float = 0.1, noise_floor: float = 0.02, noise_rate: float = 0.05, huber: float = 2.5,
+                 channels: int = 1) -> None:
         mean = np.asarray(mean, dtype=np.float64).copy()
         cov = np.asarray(cov, dtype=np.float64).copy()
         if mean.ndim != 1 or cov.shape != (mean.size, mean.size):
@@ -69,14 +80,18 @@ class KalmanLinear:
                         ("noise_floor", noise_floor), ("noise_rate", noise_rate), ("huber", huber)):
             if not v >= 0:
                 raise ValueError(f"KalmanLinear.{name} must be >= 0, got {v}")
+        if channels < 1:
+            raise ValueError(f"KalmanLinear.channels must be >= 1, got {channels}")
         self.theta, self.cov = np.maximum(mean, 0.0), (cov + cov.T) / 2  # float64, updated in place
         self.prior_sd = np.sqrt(np.diag(self.cov)).copy()
         self._cap = self.prior_sd ** 2  # no coefficient becomes more uncertain than its prior
         self.drift_common, self.drift_each = drift_common, drift_each
-        self.noise, self.noise_floor, self.noise_rate, self.huber = noise, noise_floor, noise_rate, huber
-        self.updates = 0
-        # for the per-step drift (`_drift`): a view of the covariance's diagonal (the matrix is only updated in
-        # place) and the floor of each coefficient's drift
+        self.noise = [noise] * channels
+        self.noise_floor, self.noise_rate, self.huber = noise_floor, noise_rate, huber
+        self.updates = self.steps = 0
+        self.last_noise_var = 0.0
+        # for the drift (`advance`): a view of the covariance's diagonal (the matrix is only updated in place) and
+        # the floor of each coefficient's drift
         self._diagonal = self.cov.reshape(-1)[:: mean.size + 1]
         self._floor = 0.05 * self.prior_sd
 
@@ -87,29 +102,34 @@ class KalmanLinear:
         var = np.einsum("ij,jk,ik->i", phi, self.cov, phi)
         return np.maximum(mean, MIN_SECONDS), np.maximum(var, 0.0)
 
-    def _drift(self, steps: int = 1) -> None:
-        """`steps` steps of the random walk at once: common (scale) and independent parts, each relative to the
-        coefficient (with a floor of 5 % of its prior's deviation, so a coefficient at zero can still move)."""
+    def advance(self) -> None:
+        """One step of the random walk (every DRIFT_EVERY-th call adds DRIFT_EVERY steps' drift at once: the
+        covariance grows by the same amount, a step costs less): common (scale) and independent parts, each
+        relative to the coefficient (with a floor of 5 % of its prior's deviation, so a coefficient at zero can
+        still move)."""
+        self.steps += 1
+        if self.steps % DRIFT_EVERY:
+            return
         theta, diagonal = self.theta, self._diagonal
-        self.cov += (steps * self.drift_common ** 2) * np.multiply.outer(theta, theta)
+        self.cov += (DRIFT_EVERY * self.drift_common ** 2) * np.multiply.outer(theta, theta)
         level = np.maximum(theta, self._floor)
-        diagonal += (steps * self.drift_each ** 2) * (level * level)
+        diagonal += (DRIFT_EVERY * self.drift_each ** 2) * (level * level)
         over = diagonal > self._cap
         if over.any():  # a congruence D P D keeps the matrix positive semi-definite
             d = np.ones_like(self.theta)
             d[over] = np.sqrt(self._cap[over] / diagonal[over])
             self.cov *= np.outer(d, d)
+        self.cov[...] = (self.cov + self.cov.T) * 0.5  # rounding leaves the updates' symmetry slowly: restore it
 
-    def update(self, phi: np.ndarray, y: float) -> float:
-        """One measured y at features phi (features,): drift, then the measurement. Returns the prediction before
-        the update. The drift of DRIFT_EVERY steps is added at once, before every DRIFT_EVERY-th measurement (the
-        covariance grows by the same amount; a step costs a third less)."""
-        if self.updates % DRIFT_EVERY == 0:
-            self._drift(DRIFT_EVERY)
+    def update(self, phi: np.ndarray, y: float, channel: int = 0) -> float:
+        """One measured y at features phi (features,) on a channel (no drift: `advance` once per step). Returns
+        the prediction before the update. A measurement that is not finite is refused (it would poison theta)."""
+        if not math.isfinite(y):
+            raise ValueError(f"KalmanLinear.update: the measurement must be finite, got {y}")
         predicted = max(float(phi @ self.theta), MIN_SECONDS)
         r = y - predicted
         scale = max(predicted, y, MIN_SECONDS)  # relative to the larger: a tiny prediction is no yardstick
-        noise_var = self.last_noise_var = (self.noise * scale) ** 2
+        noise_var = self.last_noise_var = (self.noise[channel] * scale) ** 2
         p_phi = self.cov @ phi
         s = float(phi @ p_phi) + noise_var
         bound = self.huber * math.sqrt(s)
@@ -118,12 +138,10 @@ class KalmanLinear:
         self.theta += gain * clipped
         np.maximum(self.theta, 0.0, out=self.theta)
         self.cov -= np.multiply.outer(gain, p_phi)  # symmetric: (P phi)(P phi)^T / s
-        if self.updates % 64 == 63:  # rounding leaves the update's symmetry slowly: restore it now and then
-            self.cov += self.cov.T
-            self.cov *= 0.5
         # the noise scale: running mean absolute relative residual (x 1.25: the normal's sd from its mean |x|)
         rel = abs(clipped) / scale
-        self.noise = max(self.noise_floor, (1 - self.noise_rate) * self.noise + self.noise_rate * 1.2533 * rel)
+        self.noise[channel] = max(self.noise_floor, (1 - self.noise_rate) * self.noise[channel]
+                                  + self.noise_rate * 1.2533 * rel)
         self.updates += 1
         return predicted
 
@@ -162,15 +180,34 @@ def _knot_cov(values: np.ndarray, relative: float, correlation: float) -> np.nda
 class StepCostModel:
     """Whole-step seconds = drafting phase + verification phase, each a `KalmanLinear` (module docstring)."""
 
+    ND, NV = len(DRAFTING_FEATURES), len(VERIFICATION_FEATURES)
+
     def __init__(self, drafting: KalmanLinear, verification: KalmanLinear) -> None:
-        if drafting.theta.size != len(DRAFTING_FEATURES) or verification.theta.size != len(VERIFICATION_FEATURES):
-            raise ValueError(f"StepCostModel needs {len(DRAFTING_FEATURES)} drafting and {len(VERIFICATION_FEATURES)} "
-                             "verification coefficients (core/steps.py)")
+        if drafting.theta.size != self.ND or verification.theta.size != self.NV:
+            raise ValueError(f"StepCostModel needs {self.ND} drafting and {self.NV} verification coefficients "
+                             "(core/steps.py)")
         self.drafting, self.verification = drafting, verification
         self.version = 0  # bumped by every observation; readers cache per version
         self.default_context = 64.0  # the last step's context: what a reader that does not know the context gets
         self.prices = StepPrices(self)
         self.history: list[StepPrediction] = []  # the last `HISTORY` predictions, for reports
+
+    @property
+    def theta_drafting(self) -> np.ndarray:
+        return self.drafting.theta
+
+    @property
+    def theta_verification(self) -> np.ndarray:
+        return self.verification.theta
+
+    def joint(self, phi_d: np.ndarray, phi_v: np.ndarray) -> np.ndarray:
+        """Features of one phase pair as one row (drafting's ND first)."""
+        return np.concatenate([phi_d, phi_v])
+
+    def variance(self, g: np.ndarray) -> float:
+        """g' P g for a joint row g (`joint`): the two phases' filters are independent."""
+        gd, gv = g[: self.ND], g[self.ND:]
+        return float(gd @ self.drafting.cov @ gd + gv @ self.verification.cov @ gv)
 
     HISTORY = 4096
 
@@ -197,13 +234,14 @@ class StepCostModel:
         # measured 10 x on the embedded target, 1.5 x on Qwen2.5-Coder-1.5B)
         scale_v = ATTENTION_PRIOR * float(verify[KNOTS.index(64)]) / 64 * CONTEXT_SCALE / 1024
         scale_d = ATTENTION_PRIOR * float(draft[KNOTS.index(64)]) / 64 * CONTEXT_SCALE / 1024
-        v_mean = np.concatenate([verify, [att_v, 0.0, 0.0]])
+        v_mean = np.concatenate([verify, [att_v, 0.0, 0.0, 0.0]])
         v_cov = np.zeros((v_mean.size,) * 2)
         n = len(KNOTS)
         v_cov[:n, :n] = _knot_cov(verify, relative, correlation)
         v_cov[n, n] = max(att_v * relative, scale_v) ** 2
         v_cov[n + 1, n + 1] = (one / 8) ** 2  # per request
-        v_cov[n + 2, n + 2] = one ** 2  # a tree's verification beyond a plain step's
+        v_cov[n + 2, n + 2] = (one / 2) ** 2  # the draft's commit after a step that drafted
+        v_cov[n + 3, n + 3] = one ** 2  # a tree's inputs and acceptance beyond a plain step's
         d_mean = np.concatenate([[0.0, float(cost.control_seconds)], draft, [att_d]])
         d_cov = np.zeros((d_mean.size,) * 2)
         d_cov[0, 0] = (one / 4) ** 2  # every step's tree and packing
@@ -217,6 +255,8 @@ class StepCostModel:
     def observe(self, sample: StepSample) -> StepPrediction:
         """Learn from one measured step; returns what was predicted for it before."""
         phi_d, phi_v = sample_features(sample)
+        self.drafting.advance()
+        self.verification.advance()
         pred_d = self.drafting.update(phi_d, sample.drafting_seconds)
         pred_v = self.verification.update(phi_v, sample.verification_seconds)
         self.default_context = float(sample.context)
@@ -237,21 +277,21 @@ class StepCostModel:
         if draft_tokens.shape[0] != n:
             draft_tokens = np.broadcast_to(draft_tokens, (n, draft_tokens.shape[1]))
         ctx = np.broadcast_to(np.asarray(context, dtype=np.float64), (n,))
-        spec = (draft_tokens.sum(axis=1) > 0).astype(np.float64)
-        md, vd = self.drafting.predict(drafting_features(draft_tokens, ctx))
-        mv, vv = self.verification.predict(verification_features(batch_size, verified, ctx, spec))
+        drafted = (draft_tokens.sum(axis=1) > 0).astype(np.float64)
+        phi = np.column_stack([drafting_features(draft_tokens, ctx),
+                               verification_features(batch_size, verified, ctx, drafted)])
+        md, vd = self.drafting.predict(phi[:, : self.ND])
+        mv, vv = self.verification.predict(phi[:, self.ND:])
         return md + mv, vd + vv
 
     def predict_phases(self, sample: StepSample) -> tuple[float, float]:
         """(drafting, verification) seconds predicted for the sample's step, without learning from it."""
         phi_d, phi_v = sample_features(sample)
-        return (max(float(phi_d @ self.drafting.theta), MIN_SECONDS),
-                max(float(phi_v @ self.verification.theta), MIN_SECONDS))
+        return (max(float(phi_d @ self.theta_drafting), MIN_SECONDS),
+                max(float(phi_v @ self.theta_verification), MIN_SECONDS))
 
     def predict_sample(self, sample: StepSample) -> float:
-        phi_d, phi_v = sample_features(sample)
-        return max(float(phi_d @ self.drafting.theta), MIN_SECONDS) + max(float(phi_v @ self.verification.theta),
-                                                                           MIN_SECONDS)
+        return sum(self.predict_phases(sample))
 
     def plain_seconds(self, batch_size: int, context: float) -> float:
         """Predicted seconds of a plain (AR) step of `batch_size` requests at `context`."""
@@ -266,9 +306,9 @@ class StepCostModel:
 
     def describe(self) -> dict:
         """The current coefficients by name (seconds), and each filter's noise scale."""
-        return {"drafting": dict(zip(DRAFTING_FEATURES, self.drafting.theta.round(9).tolist())),
-                "verification": dict(zip(VERIFICATION_FEATURES, self.verification.theta.round(9).tolist())),
-                "noise": {"drafting": self.drafting.noise, "verification": self.verification.noise},
+        return {"drafting": dict(zip(DRAFTING_FEATURES, self.theta_drafting.round(9).tolist())),
+                "verification": dict(zip(VERIFICATION_FEATURES, self.theta_verification.round(9).tolist())),
+                "noise": {"drafting": self.drafting.noise[0], "verification": self.verification.noise[0]},
                 "steps": self.version}
 
 
@@ -307,9 +347,9 @@ class StepPrices:
         m = self.model
         if self._version != m.version:
             n = len(KNOTS)
-            v, d = m.verification.theta.tolist(), m.drafting.theta.tolist()
-            self._t = {"verify": v[:n], "verify_att": v[n], "per_request": v[n + 1], "tree": v[n + 2],
-                       "step": d[0], "speculative": d[1], "draft": d[2:2 + n], "draft_att": d[2 + n],
+            v, d = m.theta_verification.tolist(), m.theta_drafting.tolist()
+            self._t = {"verify": v[:n], "verify_att": v[n], "per_request": v[n + 1], "drafted": v[n + 2],
+                       "tree": v[n + 3], "step": d[0], "speculative": d[1], "draft": d[2:2 + n], "draft_att": d[2 + n],
                        "knots_t": torch.tensor(KNOTS, dtype=torch.float64),
                        "verify_t": torch.tensor(v[:n], dtype=torch.float64),
                        "draft_t": torch.tensor(d[2:2 + n], dtype=torch.float64)}
@@ -323,8 +363,8 @@ class StepPrices:
 
     @property
     def control_seconds(self) -> float:
-        """What verifying a drafted tree costs beyond a plain step's verification, charged when drafts are
-        verified (`cost.budget_rates`)."""
+        """What verifying drafted tokens costs beyond a plain step's verification (the tree's inputs, acceptance),
+        charged when drafts are verified (`cost.budget_rates`)."""
         return self._tables()["tree"]
 
     def _context(self, context: float | None) -> float:
@@ -372,8 +412,8 @@ class StepPrices:
         return self.draft_time(frontier, context)
 
     def drafting_time(self, frontier_sizes: list[int], context: float | None = None) -> float:
-        """The drafting phase of a step whose draft forwards had these sizes: every forward plus the phase's
-        constants (a speculative step's host work)."""
+        """What drafting with forwards of these sizes commits a step to, whatever it then verifies: the drafting
+        phase (every forward, its constants) and the draft's commit after verification."""
         t = self._tables()
         forwards = sum(float(self.draft_time(f, context)) for f in frontier_sizes if f > 0)
-        return t["step"] + (t["speculative"] + forwards if frontier_sizes else 0.0)
+        return t["step"] + (t["speculative"] + t["drafted"] + forwards if frontier_sizes else 0.0)

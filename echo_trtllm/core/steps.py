@@ -13,8 +13,9 @@ accepted tokens, or after plain steps everything since the draft last ran). Its 
 Each phase is priced as a linear function of features of the step (`drafting_features`, `verification_features`):
 a piecewise-linear curve in tokens through fixed knots (1, 2, 4, ..., 4096; `hat`: the hat-function basis, so a
 coefficient is the phase's cost at its knot and a batch size between knots is priced from its two neighbours),
-tokens x context for attention, a term per request, and a constant for what a speculative step does that a plain
-one does not.
+tokens x context for attention, a term per request, and constants for what a speculative step does that a plain
+one does not: drafting's host work, and on the verification side the draft's commit after any step that drafted
+and a tree's inputs and acceptance after a step that verified drafted tokens.
 
     hat(3) over knots (1, 2, 4, 8, ...) = (0, 0.5, 0.5, 0, ...)      3 tokens: halfway between 2 and 4
     a step with draft forwards of 16 and 64 tokens: hat(16) + hat(64) in the drafting features
@@ -23,6 +24,7 @@ one does not.
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,7 +39,7 @@ _KNOTS = np.asarray(KNOTS, dtype=np.float64)
 CONTEXT_SCALE = 1024.0
 
 DRAFTING_FEATURES = ("step", "speculative", *(f"draft@{k}" for k in KNOTS), "draft tokens x context")
-VERIFICATION_FEATURES = (*(f"verify@{k}" for k in KNOTS), "verify tokens x context", "requests", "speculative")
+VERIFICATION_FEATURES = (*(f"verify@{k}" for k in KNOTS), "verify tokens x context", "requests", "drafted", "tree")
 
 
 @dataclass(frozen=True)
@@ -60,19 +62,27 @@ class StepSample:
         if self.verified_tokens < self.batch_size:
             raise ValueError(f"StepSample.verified_tokens ({self.verified_tokens}) must be >= batch_size "
                              f"({self.batch_size}): every request verifies at least its root")
-        if not self.context >= 0:
-            raise ValueError(f"StepSample.context must be >= 0, got {self.context}")
+        if not (math.isfinite(self.context) and self.context >= 0):
+            raise ValueError(f"StepSample.context must be finite and >= 0, got {self.context}")
         if any(t < 1 for t in self.draft_tokens):
             raise ValueError(f"StepSample.draft_tokens must be positive token counts, got {self.draft_tokens}")
-        if not (self.drafting_seconds >= 0 and self.verification_seconds >= 0):
-            raise ValueError("StepSample.drafting_seconds and verification_seconds must be >= 0")
-        if not 0 <= self.catch_up_tokens <= sum(self.draft_tokens):
-            raise ValueError(f"StepSample.catch_up_tokens ({self.catch_up_tokens}) must lie in [0, the draft "
-                             f"tokens {sum(self.draft_tokens)}]")
+        if not all(math.isfinite(s) and s >= 0 for s in (self.drafting_seconds, self.verification_seconds)):
+            raise ValueError("StepSample.drafting_seconds and verification_seconds must be finite and >= 0, got "
+                             f"{self.drafting_seconds}, {self.verification_seconds}")
+        first = self.draft_tokens[0] if self.draft_tokens else 0
+        if not 0 <= self.catch_up_tokens <= first:
+            raise ValueError(f"StepSample.catch_up_tokens ({self.catch_up_tokens}) must lie in [0, the first draft "
+                             f"forward's tokens {first}]: catch-up is what that forward reads beyond steady")
 
     @property
     def speculated(self) -> bool:
+        """The step drafted."""
         return bool(self.draft_tokens)
+
+    @property
+    def verified_drafts(self) -> bool:
+        """The step verified drafted tokens (a step may draft and verify its roots only)."""
+        return self.verified_tokens > self.batch_size
 
     @property
     def seconds(self) -> float:
@@ -116,12 +126,13 @@ def sample_features(sample: StepSample) -> tuple[np.ndarray, np.ndarray]:
     if tokens:
         d[1] = 1.0
         d[-1] = tokens * sample.context / CONTEXT_SCALE
-    v = np.zeros(n + 3)
+    v = np.zeros(n + 4)
     i, u = hat_at(sample.verified_tokens)
     v[i], v[i + 1] = 1.0 - u, u
     v[n] = sample.verified_tokens * sample.context / CONTEXT_SCALE
     v[n + 1] = sample.batch_size
     v[n + 2] = float(bool(tokens))
+    v[n + 3] = float(sample.verified_drafts)
     return d, v
 
 
@@ -139,9 +150,9 @@ def drafting_features(draft_tokens: np.ndarray, context: np.ndarray) -> np.ndarr
 
 
 def verification_features(batch_size: np.ndarray, verified: np.ndarray, context: np.ndarray,
-                          speculative: np.ndarray) -> np.ndarray:
-    """Verification features of n steps (each argument (n,) or a scalar): the hats of T, T x context, B, and 1 if
-    the step verified a drafted tree. Returns (n, len(VERIFICATION_FEATURES))."""
+                          drafted: np.ndarray) -> np.ndarray:
+    """Verification features of n steps (each argument (n,) or a scalar): the hats of T, T x context, B, 1 if the
+    step drafted, 1 if it verified drafted tokens (T > B). Returns (n, len(VERIFICATION_FEATURES))."""
     b, t, c, s = np.broadcast_arrays(*(np.atleast_1d(np.asarray(a, dtype=np.float64))
-                                       for a in (batch_size, verified, context, speculative)))
-    return np.column_stack([hat(t), t * c / CONTEXT_SCALE, b, s])
+                                       for a in (batch_size, verified, context, drafted)))
+    return np.column_stack([hat(t), t * c / CONTEXT_SCALE, b, s, (t > b).astype(np.float64)])

@@ -122,13 +122,16 @@ class Drafter:
         self.steady_chain = steady_chain
         self._requests: list[Request] = []
         self.model_seconds = 0.0  # draft forward time of the current step (the rest of drafting is control)
-        self.catch_up_seconds = 0.0  # part of it spent catching up after AR steps (see _expand_roots)
         self.forward_tokens: list[int] = []  # tokens of each draft forward of the current step, in order
         self.catch_up_tokens = 0  # tokens of the level-0 forward beyond steady speculation's (see _expand_roots)
 
     # ---------------------------------------------------------------- per request, outside steps
 
     def prefill(self, group: list[tuple[Request, int]]) -> None:
+        self.forward_tokens = []  # a prefill's forwards are no step's drafting
+        self._prefill(group)
+
+    def _prefill(self, group: list[tuple[Request, int]]) -> None:
         """Read a prefill chunk (n prompt tokens from each request's target_ctx) along with the target, for the
         requests whose draft is level with it (a failed draft prefill leaves a gap that the pending chain of
         their first speculative step fills)."""
@@ -174,7 +177,6 @@ class Drafter:
                 r.draft_offset, r.draft_ctx = offset, 0
         self._requests = requests
         self.model_seconds = 0.0
-        self.catch_up_seconds = 0.0
         self.forward_tokens = []
         self.catch_up_tokens = 0
         b = len(requests)
@@ -222,16 +224,12 @@ class Drafter:
         reqs = frontier.tolist()  # level 0: node index == request index
         chains = self._chains(reqs)
         starts = torch.tensor([self._requests[i].draft_ctx for i in reqs], dtype=torch.long)
-        t0 = self.clock.now()
         logits = self._forward_chains(reqs, chains, starts)
         # Steady speculation feeds the draft a few pending tokens per request; a longer chain is catch-up after
-        # AR steps (or a fresh prompt). Its share of this forward beyond steady_chain tokens per request is a
-        # one-off cost (estimated as proportional to tokens).
+        # AR steps (or a fresh prompt): what this forward reads beyond steady_chain tokens per request
         tokens = sum(c.numel() for c in chains)
         steady = self.steady_chain * len(chains)
-        if tokens > steady:
-            self.catch_up_seconds += (self.clock.now() - t0) * (1 - steady / tokens)
-            self.catch_up_tokens += tokens - steady
+        self.catch_up_tokens += max(tokens - steady, 0)
         b = len(self._requests)
         self._expanded_root[frontier] = True
         pos = torch.full((b,), -1, dtype=torch.long)
@@ -431,7 +429,7 @@ class Eagle3Drafter(Drafter):
 
     # ---------------------------------------------------------------- the head's forwards
 
-    def prefill(self, group: list[tuple[Request, int]]) -> None:
+    def _prefill(self, group: list[tuple[Request, int]]) -> None:
         """Read the chunk's tokens up to the last one whose preceding feature the target has produced (the target
         has already run this chunk and `observe` stored its features)."""
         todo = []

@@ -145,7 +145,8 @@ class StepReport:
     # host <-> device traffic of the step (`transfer.HostLink`): syncs, bytes each way, largest single read
     traffic: Traffic | None = None
     # the step as the online cost model saw it, what it predicted for it before learning from it, and what the
-    # speculation controller decided (None without a cost model / without the AR fallback)
+    # speculation controller decided, when the step ran as it decided (None without a cost model, without the AR
+    # fallback, or when a draft failure or the policy made the step plain)
     sample: StepSample | None = None
     prediction: StepPrediction | None = None
     decision: Decision | None = None
@@ -194,6 +195,9 @@ class Executor:
         self.clock = clock or WallClock(target.device)
         self.link = HostLink(target.device)  # every tensor crossing host <-> model device, counted per step
         self.controller = None
+        if fallback is True and cost_model is None and self.policy.needs_draft_model:
+            raise ValueError("fallback=True needs a cost model (cost_model=...): the AR fallback weighs measured steps "
+                             "at prices that start from it")
         default = cost_model is not None and self.policy.shares_budget
         if self.policy.needs_draft_model and self.step_cost is not None and (fallback or (fallback is None and default)):
             self.controller = SpeculationController(self.step_cost)
@@ -522,26 +526,31 @@ class Executor:
             self._release(req)
         timings.total = self.clock.now() - t_step
         produced = int(result.cu_accepted[-1])  # before stop conditions cut anything
+        followed = decision if speculated == planned == wanted else None  # the controller's choice, as it ran
         sample, prediction = self._learn(b, packed, float(ctx.max()), drafter, drafted, result, timings, produced,
-                                         decision if speculated == planned == wanted else None)
+                                         followed)
         return StepReport(b, int(packed.total_nodes), emitted, int(drafted.candidates.total_nodes) - b, finished,
                           reqs + failed, speculated, timings, drafted, result, [r.request_id for r in reqs],
                           positions, kept_counts, draft_failed=planned and not speculated and self.drafter is not None,
                           context=float(ctx.max()), traffic=self.link.take(), sample=sample, prediction=prediction,
-                          decision=decision)
+                          decision=followed)
 
     def _decide(self, reqs: list[Request], context: float) -> Decision | None:
-        """The controller's choice for this step (None without one, during warm-up, or where a draft level cannot
-        pay at this batch size: then the step is plain)."""
+        """The controller's choice for this step (None without one, or during warm-up); a "forced" plain step where
+        a draft level cannot pay at this batch size, or where deciding failed (contained: the step runs plain)."""
         if self.controller is None or self._forced is not None:
             return None
         b = len(reqs)
-        if not self._can_pay(b):
+        try:
+            if not self._can_pay(b):
+                return Decision(False, "forced", b)
+            catch_up = self.drafter.catch_up(reqs)
+            if catch_up:  # what the draft would read first, each chain bounded as `begin` bounds it
+                catch_up = self.drafter.catch_up(reqs, self._max_pending(b))
+            return self.controller.decide(b, context, catch_up)
+        except Exception:  # noqa: BLE001 - speculation is an optimisation: this step runs plain
+            self._contain("speculation decision")
             return Decision(False, "forced", b)
-        catch_up = self.drafter.catch_up(reqs)
-        if catch_up:  # what the draft would read first, each chain bounded as `begin` bounds it
-            catch_up = self.drafter.catch_up(reqs, self._max_pending(b))
-        return self.controller.decide(b, context, catch_up)
 
     def _learn(self, b: int, packed, context: float, drafter, drafted: DraftResult, result: VerifyResult,
                timings: StepTimings, produced: int, decision: Decision | None):
@@ -550,10 +559,18 @@ class Executor:
         policy ran plain). Returns (sample, the model's prediction for it) or (None, None) without a model."""
         if self.step_cost is None or self._cold:
             return None, None
+        try:
+            return self._learn_from(b, packed, context, drafter, drafted, result, timings, produced, decision)
+        except Exception:  # noqa: BLE001 - learning is an optimisation: the step's output stands
+            self._contain("learning from a step")
+            return None, None
+
+    def _learn_from(self, b: int, packed, context: float, drafter, drafted: DraftResult, result: VerifyResult,
+                    timings: StepTimings, produced: int, decision: Decision | None):
         forwards = tuple(t for t in drafter.forward_tokens if t > 0) if drafter is not None else ()
         sample = StepSample(b, int(packed.total_nodes), context, forwards, timings.drafting,
                             max(timings.total - timings.drafting, 0.0),
-                            min(drafter.catch_up_tokens, sum(forwards)) if forwards else 0)
+                            min(drafter.catch_up_tokens, forwards[0]) if forwards else 0)
         prediction = self.step_cost.observe(sample) if self.adapt else StepPrediction(
             *self.step_cost.predict_phases(sample), sample.drafting_seconds, sample.verification_seconds)
         if self.controller is not None:
@@ -573,14 +590,13 @@ class Executor:
             try:
                 self.drafter.begin(reqs, self.policy.max_children, self._max_pending(len(reqs)))
                 budget = self._budget()
-                levels = None
                 if self.policy.beam_frontier:  # the loop on the draft's device, one read per sync point
-                    drafted = draft_tree_batched(self.policy, roots, self.drafter, budget, levels, float(ctx.max()),
+                    drafted = draft_tree_batched(self.policy, roots, self.drafter, budget, None, float(ctx.max()),
                                                  read=lambda *t: self.link.read("draft levels", *t),
                                                  send=lambda t: self.link.send("draft rows", t),
                                                  sync_every_level=self.sync_every_level)
                 else:
-                    drafted = draft_tree(self.policy, roots, self.drafter.draft_fn, budget, levels, float(ctx.max()))
+                    drafted = draft_tree(self.policy, roots, self.drafter.draft_fn, budget, None, float(ctx.max()))
                 return drafted, self._pack(drafted.selected, ctx), True
             except Exception:  # noqa: BLE001 - drafting is an optimisation: this step runs as plain AR
                 self._contain("drafting")

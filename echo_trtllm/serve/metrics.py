@@ -91,8 +91,11 @@ class ServerMetrics:
             Gauge(f"{PREFIX}_{name}", doc, registry=r).set_function(fn)
 
     def _speculation(self, key: str) -> float:
+        """A value of `LLM.speculation_stats()`; NaN where the engine has none (no prices, no controller, no step
+        yet): an unknown is not a zero."""
         stats = self._speculation_stats()
-        return float(stats[key]) if stats is not None and stats.get(key) == stats.get(key) else 0.0
+        value = None if stats is None else stats.get(key)
+        return float("nan") if value is None else float(value)
 
     @staticmethod
     def _ratio(num: Counter, den: Counter) -> float:

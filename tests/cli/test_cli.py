@@ -1,3 +1,4 @@
+import argparse
 import json
 
 import pytest
@@ -37,3 +38,33 @@ def test_generate_with_no_models_runs_echo_with_the_committed_eagle3_head(capsys
         assert f" draft={kind} " in summary and "tokens=16 " in summary
         texts[kind] = out.split("[finish_reason=")[0]
     assert texts["eagle3"] == texts["model"] == texts["none"]
+
+
+def test_bench_serve_turns_each_method_into_serve_flags_and_refuses_what_serve_cannot_run(capsys):
+    from echo_trtllm.cli.bench_serve import method_flags
+
+    assert method_flags("echo") == ["--policy", "echo"]
+    assert method_flags("chain:num_draft_tokens=2:fallback=on") == ["--policy", "chain", "--num-draft-tokens", "2",
+                                                                      "--fallback", "on"]
+    assert method_flags("static:static_nodes=3") == ["--policy", "static", "--static-nodes", "3"]
+    for bad, message in (("echo-fixed:fixed_threshold=0.2", "serve has no flag for fixed_threshold"),
+                         ("nope", "unknown policy"), ("chain:num_draft_tokens=x", "takes a int")):
+        assert main(["bench-serve", "--methods", bad, "--duration", "5"]) == 2
+        assert message in capsys.readouterr().err
+    for args, message in ((["--duration", "0"], "--duration must be > 0"),
+                          (["--request-rate", "0"], "--request-rate"),
+                          (["--warmup-seconds", "-1"], "--warmup-seconds")):
+        assert main(["bench-serve", "--methods", "ar", *args]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_static_nodes_sets_the_static_tree_and_is_checked():
+    from echo_trtllm.cli import options
+    from echo_trtllm.core.config import DEFAULT_STATIC_CHOICES
+
+    ap = argparse.ArgumentParser()
+    options.add_speculation_options(ap)
+    assert options.echo_config(ap.parse_args(["--static-nodes", "3"])).static_choices == DEFAULT_STATIC_CHOICES[:2]
+    assert options.echo_config(ap.parse_args([])).static_choices == DEFAULT_STATIC_CHOICES
+    with pytest.raises(ValueError, match="--static-nodes takes 2"):
+        options.echo_config(ap.parse_args(["--static-nodes", "1"]))

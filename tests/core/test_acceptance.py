@@ -129,7 +129,9 @@ def weighted_minmax(y: list[float], w: list[float]) -> list[float]:
 @pytest.mark.parametrize("seed", range(10))
 def test_the_online_estimate_is_the_weighted_isotonic_fit_of_the_bins(seed):
     """Per bin, (accepted + prior weight x prior) / (count + prior weight) after the decay, made non-decreasing by
-    the weighted min-max formula, read at the bins' mean confidences: computed here by hand from the raw samples."""
+    the weighted min-max formula, read at the bins' mean confidences, plus the prior's own shape in proportion to
+    its weight (here the draft's probability: the centre's distance from the bin's middle): computed here by hand
+    from the raw samples."""
     from echo_trtllm.core.acceptance import BIN_EDGES, OnlineAcceptance
 
     gen = torch.Generator().manual_seed(seed)
@@ -156,7 +158,8 @@ def test_the_online_estimate_is_the_weighted_isotonic_fit_of_the_bins(seed):
     fit = weighted_minmax(raw, [cnt[b] + 3.0 for b in range(bins)])
     centres = [csum[b] / cnt[b] if cnt[b] > 1e-9 else mids[b] for b in range(bins)]
     probe = torch.tensor(centres, dtype=torch.float64)
-    torch.testing.assert_close(online.estimate(probe, 1), torch.tensor(fit, dtype=torch.float64))
+    want = [f + 3.0 / (cnt[b] + 3.0) * (centres[b] - mids[b]) for b, f in enumerate(fit)]
+    torch.testing.assert_close(online.estimate(probe, 1), torch.tensor(want, dtype=torch.float64).clamp(0, 1))
 
 
 def test_the_online_threshold_is_where_the_estimate_crosses_lambda():
@@ -201,3 +204,18 @@ def test_the_online_estimate_starts_from_the_calibration_and_follows_a_changing_
     assert traffic(0.9, 100) > 0.7  # code
     assert traffic(0.1, 100) < 0.2  # prose
     assert traffic(0.9, 100) > 0.7  # code again
+
+
+def test_with_no_traffic_the_online_estimate_is_its_prior_exactly():
+    """No verified node yet: the estimate is the draft's own probability (no calibration) or the calibration's
+    isotonic map, steps included, at every confidence."""
+    from echo_trtllm.core.acceptance import OnlineAcceptance
+
+    gen = torch.Generator().manual_seed(3)
+    c = torch.cat([torch.rand(200, generator=gen, dtype=torch.float64), torch.tensor([0.0, 1e-5, 1.0])])
+    torch.testing.assert_close(OnlineAcceptance(4).estimate(c, 2), c)
+    samples = torch.rand(300, generator=gen)
+    calibration = AcceptanceModel.from_samples(torch.ones(300, dtype=torch.long), samples,
+                                               torch.rand(300, generator=gen) < samples ** 2)
+    online = OnlineAcceptance(2, calibration)
+    torch.testing.assert_close(online.estimate(c, 1), calibration.estimate(c, 1))

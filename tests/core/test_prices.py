@@ -155,3 +155,21 @@ def test_the_rules_read_the_same_prices():
         assert whole == pytest.approx(model.predict_sample(spec))
     rates = budget_rates(torch.tensor([0.9, 0.5]), 4, prices, 0.001, 64.0)
     assert rates.shape == (3,) and choose_budget(torch.tensor([0.9, 0.5]), 4, prices, 0.001, 64.0) >= 4
+
+
+def test_what_no_step_can_measure_is_refused_before_it_poisons_the_prices():
+    with pytest.raises(ValueError, match="finite"):
+        StepSample(1, 1, 0.0, (), 0.0, float("inf"))
+    with pytest.raises(ValueError, match="finite"):
+        StepSample(1, 1, float("nan"))
+    kf = KalmanLinear(np.ones(2), np.eye(2))
+    with pytest.raises(ValueError, match="finite"):
+        kf.update(np.ones(2), float("nan"))
+    assert np.isfinite(kf.theta).all()
+
+
+def test_a_step_that_drafts_but_verifies_its_roots_only_is_no_tree():
+    drafted_only = StepSample(4, 4, 64.0, (8,), 0.002, 0.01)
+    assert drafted_only.speculated and not drafted_only.verified_drafts
+    _, v = sample_features(drafted_only)
+    assert v[-2] == 1.0 and v[-1] == 0.0  # the draft's commit yes, a tree's verification no

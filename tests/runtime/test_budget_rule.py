@@ -39,13 +39,19 @@ def run(target, draft, tok, prompts, cost, batch_size=4, max_tokens=24, policy="
                   max_batch_size=batch_size, max_seq_len=256, cost_model=cost,
                   clock=ModelledClock(clock_cost or cost or FLAT), fallback=fallback, gate_samples=gate_samples)
     run.executor = ex
+    reqs, reports = drive(ex, prompts, max_tokens)
+    return [r.output_token_ids for r in reqs], reports
+
+
+def drive(ex: Executor, prompts, max_tokens: int) -> tuple[list, list]:
+    """Submit one greedy request per prompt to the executor and step until every one ends: (requests, reports)."""
     reqs = [ex.make_request(p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)) for p in prompts]
     for r in reqs:
         ex.submit(r)
     reports = []
     while ex.has_work:
         reports.append(ex.step())
-    return [r.output_token_ids for r in reqs], reports
+    return reqs, reports
 
 
 def decode_seconds(reports) -> float:
@@ -179,11 +185,7 @@ def test_a_probe_after_a_long_ar_stretch_re_primes_the_draft_with_a_short_window
         return real(batch, cache)
 
     ex.drafter.model.forward = spy
-    reqs = [ex.make_request(p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)) for p in prompts[:8]]
-    for r in reqs:
-        ex.submit(r)
-    while ex.has_work:
-        ex.step()
+    reqs, _ = drive(ex, prompts[:8], 24)
     assert [r.output_token_ids for r in reqs] == ar_outputs
     assert ex._max_pending(4) == 8
     assert root_chains and max(root_chains) <= 8, f"catch-up chains {root_chains} exceed the 8-token bound"
@@ -237,12 +239,7 @@ def test_the_budget_rule_prices_each_step_at_the_batchs_own_context(default_pair
     ex = Executor(target, draft, tok, EchoConfig(k_max=64, max_nodes_per_request=16), max_batch_size=4,
                   max_seq_len=512, cost_model=cost, clock=clock, fallback=False)
     clock.executor = ex
-    reqs = [ex.make_request(p, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)) for p in prompts[:4]]
-    for r in reqs:
-        ex.submit(r)
-    reports = []
-    while ex.has_work:
-        reports.append(ex.step())
+    _, reports = drive(ex, prompts[:4], 200)
     short = [r.verified_tokens / r.batch_size for r in reports if r.batch_size and r.context < 40]
     long = [r.verified_tokens / r.batch_size for r in reports if r.batch_size and r.context > 150]
     assert short and long
@@ -283,15 +280,13 @@ def test_steps_the_policy_runs_plain_are_not_the_controllers_measurements(defaul
     target, draft, tok = default_pair
     ex = Executor(target, draft, tok, EchoConfig(k_max=4), max_batch_size=4, max_seq_len=256, cost_model=MARGINAL,
                   clock=ModelledClock(MARGINAL), fallback=True)
-    reqs = [ex.make_request(p, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)) for p in prompts[:4]]
-    for r in reqs:
-        ex.submit(r)
-    reports = []
-    while ex.has_work:
-        reports.append(ex.step())
+    wanted, decide = [], ex.controller.decide
+    ex.controller.decide = lambda *a, **k: wanted.append(decide(*a, **k)) or wanted[-1]
+    reqs, reports = drive(ex, prompts[:4], 16)
     assert [r.output_token_ids for r in reqs] == [o[:16] for o in ar_outputs[:4]]
     assert not any(r.speculated for r in reports)
-    assert any(r.decision is not None and r.decision.speculate for r in reports), "the case needs a wanted probe"
+    assert any(d.speculate for d in wanted), "the case needs a wanted probe"
+    assert all(r.decision is None for r in reports)  # no report carries a decision the step did not follow
     stats = ex.controller.stats
     assert stats.speculative_steps == stats.probes == 0 and stats.steps == len(reports)
 
@@ -308,12 +303,7 @@ def test_acceptance_estimates_start_from_the_calibration_and_follow_the_traffic(
                   max_seq_len=256, cost_model=FLAT, clock=ModelledClock(FLAT), fallback=False, gate_samples=rejected)
     probe = torch.tensor([0.2], dtype=torch.float64)
     before = float(ex.policy.acceptance.estimate(probe, 1))
-    reqs = [ex.make_request(p, SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)) for p in prompts[:8]]
-    for r in reqs:
-        ex.submit(r)
-    reports = []
-    while ex.has_work:
-        reports.append(ex.step())
+    reqs, reports = drive(ex, prompts[:8], 48)
     assert [r.output_token_ids[:24] for r in reqs] == ar_outputs
     after = float(ex.policy.acceptance.estimate(probe, 1))
     # what verification measured at depth 1 around the probe (path probability 0.1 to 0.3)
@@ -369,3 +359,21 @@ def test_the_fitted_overheads_are_the_host_work_of_the_runtimes_own_steps(defaul
     assert bare.draft_level_overhead_seconds == pytest.approx(0.0, abs=1e-9)
     assert host.step_overhead_seconds == pytest.approx(0.003)
     assert host.draft_level_overhead_seconds == pytest.approx(0.002)
+
+
+def test_a_failure_in_the_online_learning_or_the_decision_ends_no_request(default_pair, prompts, ar_outputs):
+    """The prices and the controller are optimisations: if learning from a step or deciding the next one raises,
+    the failure is contained (recorded, the step plain or its output kept) and every request still ends with AR's
+    output."""
+    target, draft, tok = default_pair
+    ex = Executor(target, draft, tok, EchoConfig(k_max=64, max_nodes_per_request=16), max_batch_size=4,
+                  max_seq_len=256, cost_model=FLAT, clock=ModelledClock(FLAT), fallback=True)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    ex.step_cost.observe = broken
+    ex.controller.decide = broken
+    reqs, _ = drive(ex, prompts[:8], 24)
+    assert [r.output_token_ids for r in reqs] == ar_outputs
+    assert ex.failures.get("learning from a step", 0) > 0 and ex.failures.get("speculation decision", 0) > 0
