@@ -9,12 +9,14 @@
 # Steps (each writes docs/bench/online-$WHICH-*.json beside its markdown; skip any with SKIP="closed serve ..."):
 #   closed   echo-trtllm bench: AR, ECHO (+fallback, the default), ECHO pure and (default pair) the tree pure and
 #            +fallback at B = 1, 4, 16, 64, 32 tokens, ROUNDS timed rounds after a warm-up round, AR at both ends
-#   serve    echo-trtllm bench-serve --duration: AR, ECHO, the tree +fallback at concurrency 1, 4, 16, 64 and at
-#            RATES Poisson arrivals, DURATION seconds per cell after WARMUP, ROUNDS rounds alternating the order
+#   serve    echo-trtllm bench-serve --duration: AR, ECHO, the tree +fallback at concurrency CONCURRENCY,
+#            DURATION seconds per cell after WARMUP, ROUNDS rounds alternating the order
+#   poisson  the same at RATES Poisson arrivals
 #   online   python -m echo_trtllm.bench.online: the prices' prediction error after 50 steps at B = 1, 16, 64 and
 #            the controller's expected vs emitted tokens
 #   hf       (qwen-draft) B = 1 beside HF transformers' assisted generation (4 draft tokens) in the same process
-# Environment: ROUNDS (3), DURATION (120), WARMUP (15), RATES (per pair: near AR's capacity at concurrency 16),
+# Environment: ROUNDS (3), DURATION (120), WARMUP (15), BATCHES (closed: 1 4 16 64), CONCURRENCY (serve: 1,4,16,64),
+# RATES (per pair: near AR's capacity at concurrency 16),
 # TREE (the tree to compare, per pair), CLOSED (the closed-batch methods), PROMPTS (per pair), OUT (docs/bench),
 # PY, SKIP.
 set -euo pipefail
@@ -27,6 +29,8 @@ ROUNDS=${ROUNDS:-3}
 DURATION=${DURATION:-120}
 WARMUP=${WARMUP:-15}
 SKIP=${SKIP:-}
+BATCHES=${BATCHES:-1 4 16 64}
+CONCURRENCY=${CONCURRENCY:-1,4,16,64}
 CLI=(.venv/bin/echo-trtllm)
 case "$WHICH" in
   default)
@@ -63,7 +67,7 @@ NAME=online-$WHICH
 skip() { [[ " $SKIP " == *" $1 "* ]]; }
 
 if ! skip closed; then
-  for B in 1 4 16 64; do
+  for B in $BATCHES; do
     "${CLI[@]}" bench "${MODEL[@]}" --prompt-set "$PROMPTS" --batch-sizes "$B" --max-tokens 32 --max-seq-len "$MAXSEQ" \
       --methods "$CLOSED" \
       --rounds "$ROUNDS" --warmup-rounds 1 --ar-both-ends \
@@ -72,8 +76,10 @@ if ! skip closed; then
 fi
 if ! skip serve; then
   "${CLI[@]}" bench-serve "${MODEL[@]}" --prompts "$PROMPTS" --methods "ar,echo,${TREE}:fallback=on" \
-    --concurrency 1,4,16,64 --duration "$DURATION" --warmup-seconds "$WARMUP" --max-tokens 64 \
+    --concurrency "$CONCURRENCY" --duration "$DURATION" --warmup-seconds "$WARMUP" --max-tokens 64 \
     --max-seq-len "$MAXSEQ" --rounds "$ROUNDS" --json "$OUT/$NAME-serve.json"
+fi
+if ! skip poisson; then
   "${CLI[@]}" bench-serve "${MODEL[@]}" --prompts "$PROMPTS" --methods "ar,echo,${TREE}:fallback=on" \
     --concurrency 64 --request-rate "$RATES" --duration "$DURATION" --warmup-seconds "$WARMUP" --max-tokens 64 \
     --max-seq-len "$MAXSEQ" --rounds "$ROUNDS" --json "$OUT/$NAME-serve-poisson.json"

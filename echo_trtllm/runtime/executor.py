@@ -366,14 +366,15 @@ class Executor:
                                            and not self.controller.expects_plain(batch_size))
 
     def _can_pay(self, batch_size: int) -> bool:
-        """False when one more draft level cannot pay at this batch size even if surely accepted (the prices'
-        `level_cost_ratio` >= 1): such a step is plain without asking the controller. Re-read after every
-        PRICE_REFRESH steps the prices learn, or for another batch size."""
+        """False when the smallest speculative step cannot pay at this batch size even if its drafts were surely
+        accepted: one draft level over the roots and one more verified token per request, priced by
+        `level_cost_ratio` (>= 1), the speculative host work not even counted. Such a step is plain without asking
+        the controller (no shape of any policy drafts less). Re-read after every PRICE_REFRESH steps the prices
+        learn, or for another batch size."""
         cached = self._pay_cache.get(batch_size)
         version = getattr(self.prices, "version", 0)
         if cached is None or version - cached[0] >= PRICE_REFRESH:
-            cached = self._pay_cache[batch_size] = (
-                version, level_cost_ratio(self.prices, batch_size, self.policy.expand_width) < 1.0)
+            cached = self._pay_cache[batch_size] = (version, level_cost_ratio(self.prices, batch_size, 1) < 1.0)
         return cached[1]
 
     def _prefill_target(self, group: list[tuple[Request, int]]) -> torch.Tensor | None:
