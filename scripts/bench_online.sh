@@ -74,15 +74,15 @@ if ! skip closed; then
       --json "$OUT/$NAME-closed-b$B.json" --markdown "$OUT/$NAME-closed-b$B.md"
   done
 fi
-if ! skip serve; then
+serve() {  # bench-serve's sustained cells for AR, ECHO and the tree; the arguments name the load and the JSON
   "${CLI[@]}" bench-serve "${MODEL[@]}" --prompts "$PROMPTS" --methods "ar,echo,${TREE}:fallback=on" \
-    --concurrency "$CONCURRENCY" --duration "$DURATION" --warmup-seconds "$WARMUP" --max-tokens 64 \
-    --max-seq-len "$MAXSEQ" --rounds "$ROUNDS" --json "$OUT/$NAME-serve.json"
+    --duration "$DURATION" --warmup-seconds "$WARMUP" --max-tokens 64 --max-seq-len "$MAXSEQ" --rounds "$ROUNDS" "$@"
+}
+if ! skip serve; then
+  serve --concurrency "$CONCURRENCY" --json "$OUT/$NAME-serve.json"
 fi
 if ! skip poisson; then
-  "${CLI[@]}" bench-serve "${MODEL[@]}" --prompts "$PROMPTS" --methods "ar,echo,${TREE}:fallback=on" \
-    --concurrency 64 --request-rate "$RATES" --duration "$DURATION" --warmup-seconds "$WARMUP" --max-tokens 64 \
-    --max-seq-len "$MAXSEQ" --rounds "$ROUNDS" --json "$OUT/$NAME-serve-poisson.json"
+  serve --concurrency 64 --request-rate "$RATES" --json "$OUT/$NAME-serve-poisson.json"
 fi
 if ! skip online; then
   $PY -m echo_trtllm.bench.online "${MODEL[@]}" --prompt-set "$PROMPTS" --batch-sizes 1,16,64 --steps 150 \

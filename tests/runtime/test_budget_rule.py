@@ -291,7 +291,6 @@ def test_steps_the_policy_runs_plain_are_not_the_controllers_measurements(defaul
     # no report carries a decision the step did not follow: a wanted probe ran plain, so it is no report's decision
     assert not any(r.decision is not None and r.decision.speculate for r in reports)
     assert any(r.decision is not None for r in reports), "the plain decisions it followed are reported"
-
     stats = ex.controller.stats
     assert stats.speculative_steps == stats.probes == 0 and stats.steps == len(reports)
 
