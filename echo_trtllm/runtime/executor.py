@@ -50,7 +50,7 @@ import torch
 from echo_trtllm import kernels
 from echo_trtllm.core import EchoConfig, SamplingTensors, draft_tree, make_policy, pack, verify
 from echo_trtllm.core.controller import Decision, SpeculationController
-from echo_trtllm.core.cost import CostModel, level_cost_ratio
+from echo_trtllm.core.cost import CostModel
 from echo_trtllm.core.gating import GateSamples
 from echo_trtllm.core.policies import DraftResult, draft_tree_batched
 from echo_trtllm.core.prices import StepCostModel, StepPrediction
@@ -71,8 +71,6 @@ __all__ = ["Executor", "StepReport", "StepTimings", "check_limits"]
 log = logging.getLogger("echo_trtllm.executor")
 # the shortest pending chain a re-primed draft starts from (tokens of context it keeps)
 MIN_PENDING = 8
-# steps the prices learn before `_can_pay` reads them again for a batch size
-PRICE_REFRESH = 8
 
 def check_limits(config: EchoConfig, max_batch_size: int, has_draft: bool) -> None:
     """Reject configurations that cannot run, before anything heavy is loaded."""
@@ -203,7 +201,6 @@ class Executor:
             self.controller = SpeculationController(self.step_cost)
         self._forced: bool | None = None  # warm_up's choice for the next steps (None: the controller's)
         self._cold = False  # warm_up's first steps: run, not learnt from
-        self._pay_cache: dict[int, tuple[int, bool]] = {}  # batch size -> (prices' version, `_can_pay`)
         self._ar_policy = make_policy(EchoConfig(policy="ar"))  # plain AR steps (the controller's, a draft failure)
         draft_vocab = None if draft is None else (
             draft.config.layer.vocab_size if isinstance(draft, Eagle3Head) else draft.config.vocab_size)
@@ -357,25 +354,11 @@ class Executor:
 
     def _draft_prefill(self, batch_size: int) -> bool:
         """Prefill the draft with the prompts now (the prefill phase; decode steps then feed it 1-2 tokens per
-        request) unless speculation is not expected at this batch size (the prices say a level cannot pay, or the
-        controller's last estimate there is a confident loss): then the draft is left alone and catches up on its
-        pending chain (bounded, `_max_pending`) only if a later step speculates."""
+        request) unless the controller's last estimate at this batch size is a confident loss: then the draft is
+        left alone and catches up on its pending chain (bounded, `_max_pending`) only if a later step speculates."""
         if self.drafter is None:
             return False
-        return self.controller is None or (self._can_pay(batch_size)
-                                           and not self.controller.expects_plain(batch_size))
-
-    def _can_pay(self, batch_size: int) -> bool:
-        """False when the smallest speculative step cannot pay at this batch size even if its drafts were surely
-        accepted: one draft level over the roots and one more verified token per request, priced by
-        `level_cost_ratio` (>= 1), the speculative host work not even counted. Such a step is plain without asking
-        the controller (no shape of any policy drafts less). Re-read after every PRICE_REFRESH steps the prices
-        learn, or for another batch size."""
-        cached = self._pay_cache.get(batch_size)
-        version = getattr(self.prices, "version", 0)
-        if cached is None or version - cached[0] >= PRICE_REFRESH:
-            cached = self._pay_cache[batch_size] = (version, level_cost_ratio(self.prices, batch_size, 1) < 1.0)
-        return cached[1]
+        return self.controller is None or not self.controller.expects_plain(batch_size)
 
     def _prefill_target(self, group: list[tuple[Request, int]]) -> torch.Tensor | None:
         """Run a prefill chunk through the target; returns the drafter's features of its tokens (or None)."""
@@ -538,13 +521,13 @@ class Executor:
 
     def _decide(self, reqs: list[Request], context: float) -> Decision | None:
         """The controller's choice for this step (None without one, or during warm-up); a "forced" plain step where
-        a draft level cannot pay at this batch size, or where deciding failed (contained: the step runs plain)."""
+        deciding failed (contained: the step runs plain). No price is a gate before the controller: a step the
+        prices say cannot pay is the controller's to judge (a probe within its exploration budget, then measured
+        evidence), since a gate on prices alone is never corrected by the steps it forbids."""
         if self.controller is None or self._forced is not None:
             return None
         b = len(reqs)
         try:
-            if not self._can_pay(b):
-                return Decision(False, "forced", b)
             catch_up = self.drafter.catch_up(reqs)
             if catch_up:  # what the draft would read first, each chain bounded as `begin` bounds it
                 catch_up = self.drafter.catch_up(reqs, self._max_pending(b))

@@ -112,21 +112,24 @@ def test_perfect_drafts_get_more_budget(default_pair, prompts, ar_outputs):
 
 @pytest.mark.parametrize("batch_size", [1, 4])
 def test_uncalibrated_engine_starts_safe(default_pair, prompts, ar_outputs, batch_size):
-    """No calibration, no warm-up. Where the prices say a level cannot pay (STEEP, issue 9's bf16-on-AVX2 shape)
-    the engine never speculates; where it may (MARGINAL) speculation is probed within the exploration budget (the
-    start's credit of 2 step-equivalents is 4 % of this 48-step run) and the run costs at most that more than AR
-    in modelled time; where it clearly pays (FLAT) the same engine is faster than AR."""
+    """No calibration, no warm-up. Where no draft level can pay (STEEP, issue 9's bf16-on-AVX2 shape) and where one
+    may (MARGINAL), speculation is probed within the exploration budget (the start's credit of 2 step-equivalents
+    is 4 % of this 48-step run) and the run costs at most that more than AR in modelled time; on STEEP the probes'
+    measured losses keep them probes (never exploited), a few in the run. Where it clearly pays (FLAT) the same
+    engine is faster than AR."""
     target, draft, tok = default_pair
-    for name, cost, bound in (("STEEP", STEEP, 1.0 + 1e-9), ("MARGINAL", MARGINAL, 1.07), ("FLAT", FLAT, 0.9)):
+    for name, cost, bound in (("STEEP", STEEP, 1.07), ("MARGINAL", MARGINAL, 1.07), ("FLAT", FLAT, 0.9)):
         _, ar = run(target, None, tok, prompts[:8], None, batch_size, policy="ar", clock_cost=cost)
         outs, echo = run(target, draft, tok, prompts[:8], cost, batch_size)
         assert outs == ar_outputs
         ratio = decode_seconds(echo) / decode_seconds(ar)
         assert ratio <= bound, f"ECHO took {ratio:.3f}x AR's modelled decode time on {name}"
+        assert any(r.speculated for r in echo), f"speculation was never tried on {name}"
         if name == "STEEP":
-            assert not any(r.speculated for r in echo)
-        else:
-            assert any(r.speculated for r in echo), f"speculation was never tried on {name}"
+            spec = [r for r in echo if r.speculated]
+            assert len(spec) <= 0.12 * len(echo), f"{len(spec)} of {len(echo)} steps speculated where none can pay"
+            assert all(r.decision is not None and r.decision.reason == "probe" for r in spec), \
+                "a losing speculative step was exploited, not probed"
 
 
 def test_the_decision_is_the_clocks_not_the_machines(default_pair, prompts):
@@ -154,17 +157,26 @@ def test_gate_thresholds_rise_with_load(default_pair, prompts):
     assert gates.calibration_for(1) is small  # cached per break-even probability
 
 
-def test_the_draft_is_prefilled_only_where_speculation_can_pay(default_pair, prompts):
-    """Under a curve where no level can pay at the batch size, admission skips the draft's prompt prefill (the
-    draft would catch up if a later step speculated); where it can pay, the draft is prefilled with the target."""
+def test_the_draft_is_prefilled_only_where_speculation_is_not_a_confident_loss(default_pair, prompts):
+    """Admission skips the draft's prompt prefill where the controller's last estimate at the batch size is a
+    confident loss (after the probes on STEEP measured losing steps; the draft would catch up if a later step
+    speculated); before any estimate, and where speculation pays (FLAT), the draft is prefilled with the target."""
     target, draft, tok = default_pair
-    for cost, prefilled in ((STEEP, False), (FLAT, True)):
+    for cost in (STEEP, FLAT):
         ex = Executor(target, draft, tok, EchoConfig(k_max=64), max_batch_size=4, max_seq_len=256, cost_model=cost,
                       clock=ModelledClock(cost))
-        for p in prompts[:4]:
-            ex.submit(ex.make_request(p, SamplingParams(max_tokens=4, temperature=0)))
-        ex.admit()
-        assert all((r.draft_ctx == r.target_ctx > 0) == prefilled for r in ex.running)
+        for round_ in range(5):
+            expected = not ex.controller.expects_plain(4)
+            for p in prompts[4 * round_: 4 * round_ + 4]:
+                ex.submit(ex.make_request(p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)))
+            ex.admit()
+            started = [r for r in ex.running if r.target_ctx > 0]  # a long prompt's prefill may come in chunks
+            assert started and all((r.draft_ctx == r.target_ctx) == expected for r in started), (round_, cost is FLAT)
+            if not expected:
+                break
+            while ex.has_work:
+                ex.step()
+        assert ex.controller.expects_plain(4) == (cost is STEEP), "STEEP's losses must become a confident estimate"
 
 
 def test_a_probe_after_a_long_ar_stretch_re_primes_the_draft_with_a_short_window(default_pair, prompts, ar_outputs):
