@@ -52,6 +52,7 @@ Nothing here reads a clock or a model: the engine hands in `StepSample`s (`core/
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -219,11 +220,14 @@ class SpeculationController:
         variance) at this batch size and context; ratio nan when the recent speculative steps say nothing about
         it. Kept for up to `refresh_every` steps while the batch size, the evidence (no new speculative step) and the
         context (within 10 %) stay: prices learnt in a few steps do not move a decision, and the estimate reads
-        every record."""
+        every record (a confident loss for up to 4 x `refresh_every` steps)."""
         last = self._estimate
-        if (last.get("batch") == batch_size and last.get("head") == (self.records.head, self.records.size)
-                and self.step - last["step"] < self.refresh_every and abs(context - last["context"]) <= 0.1 * context):
-            return last["value"]
+        if last.get("batch") == batch_size and last.get("head") == (self.records.head, self.records.size):
+            # a confident loss is kept 4x as long: steady plain steps then pay for no estimate they do not need
+            ratio, dev = last["value"][:2]
+            keep = self.refresh_every * (4 if ratio * math.exp(self.z * dev) < 1.0 else 1)
+            if self.step - last["step"] < keep and abs(context - last["context"]) <= 0.1 * context:
+                return last["value"]
         value = self._estimate_now(batch_size, context)
         self._estimate = {"batch": batch_size, "head": (self.records.head, self.records.size), "step": self.step,
                           "context": context, "value": value}
@@ -287,21 +291,27 @@ class SpeculationController:
 
     # ------------------------------------------------------------------ decide
 
-    def decide(self, batch_size: int, context: float, catch_up_tokens: int = 0) -> Decision:
+    def decide(self, batch_size: int, context: float, catch_up_tokens: "int | Callable[[], int]" = 0) -> Decision:
         """The choice for a step of `batch_size` requests at `context`; catch_up_tokens: what the draft would have
-        to read first beyond steady speculation (after plain steps), charged to a probe."""
+        to read first beyond steady speculation (after plain steps), charged to a probe; a callable is called only
+        where a probe is weighed (counting it reads every request)."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         ratio, dev, t_plain, t_spec, plain_var = self.estimate(batch_size, context)
-        catch_up = 0.0
-        if catch_up_tokens > 0:
-            catch_up = float(self.cost.prices.draft_time(int(catch_up_tokens), context))
+        tokens = catch_up_tokens
+
+        def catch_up() -> tuple[int, float]:  # (tokens, seconds of the draft reading them), read once
+            nonlocal tokens
+            if callable(tokens):
+                tokens = int(tokens())
+            return tokens, float(self.cost.prices.draft_time(tokens, context)) if tokens > 0 else 0.0
+
         common = dict(batch_size=batch_size, plain_seconds=t_plain)
         if math.isnan(ratio):  # nothing known near this batch: a probe that gains nothing, one draft level deep
             if plain_var > PLAIN_KNOWN ** 2:  # the plain price itself is a guess: measure it first (safe)
                 return Decision(False, "plain", **common)
             probe = float(self.cost.predict(batch_size, 2 * batch_size, context,
-                                            np.array([[2 * batch_size + catch_up_tokens]]))[0][0])
+                                            np.array([[2 * batch_size + catch_up()[0]]]))[0][0])
             loss = probe / t_plain - 1.0
             if self.credit >= loss:
                 return Decision(True, "probe", expected_loss=loss, spec_seconds=probe, **common)
@@ -321,14 +331,18 @@ class SpeculationController:
                 return Decision(False, "plain-probe", expected_loss=loss, **common)
             if low > 1.0:
                 return Decision(True, "exploit", **common)
-            loss = (1.0 - ratio) * t_spec / t_plain + catch_up / t_plain
+            loss = (1.0 - ratio) * t_spec / t_plain + catch_up()[1] / t_plain
             return Decision(self.credit >= max(loss, 0.0), "probe" if self.credit >= max(loss, 0.0) else "plain",
                             expected_loss=loss, **common)
-        loss = (1.0 - ratio) * t_spec / t_plain + catch_up / t_plain
         # a loss within the uncertainty may be probed whenever the credit covers it; a confident loss only from the
-        # upper half of the budget (a check that the workload has not changed; a probe that pays funds the next)
+        # upper half of the budget (a check that the workload has not changed; a probe that pays funds the next).
+        # The draft's catch-up only adds to the loss: it is read where the rest leaves the probe affordable
         reserve = 0.0 if high >= 1.0 else self.max_credit / 2
-        if not plain_doubt and self.credit - loss >= reserve:
+        loss = (1.0 - ratio) * t_spec / t_plain
+        if plain_doubt or self.credit - loss < reserve:
+            return Decision(False, "plain", **common)
+        loss += catch_up()[1] / t_plain
+        if self.credit - loss >= reserve:
             return Decision(True, "probe", expected_loss=loss, **common)
         return Decision(False, "plain", **common)
 

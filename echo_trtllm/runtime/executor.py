@@ -528,10 +528,8 @@ class Executor:
             return None
         b = len(reqs)
         try:
-            catch_up = self.drafter.catch_up(reqs)
-            if catch_up:  # what the draft would read first, each chain bounded as `begin` bounds it
-                catch_up = self.drafter.catch_up(reqs, self._max_pending(b))
-            return self.controller.decide(b, context, catch_up)
+            # what the draft would read first, each chain bounded as `begin` bounds it (read only for a probe)
+            return self.controller.decide(b, context, lambda: self.drafter.catch_up(reqs, self._max_pending(b)))
         except Exception:  # noqa: BLE001 - speculation is an optimisation: this step runs plain
             self._contain("speculation decision")
             return Decision(False, "forced", b)
