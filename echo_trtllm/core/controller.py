@@ -224,8 +224,7 @@ class SpeculationController:
         last = self._estimate
         if last.get("batch") == batch_size and last.get("head") == (self.records.head, self.records.size):
             # a confident loss is kept 4x as long: steady plain steps then pay for no estimate they do not need
-            ratio, dev = last["value"][:2]
-            keep = self.refresh_every * (4 if ratio * math.exp(self.z * dev) < 1.0 else 1)
+            keep = self.refresh_every * (4 if self._confident_loss(last["value"]) else 1)
             if self.step - last["step"] < keep and abs(context - last["context"]) <= 0.1 * context:
                 return last["value"]
         value = self._estimate_now(batch_size, context)
@@ -286,8 +285,11 @@ class SpeculationController:
         upper bound below 1): the engine need not prepare speculation there (a draft's prompt prefill). False when
         none was made."""
         last = self._estimate
-        return (last.get("batch") == batch_size and self.step - last["step"] < 64
-                and last["value"][0] * math.exp(self.z * last["value"][1]) < 1.0)
+        return last.get("batch") == batch_size and self.step - last["step"] < 64 and self._confident_loss(last["value"])
+
+    def _confident_loss(self, estimate: tuple) -> bool:
+        """Whether an `estimate` is a loss beyond its uncertainty (its upper bound below 1; False when nan)."""
+        return estimate[0] * math.exp(self.z * estimate[1]) < 1.0
 
     # ------------------------------------------------------------------ decide
 
