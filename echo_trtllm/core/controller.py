@@ -293,7 +293,7 @@ class SpeculationController:
 
     # ------------------------------------------------------------------ decide
 
-    def decide(self, batch_size: int, context: float, catch_up_tokens: "int | Callable[[], int]" = 0) -> Decision:
+    def decide(self, batch_size: int, context: float, catch_up_tokens: int | Callable[[], int] = 0) -> Decision:
         """The choice for a step of `batch_size` requests at `context`; catch_up_tokens: what the draft would have
         to read first beyond steady speculation (after plain steps), charged to a probe; a callable is called only
         where a probe is weighed (counting it reads every request)."""
