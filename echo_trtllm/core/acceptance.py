@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -164,41 +165,67 @@ class OnlineAcceptance:
     break-even acceptance lam. On an isotonic fit that is the calibration rule's threshold (the upper set of
     confidences with sum (a - lam) largest is where the fit exceeds lam), now kept current.
 
-    A node deeper than `max_depth` is counted at max_depth.
+    A node deeper than `max_depth` is counted at max_depth. The fit is redone once every `refit_every` observed
+    steps (estimates in between read the last fit: with a half-life of hundreds of steps, a few steps move them by
+    a fraction of a percent, and refitting every step cost the embedded pair's B = 1 step ~1 ms of its ~20).
+
+    Two tables, each as above: nodes on the draft's greedy path (every rank from the root 0, `tree.greedy_path`)
+    and the others. The same path probability means different odds on and off it: on the embedded pair at B = 1
+    (EAGLE-2 trees, 9 prompts) greedy nodes of path probability 0.02-0.1 were accepted at 0.23 / 0.62 / 0.58 at
+    depths 1 / 2 / 3 and the others at 0.05 / 0.04 / 0.06; a small draft's flat distribution puts a likely token
+    at a low probability, and one table mixing both priced the greedy continuation like a sibling, so ECHO drafted
+    wide at depth 1 and stopped. The gate's threshold and the drafting stop read a request's best node, which is
+    almost always the greedy one: they read the greedy table (`greedy=True`, the default).
+
+    Without a calibration, the greedy table's prior at depth d >= 2 is read off its depth-1 estimate e1 as if each
+    of the path's d tokens were a depth-1 draft of the path's per-token probability: p0_d(c) = e1(c^(1/d))^d. The
+    deeper levels are drafted only when they are expected to pay, so their own evidence is scarce, and a small
+    draft's path probabilities shrink with depth far faster than its acceptance (above: 0.62 at depth 2 for path
+    probabilities 0.02-0.1); depth 1, drafted every speculative step, says how much the draft's probabilities
+    understate it. With no traffic e1(c) = c, so p0_d(c) = c, the draft's own probability, as before.
     """
 
     def __init__(self, max_depth: int, prior: "AcceptanceModel | None" = None, prior_weight: float = 4.0,
-                 half_life: float = 256.0) -> None:
+                 half_life: float = 256.0, refit_every: int = 1) -> None:
         if max_depth < 1:
             raise ValueError(f"OnlineAcceptance.max_depth must be >= 1, got {max_depth}")
         if not prior_weight > 0 or not half_life > 0:
             raise ValueError("OnlineAcceptance.prior_weight and half_life must be > 0")
         self.max_depth, self.prior_weight = max_depth, prior_weight
         self.decay = 0.5 ** (1.0 / half_life)
+        self.refit_every = max(1, int(refit_every))
         self.edges = torch.tensor(BIN_EDGES, dtype=torch.float64)
+        self._edges = self.edges.numpy()
         bins = len(BIN_EDGES) - 1
-        self.mid = ((self.edges[1:] + self.edges[:-1]) / 2).expand(max_depth, bins).clone()
-        depth = torch.arange(1, max_depth + 1).repeat_interleave(bins)
+        rows = 2 * max_depth  # row d - 1: greedy nodes at depth d; row max_depth + d - 1: the others
+        self.mid = ((self.edges[1:] + self.edges[:-1]) / 2).expand(rows, bins).clone()
+        depth = torch.arange(1, max_depth + 1).repeat(2).repeat_interleave(bins)
         self.prior = prior
         self.p0 = (self.mid.clone() if prior is None
-                   else prior.estimate(self.mid.reshape(-1), depth).reshape(max_depth, bins))
-        self.n = torch.zeros(max_depth, bins, dtype=torch.float64)
+                   else prior.estimate(self.mid.reshape(-1), depth).reshape(rows, bins))
+        self.n = torch.zeros(rows, bins, dtype=torch.float64)
         self.k = torch.zeros_like(self.n)
         self.csum = torch.zeros_like(self.n)
         self.version = 0
-        self._grid: dict = {}  # the last depth's estimates on _GRID (`threshold`)
+        self._grid: dict = {}  # the fit's estimates on _GRID per depth (`threshold`)
         self._fit_version = -1
-        self._centres = self._values = None
+        self._arrays = None  # the last fit (`_fit`)
 
-    def observe(self, depths: Tensor, confidences: Tensor, accepted: Tensor) -> None:
-        """One step's verified draft nodes (roots excluded): their depths (>= 1), path probabilities and whether
-        the target accepted them; then the step's decay."""
+    def _rows(self, depths: Tensor | int, greedy: Tensor | bool, shape) -> np.ndarray:
+        """Each node's table row (class docstring), flat, for nodes of this shape."""
+        d = _clip(_host(depths).astype(np.int64), 1, self.max_depth) - 1
+        off = ~_host(greedy).astype(bool)
+        return np.broadcast_to(d + self.max_depth * off, shape).reshape(-1)
+
+    def observe(self, depths: Tensor, confidences: Tensor, accepted: Tensor, greedy: Tensor | bool = True) -> None:
+        """One step's verified draft nodes (roots excluded): their depths (>= 1), path probabilities, whether
+        the target accepted them and whether each is on the draft's greedy path; then the step's decay."""
         self.n *= self.decay
         self.k *= self.decay
         self.csum *= self.decay
         if depths.numel():
-            d = depths.long().cpu().clamp(1, self.max_depth) - 1
             c = confidences.double().cpu().clamp(0.0, 1.0)
+            d = torch.from_numpy(self._rows(depths, greedy, tuple(c.shape)).copy()).reshape(c.shape)
             b = (torch.searchsorted(self.edges, c, right=True) - 1).clamp(0, len(BIN_EDGES) - 2)
             flat = d * (len(BIN_EDGES) - 1) + b
             self.n.view(-1).index_add_(0, flat, torch.ones_like(c))
@@ -207,48 +234,83 @@ class OnlineAcceptance:
         self.version += 1
 
     def samples(self, depth: int) -> float:
-        """Decayed count of verified nodes at this depth."""
-        return float(self.n[min(max(depth, 1), self.max_depth) - 1].sum())
+        """Decayed count of verified nodes at this depth (both tables)."""
+        d = min(max(depth, 1), self.max_depth) - 1
+        return float(self.n[d].sum() + self.n[d + self.max_depth].sum())
 
-    def _fit(self) -> tuple[Tensor, Tensor]:
-        """(centres, values), each (max_depth, bins): the bins' mean confidences and isotonic estimates."""
-        if self._fit_version == self.version:
-            return self._centres, self._values
+    def _fit(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(centres, values, n, p0), each (2 * max_depth, bins) float64 arrays: the bins' mean confidences,
+        isotonic estimates, counts and priors, refitted once every `refit_every` observed steps. Host arrays: an
+        estimate reads a few dozen numbers, where a tensor operation's own overhead would dominate."""
+        if self._fit_version >= 0 and self.version - self._fit_version < self.refit_every:
+            return self._arrays
         w0 = self.prior_weight
-        weight = self.n + w0
-        centres = torch.where(self.n > 1e-9, self.csum / self.n.clamp(min=1e-12), self.mid)
-        raw = (self.k + w0 * self.p0) / weight
-        values = torch.stack([_weighted_isotonic(raw[d], weight[d]) for d in range(self.max_depth)])
+        n_ = self.n.numpy().copy()
+        weight = n_ + w0
+        centres = np.where(n_ > 1e-9, self.csum.numpy() / np.maximum(n_, 1e-12), self.mid.numpy())
+        p0 = self.p0.numpy().copy()
+        k = self.k.numpy()
+        first = _weighted_isotonic((k[0] + w0 * p0[0]) / weight[0], weight[0])
+        if self.prior is None and self.max_depth > 1:  # the greedy rows' priors from depth 1 (class docstring)
+            depth = np.arange(2, self.max_depth + 1, dtype=np.float64)[:, None]
+            mid = self.mid.numpy()[1:self.max_depth]
+            p0[1:self.max_depth] = self._from_first(mid.reshape(-1), np.broadcast_to(depth, mid.shape).reshape(-1),
+                                                    centres[0], first, n_[0], p0[0]).reshape(mid.shape)
+        raw = (k + w0 * p0) / weight
+        values = np.stack([first] + [_weighted_isotonic(raw[d], weight[d]) for d in range(1, 2 * self.max_depth)])
         # centres made increasing (a bin's mean lies inside the bin, so they are)
-        self._centres, self._values, self._fit_version = centres, values, self.version
-        return centres, values
+        self._arrays = (centres, values, n_, p0)
+        self._fit_version = self.version
+        return self._arrays
 
-    def estimate(self, confidences: Tensor, depths: Tensor | int) -> Tensor:
-        """Acceptance estimates (float64) of nodes with these path probabilities at these depths."""
-        centres, values = self._fit()
-        c = confidences.double().cpu()
-        d = (torch.as_tensor(depths).cpu().long().clamp(1, self.max_depth) - 1).expand_as(c)
-        out = torch.empty_like(c)
-        for depth in torch.unique(d).tolist():
-            sel = d == depth
-            x = c[sel]
-            fitted = _piecewise(centres[depth], values[depth], x)
-            # the prior's own shape within the bin, in proportion to its weight there
-            b = (torch.searchsorted(self.edges, x.clamp(0.0, 1.0), right=True) - 1).clamp(0, len(BIN_EDGES) - 2)
-            share = self.prior_weight / (self.n[depth, b] + self.prior_weight)
-            exact = x if self.prior is None else self.prior.estimate(x, depth + 1)
-            fitted = fitted + share * (exact - _piecewise(centres[depth], self.p0[depth], x))
-            out[sel] = fitted.clamp(0.0, 1.0)
-        return out.to(confidences.device)
+    def _bins(self, x: np.ndarray) -> np.ndarray:
+        return _clip(np.searchsorted(self._edges, _clip(x, 0.0, 1.0), side="right") - 1, 0, len(BIN_EDGES) - 2)
+
+    def _from_first(self, c: np.ndarray, depth: np.ndarray, centres: np.ndarray, values: np.ndarray, n: np.ndarray,
+                    p0: np.ndarray) -> np.ndarray:
+        """e1(c^(1/depth))^depth: the depth-1 greedy estimate (its fit: centres, values, n, p0 of row 0) of each
+        path's per-token probability, to the path's length (class docstring)."""
+        c = _clip(c, 0.0, 1.0)
+        x = c ** (1.0 / depth)
+        share = self.prior_weight / (n[self._bins(x)] + self.prior_weight)
+        # ordered so that with no traffic (values = p0, share = 1) e1 is x and the result c, exactly
+        e1 = _clip((_piecewise(centres, values, x) - share * _piecewise(centres, p0, x)) + share * x, 0.0, 1.0)
+        ratio = np.divide(e1, x, out=np.zeros_like(x), where=x > 0)
+        return np.where(x > 0, c * ratio ** depth, e1 ** depth)
+
+    def estimate(self, confidences: Tensor, depths: Tensor | int, greedy: Tensor | bool = True) -> Tensor:
+        """Acceptance estimates (float64) of nodes with these path probabilities at these depths, on the draft's
+        greedy path or not (class docstring). All nodes at once: each reads its own row of the fit."""
+        centres, values, n, p0 = self._fit()
+        c = confidences.detach().double().cpu().numpy().reshape(-1)
+        if c.size == 0:
+            return confidences.double()
+        rows = self._rows(depths, greedy, tuple(confidences.shape))
+        xs = centres[rows]  # (N, bins)
+        fitted = _piecewise_rows(xs, values[rows], c)
+        # the prior's own shape within the bin, in proportion to its weight there
+        share = self.prior_weight / (n[rows, self._bins(c)] + self.prior_weight)
+        if self.prior is None:
+            exact = c.copy()
+            deep = (rows > 0) & (rows < self.max_depth)  # greedy rows below depth 1
+            if deep.any():
+                exact[deep] = self._from_first(c[deep], rows[deep] + 1.0, centres[0], values[0], n[0], p0[0])
+        else:
+            exact = self.prior.estimate(torch.from_numpy(c), torch.from_numpy(rows % self.max_depth + 1)).numpy()
+        fitted = _clip((fitted - share * _piecewise_rows(xs, p0[rows], c)) + share * exact, 0.0, 1.0)
+        return torch.from_numpy(fitted).reshape(confidences.shape).to(confidences.device)
 
     def threshold(self, depth: int, lam: float) -> float:
         """The smallest confidence at this depth whose estimate reaches lam (1.0: none does; 0.0: all do), read
-        on a grid of confidences (`_GRID`; linear between the two around the crossing)."""
+        on a grid of confidences (`_GRID`; linear between the two around the crossing), for the greedy path's
+        nodes (the best node of a level, which the gate reads)."""
         i = min(max(depth, 1), self.max_depth)
-        key = (i, self.version)
-        if self._grid.get("key") != key:
-            self._grid = {"key": key, "y": self.estimate(_GRID, i)}
-        y = self._grid["y"]
+        self._fit()
+        if self._grid.get("version") != self._fit_version:
+            self._grid = {"version": self._fit_version}
+        if i not in self._grid:
+            self._grid[i] = self.estimate(_GRID, i)
+        y = self._grid[i]
         if float(y[0]) >= lam:
             return 0.0
         above = torch.nonzero(y >= lam)
@@ -259,14 +321,26 @@ class OnlineAcceptance:
         return min(1.0, max(0.0, x0 + (lam - y0) * (x1 - x0) / max(y1 - y0, 1e-12)))
 
     def table(self) -> list[dict]:
-        """Per depth: samples, and the estimate at confidences 0.1, 0.5, 0.9 (for reports)."""
+        """Per depth: samples, and the estimates at confidences 0.1, 0.5, 0.9 on and off the greedy path (for
+        reports)."""
         probe = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
         return [{"depth": d, "samples": round(self.samples(d), 1),
-                 "estimate@0.1/0.5/0.9": [round(v, 3) for v in self.estimate(probe, d).tolist()]}
+                 "estimate@0.1/0.5/0.9": [round(v, 3) for v in self.estimate(probe, d).tolist()],
+                 "off greedy path": [round(v, 3) for v in self.estimate(probe, d, False).tolist()]}
                 for d in range(1, self.max_depth + 1)]
 
 
-def _weighted_isotonic(y: Tensor, w: Tensor) -> Tensor:
+def _host(x) -> np.ndarray:
+    """A tensor, number or bool as a host array."""
+    return x.detach().cpu().numpy() if isinstance(x, Tensor) else np.asarray(x)
+
+
+def _clip(x, lo, hi):
+    """np.clip without its dispatch overhead (a few microseconds a call: this runs a dozen times per estimate)."""
+    return np.minimum(np.maximum(x, lo), hi)
+
+
+def _weighted_isotonic(y: np.ndarray, w: np.ndarray) -> np.ndarray:
     """Non-decreasing fit of y with weights w (pool adjacent violators); same length as y."""
     means: list[float] = []
     weights: list[float] = []
@@ -280,12 +354,21 @@ def _weighted_isotonic(y: Tensor, w: Tensor) -> Tensor:
             means[-1] = (means[-1] * weights[-1] + m1 * w1) / (weights[-1] + w1)
             weights[-1] += w1
             sizes[-1] += s1
-    return torch.tensor([m for m, s in zip(means, sizes) for _ in range(s)], dtype=torch.float64)
+    return np.repeat(np.asarray(means, dtype=np.float64), sizes)
 
 
-def _piecewise(xs: Tensor, ys: Tensor, x: Tensor) -> Tensor:
+def _piecewise(xs: np.ndarray, ys: np.ndarray, x: np.ndarray) -> np.ndarray:
     """Linear between the points (xs ascending), constant beyond the first and last."""
-    i = torch.searchsorted(xs.contiguous(), x, right=True).clamp(1, xs.numel() - 1)
+    i = _clip(np.searchsorted(xs, x, side="right"), 1, xs.size - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    u = ((x - x0) / (x1 - x0).clamp(min=1e-12)).clamp(0.0, 1.0)
+    u = _clip((x - x0) / np.maximum(x1 - x0, 1e-12), 0.0, 1.0)
+    return y0 + (y1 - y0) * u
+
+
+def _piecewise_rows(xs: np.ndarray, ys: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """`_piecewise` per element: x (N,) read on its own row of points xs, ys (N, P), each row ascending."""
+    i = _clip((xs <= x[:, None]).sum(axis=1), 1, xs.shape[1] - 1)
+    r = np.arange(x.size)
+    x0, x1, y0, y1 = xs[r, i - 1], xs[r, i], ys[r, i - 1], ys[r, i]
+    u = _clip((x - x0) / np.maximum(x1 - x0, 1e-12), 0.0, 1.0)
     return y0 + (y1 - y0) * u

@@ -36,7 +36,7 @@ from .budget import BudgetAllocation, allocate_budget, greedy_fill
 from .config import EchoConfig
 from .acceptance import AcceptanceModel, OnlineAcceptance
 from .cost import CostModel, choose_budget
-from .gating import GateConfig, GateSamples, GateSchedule, best_path_confidence, gate
+from .gating import GATE_REFRESH, GateConfig, GateSamples, GateSchedule, best_path_confidence, gate
 from .tree import DraftLevel, DraftTopK, SuperTree, expand_level, priority_order, root_level
 
 __all__ = [
@@ -418,17 +418,21 @@ class EchoPolicy(TreePolicy):
         # acceptance estimates for the budget rule, the cost-aware stop and the gate: re-learned online, starting
         # from the calibration's isotonic map per depth (core.acceptance), else from the raw path probabilities
         self.acceptance = OnlineAcceptance(config.max_depth, calibrated,
-                                           prior_weight=4.0 if calibrated is not None else 2.0)
+                                           prior_weight=4.0 if calibrated is not None else 2.0,
+                                           refit_every=GATE_REFRESH)
         self.gates = GateSchedule(config, cost_model, gate_samples, self.acceptance)
 
     def learn(self, selected: SuperTree, accepted_node_ids: Tensor) -> None:
         drafts = selected.depths > 0
         accepted = torch.zeros(selected.total_nodes, dtype=torch.bool)
         accepted[accepted_node_ids.cpu()] = True
-        self.acceptance.observe(selected.depths[drafts].cpu(), selected.path_probs[drafts].cpu(), accepted[drafts])
+        self.acceptance.observe(selected.depths[drafts].cpu(), selected.path_probs[drafts].cpu(), accepted[drafts],
+                                selected.on_greedy_path[drafts].cpu())
 
-    def acceptance_estimates(self, path_probs: Tensor, depths: Tensor | int) -> Tensor:
-        return self.acceptance.estimate(path_probs, depths)
+    def acceptance_estimates(self, path_probs: Tensor, depths: Tensor | int, greedy: Tensor | bool = True) -> Tensor:
+        """Nodes' chances of acceptance; greedy: whether each is on the draft's greedy path (a level's best node,
+        which the gate and the drafting stop read, is)."""
+        return self.acceptance.estimate(path_probs, depths, greedy)
 
     def gate_for(self, batch_size: int) -> GateConfig:
         """The gate a step of `batch_size` requests uses."""
@@ -505,7 +509,8 @@ class EchoPolicy(TreePolicy):
         if self.cost_model is not None and alloc.order.numel():
             drafted = self.cost_model.drafting_time(state.frontier_sizes, state.context)  # sunk this step
             order = alloc.order
-            estimates = self.acceptance_estimates(tree.path_probs[order], tree.depths[order])
+            estimates = self.acceptance_estimates(tree.path_probs[order], tree.depths[order],
+                                                  tree.on_greedy_path[order])
             k = choose_budget(estimates, state.batch_size, self.cost_model, drafted, state.context)
             alloc = alloc.truncated(k, tree.request_ids)
         state.allocation = alloc

@@ -39,6 +39,7 @@ __all__ = [
     "request_ids_from_cu",
     "global_parent_ids",
     "depths_from_parents",
+    "greedy_path",
     "ancestor_table",
     "ancestor_paths",
     "nodes_by_depth",
@@ -79,6 +80,20 @@ def depths_from_parents(global_parents: Tensor) -> Tensor:
         depth += up.long()
         cur = torch.where(up, global_parents[cur.clamp(min=0)], cur)
     return depth
+
+
+def greedy_path(global_parents: Tensor, ranks: Tensor) -> Tensor:
+    """(N_tot,) bool: whether every node on the path from the root to each node (itself included) is its parent's
+    best child (rank 0): the draft's own greedy continuation. Roots are on it. One vectorised step up per level.
+
+    Parents [-1, 0, 0, 1], ranks [0, 0, 1, 0] -> [True, True, False, True]."""
+    on = ranks == 0
+    cur = global_parents.clone()
+    while bool((cur >= 0).any()):
+        up = cur >= 0
+        on &= ~up | (ranks[cur.clamp(min=0)] == 0)
+        cur = torch.where(up, global_parents[cur.clamp(min=0)], cur)
+    return on
 
 
 def ancestor_paths(nodes: Tensor, global_parents: Tensor, depths: Tensor) -> Tensor:
@@ -306,6 +321,11 @@ class SuperTree:
     @cached_property
     def global_parents(self) -> Tensor:
         return global_parent_ids(self.parents, self.cu_num_nodes)
+
+    @cached_property
+    def on_greedy_path(self) -> Tensor:
+        """(N_tot,) bool: nodes on the draft's greedy path (every rank along it 0; `greedy_path`)."""
+        return greedy_path(self.global_parents, self.ranks)
 
     @property
     def is_root(self) -> Tensor:

@@ -126,24 +126,15 @@ def weighted_minmax(y: list[float], w: list[float]) -> list[float]:
     return [max(min(mean(a, b) for b in range(i, n)) for a in range(i + 1)) for i in range(n)]
 
 
-@pytest.mark.parametrize("seed", range(10))
-def test_the_online_estimate_is_the_weighted_isotonic_fit_of_the_bins(seed):
-    """Per bin, (accepted + prior weight x prior) / (count + prior weight) after the decay, made non-decreasing by
-    the weighted min-max formula, read at the bins' mean confidences, plus the prior's own shape in proportion to
-    its weight (here the draft's probability: the centre's distance from the bin's middle): computed here by hand
-    from the raw samples."""
-    from echo_trtllm.core.acceptance import BIN_EDGES, OnlineAcceptance
+def hand_estimate(steps, probe, prior_weight, half_life, prior=lambda x: x):
+    """One table's estimate at `probe` computed by hand from its raw samples, steps = [(confidences, accepted)]
+    oldest first (an empty pair for a step with none of its nodes): per bin, (accepted + prior weight x prior) /
+    (count + prior weight) after the decay, made non-decreasing by the weighted min-max formula, read piecewise-
+    linearly between the bins' mean confidences, plus the prior's own shape (prior: by default the draft's
+    probability) in proportion to its weight in the probe's bin."""
+    from echo_trtllm.core.acceptance import BIN_EDGES
 
-    gen = torch.Generator().manual_seed(seed)
-    online = OnlineAcceptance(2, prior_weight=3.0, half_life=5.0)
-    steps = []
-    for _ in range(6):
-        n = int(torch.randint(5, 40, (1,), generator=gen))
-        c = torch.rand(n, generator=gen, dtype=torch.float64)
-        a = torch.rand(n, generator=gen) < (c.float() * 0.8 if seed % 2 else torch.rand(n, generator=gen))
-        online.observe(torch.ones(n, dtype=torch.long), c, a)
-        steps.append((c, a))
-    decay = 0.5 ** (1 / 5.0)
+    decay = 0.5 ** (1 / half_life)
     bins = len(BIN_EDGES) - 1
     k, cnt, csum = [0.0] * bins, [0.0] * bins, [0.0] * bins
     for age, (c, a) in enumerate(reversed(steps)):
@@ -154,12 +145,108 @@ def test_the_online_estimate_is_the_weighted_isotonic_fit_of_the_bins(seed):
             cnt[b] += f
             csum[b] += f * ci
     mids = [(BIN_EDGES[i] + BIN_EDGES[i + 1]) / 2 for i in range(bins)]
-    raw = [(k[b] + 3.0 * mids[b]) / (cnt[b] + 3.0) for b in range(bins)]
-    fit = weighted_minmax(raw, [cnt[b] + 3.0 for b in range(bins)])
+    p0 = [prior(m) for m in mids]
+    raw = [(k[b] + prior_weight * p0[b]) / (cnt[b] + prior_weight) for b in range(bins)]
+    fit = weighted_minmax(raw, [cnt[b] + prior_weight for b in range(bins)])
     centres = [csum[b] / cnt[b] if cnt[b] > 1e-9 else mids[b] for b in range(bins)]
-    probe = torch.tensor(centres, dtype=torch.float64)
-    want = [f + 3.0 / (cnt[b] + 3.0) * (centres[b] - mids[b]) for b, f in enumerate(fit)]
-    torch.testing.assert_close(online.estimate(probe, 1), torch.tensor(want, dtype=torch.float64).clamp(0, 1))
+
+    def linear(ys, x):
+        if x <= centres[0]:
+            return ys[0]
+        if x >= centres[-1]:
+            return ys[-1]
+        j = max(i for i in range(bins) if centres[i] <= x)
+        return ys[j] + (ys[j + 1] - ys[j]) * (x - centres[j]) / (centres[j + 1] - centres[j])
+
+    out = []
+    for x in probe.tolist():
+        b = max(i for i in range(bins) if BIN_EDGES[i] <= x)
+        share = prior_weight / (cnt[b] + prior_weight)
+        out.append(min(1.0, max(0.0, linear(fit, x) + share * (prior(x) - linear(p0, x)))))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_online_estimate_is_the_weighted_isotonic_fit_of_the_bins(seed):
+    """One table (depth 1, greedy nodes) against the formula computed by hand from the raw samples, at the bins'
+    mean confidences and between them."""
+    from echo_trtllm.core.acceptance import OnlineAcceptance
+
+    gen = torch.Generator().manual_seed(seed)
+    online = OnlineAcceptance(2, prior_weight=3.0, half_life=5.0)
+    steps = []
+    for _ in range(6):
+        n = int(torch.randint(5, 40, (1,), generator=gen))
+        c = torch.rand(n, generator=gen, dtype=torch.float64)
+        a = torch.rand(n, generator=gen) < (c.float() * 0.8 if seed % 2 else torch.rand(n, generator=gen))
+        online.observe(torch.ones(n, dtype=torch.long), c, a)
+        steps.append((c, a))
+    probe = torch.cat([torch.cat([c for c, _ in steps]), torch.rand(50, generator=gen, dtype=torch.float64)])
+    torch.testing.assert_close(online.estimate(probe, 1), hand_estimate(steps, probe, 3.0, 5.0))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_path_nodes_and_the_others_have_their_own_tables_per_depth(seed):
+    """Nodes at depths 1-3, on the draft's greedy path or not, observed in one stream: each (depth, greedy) pair's
+    estimate is its own samples' fit computed by hand (the other tables' samples do not move it, except that the
+    greedy rows below depth 1 take their prior from the depth-1 greedy estimate), and one call with a mixed batch
+    of nodes gives every node its own table's value."""
+    from echo_trtllm.core.acceptance import OnlineAcceptance
+
+    gen = torch.Generator().manual_seed(seed)
+    online = OnlineAcceptance(3, prior_weight=2.0, half_life=7.0)
+    per_table = {(d, g): [] for d in (1, 2, 3) for g in (True, False)}
+    for _ in range(8):
+        n = int(torch.randint(10, 60, (1,), generator=gen))
+        depth = torch.randint(1, 5, (n,), generator=gen)  # 4 is past max_depth: counted at 3
+        greedy = torch.rand(n, generator=gen) < 0.4
+        c = torch.rand(n, generator=gen, dtype=torch.float64) ** 2
+        # greedy nodes accepted far more often than their probability says, the others less
+        a = torch.rand(n, generator=gen, dtype=torch.float64) < torch.where(greedy, 0.3 + 0.7 * c, 0.5 * c)
+        online.observe(depth, c, a, greedy)
+        for key, steps in per_table.items():
+            sel = (depth.clamp(max=3) == key[0]) & (greedy == key[1])
+            steps.append((c[sel], a[sel]))
+    probe = torch.rand(40, generator=gen, dtype=torch.float64)
+
+    def prior(d, g):  # greedy rows below depth 1: the depth-1 greedy estimate per token, to the path's length
+        if not g or d == 1:
+            return lambda x: x
+        first = per_table[(1, True)]
+        return lambda x: float(hand_estimate(first, torch.tensor([x ** (1 / d)]), 2.0, 7.0)) ** d
+
+    def want(d, g, x):
+        return hand_estimate(per_table[(d, g)], x, 2.0, 7.0, prior(d, g))
+
+    for d, g in per_table:
+        torch.testing.assert_close(online.estimate(probe, d, g), want(d, g, probe))
+    depths = torch.randint(1, 4, (40,), generator=gen)
+    flags = torch.rand(40, generator=gen) < 0.5
+    mixed = online.estimate(probe, depths, flags)
+    for i in range(40):
+        torch.testing.assert_close(mixed[i : i + 1], want(int(depths[i]), bool(flags[i]), probe[i : i + 1]))
+
+
+def test_the_fit_is_redone_once_every_refit_every_steps():
+    """With refit_every = 4, the estimate reads the last fit until four more steps were observed, then the fit of
+    everything observed (the same as an estimator that refits every step)."""
+    from echo_trtllm.core.acceptance import OnlineAcceptance
+
+    gen = torch.Generator().manual_seed(5)
+    lazy, eager = OnlineAcceptance(2, refit_every=4), OnlineAcceptance(2)
+    probe = torch.linspace(0.0, 1.0, 21, dtype=torch.float64)
+    first = lazy.estimate(probe, 1)
+    for step in range(1, 9):
+        c = torch.rand(30, generator=gen, dtype=torch.float64)
+        a = torch.ones(30, dtype=torch.bool)  # everything accepted: the estimate rises
+        for online in (lazy, eager):
+            online.observe(torch.ones(30, dtype=torch.long), c, a)
+        if step % 4:
+            torch.testing.assert_close(lazy.estimate(probe, 1), first if step < 4 else refit)
+        else:
+            refit = eager.estimate(probe, 1)
+            torch.testing.assert_close(lazy.estimate(probe, 1), refit)
+            assert float((refit - first).max()) > 0.2
 
 
 def test_the_online_threshold_is_where_the_estimate_crosses_lambda():

@@ -69,6 +69,29 @@ def test_path_nodes_match_naive_ancestors():
         start += p.numel()
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_greedy_path_is_every_ancestor_a_best_child(seed):
+    """A node is on the draft's greedy path when it and every ancestor below the root are rank 0: checked by
+    walking each node's naive ancestor list, on drafted trees and after a selection drops nodes."""
+    gen = torch.Generator().manual_seed(seed)
+    tree = SuperTree.from_levels(_levels(5, 5, 29, 3, gen))
+    keep = (torch.rand(tree.total_nodes, generator=gen) < 0.8) | tree.is_root
+    gp = tree.global_parents
+    for _ in range(6):  # ancestor-closed: a node goes with its parent
+        keep &= tree.is_root | keep[gp.clamp(min=0)]
+    for t in (tree, tree.select(keep)):
+        gp = t.global_parents.tolist()
+        for j in range(t.total_nodes):
+            chain, k = [], j
+            while k >= 0:
+                chain.append(k)
+                k = gp[k]
+            want = all(int(t.ranks[a]) == 0 for a in chain)
+            assert bool(t.on_greedy_path[j]) == want
+        assert bool(t.on_greedy_path[t.is_root].all())
+        assert 0 < int(t.on_greedy_path[~t.is_root].sum()) < int((~t.is_root).sum())
+
+
 def test_select_reindexes_parents_and_rejects_orphans():
     tree = SuperTree.from_parents([torch.tensor([-1, 0, 0, 1, 2]), torch.tensor([-1, 0])],
                                   [torch.tensor([10, 11, 12, 13, 14]), torch.tensor([20, 21])])
