@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from echo_trtllm.api import LLM
     from echo_trtllm.bench.prompts import load_prompts
+    from echo_trtllm.bench.run import report_meta
     from echo_trtllm.core.config import EchoConfig
     from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
     from echo_trtllm.runtime.request import SamplingParams
@@ -62,9 +63,11 @@ def main(argv: list[str] | None = None) -> dict:
                 cell[1] += j in accepted
     rows = [{"depth": d, "greedy_path": g, "path_prob": [BINS[b], min(BINS[b + 1], 1.0)], "verified": n,
              "accepted": a, "rate": round(a / n, 3)} for (d, g, b), (n, a) in sorted(counts.items())]
-    out = {"command": "python scripts/greedy_acceptance.py " + " ".join(argv if argv is not None else __import__(
-        "sys").argv[1:]), "policy": args.policy, "batch_size": args.batch_size, "prompts": len(prompts),
-        "prompt_set": args.prompt_set, "rows": rows}
+    meta = report_meta("scripts.greedy_acceptance", argv)  # machine (CPU flags), date, the command
+    meta["command"] = meta["command"].replace("python -m scripts.greedy_acceptance",
+                                              ".venv/bin/python scripts/greedy_acceptance.py")
+    out = {"policy": args.policy, "batch_size": args.batch_size, "prompts": len(prompts),
+           "prompt_set": args.prompt_set, "rows": rows, **meta}
     for row in rows:
         print(row)
     if args.json:

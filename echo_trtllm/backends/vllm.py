@@ -37,6 +37,7 @@ from echo_trtllm.core import EchoConfig
 __all__ = ["PROPOSER_PATH", "EchoProposer", "speculative_config"]
 
 PROPOSER_PATH = "echo_trtllm.backends.vllm.EchoProposer"
+DTYPES = ("float32", "bfloat16", "float16")  # the draft's dtypes, for speculative_config() and ECHO_VLLM_DTYPE
 _log = logging.getLogger(__name__)
 
 
@@ -51,8 +52,8 @@ def speculative_config(draft_model: str, num_speculative_tokens: int = 4, k_max:
         raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {num_speculative_tokens!r}")
     if k_max is not None and (not isinstance(k_max, int) or isinstance(k_max, bool) or k_max < 1):
         raise ValueError(f"k_max must be an integer >= 1 (tokens per step, roots included) or None, got {k_max!r}")
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     os.environ["ECHO_VLLM_DRAFT_MODEL"] = os.fspath(draft_model)
     os.environ["ECHO_VLLM_DTYPE"] = dtype
     if k_max is None:
@@ -73,8 +74,8 @@ def _settings() -> tuple[str, int | None, str]:
     if k_max is not None and (not k_max.isdigit() or int(k_max) < 1):
         raise ValueError(f"ECHO_VLLM_K_MAX must be an integer >= 1, got {k_max!r}")
     dtype = os.environ.get("ECHO_VLLM_DTYPE", "float32")
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"ECHO_VLLM_DTYPE must be one of float32, bfloat16, float16, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"ECHO_VLLM_DTYPE must be one of {', '.join(DTYPES)}, got {dtype!r}")
     return draft, int(k_max) if k_max is not None else None, dtype
 
 
@@ -89,7 +90,6 @@ class EchoProposer:
         self.num_speculative_tokens = int(vllm_config.speculative_config.num_speculative_tokens)
         draft, _ = load_model(draft_path, dtype=dtype)
         self.proposer = EchoChainProposer(draft, EchoConfig(), self.num_speculative_tokens)
-        self.steps = self.failures = self.drafted = 0
         trace = os.environ.get("ECHO_VLLM_TRACE")
         self.trace = open(trace, "a") if trace else None  # noqa: SIM115 - kept open for the worker's life
 
@@ -101,7 +101,6 @@ class EchoProposer:
         rows = len(sampled_token_ids)
         out: list[list[int]] = [[] for _ in range(rows)]
         live = [i for i in range(rows) if len(sampled_token_ids[i]) > 0]
-        self.steps += 1
         if not live:
             return out
         try:
@@ -110,13 +109,11 @@ class EchoProposer:
             budget = None if self.k_max is None else max(self.k_max, len(live))
             chains = self.proposer.propose(contexts, budget)
         except Exception:  # noqa: BLE001 - speculation is an optimisation: this step decodes plainly
-            self.failures += 1
             _log.exception("ECHO proposer failed; this step drafts nothing")
             self._trace(rows, live, out, failed=True)
             return out
         for i, chain in zip(live, chains):
             out[i] = [int(t) for t in chain[: self.num_speculative_tokens]]
-            self.drafted += len(out[i])
         self._trace(rows, live, out)
         return out
 

@@ -173,9 +173,8 @@ class OnlineAcceptance:
     and the others. The same path probability means different odds on and off it: on the embedded pair at B = 1
     (EAGLE-2 trees, 8 prompts; scripts/greedy_acceptance.py) greedy nodes of path probability 0.02-0.1 were
     accepted at 0.23 / 0.62 / 0.58 at depths 1 / 2 / 3 and the others at 0.05 / 0.04 / 0.06; a small draft's flat
-    distribution puts a likely token
-    at a low probability, and one table mixing both priced the greedy continuation like a sibling, so ECHO drafted
-    wide at depth 1 and stopped. The gate's threshold and the drafting stop read a request's best node, which is
+    distribution puts a likely token at a low probability, and one table mixing both priced the greedy continuation
+    like a sibling, so ECHO drafted wide at depth 1 and stopped. The gate's threshold and the drafting stop read a request's best node, which is
     almost always the greedy one: they read the greedy table (`greedy=True`, the default).
 
     Without a calibration, the greedy table's prior at depth d >= 2 is read off its depth-1 estimate e1 as if each
