@@ -15,7 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "calibrate": ("echo_trtllm.cli.calibrate", "measure the cost curve and calibrate the gate (writes calibration.json)"),
     "bench": ("echo_trtllm.cli.bench", "benchmark methods x batch sizes side by side (JSON, markdown, plots)"),
     "simulate": ("echo_trtllm.cli.simulate", "predict throughput vs batch size from recorded traces (simulation)"),
-    "export": ("echo_trtllm.cli.export", "write the models as TensorRT-LLM checkpoints (for trtllm-build)"),
+    "export": ("echo_trtllm.cli.export", "write the models as TensorRT-LLM checkpoints (for trtllm-build) or HF directories (vLLM)"),
     "triton-repo": ("echo_trtllm.cli.triton_repo", "write a Triton model repository (Python backend, TensorRT-LLM's tensors)"),
     "bench-serve": ("echo_trtllm.cli.bench_serve", "load an OpenAI-compatible server: throughput, TTFT, ITL p50/p99"),
     "bench-control": ("echo_trtllm.cli.bench_control", "time ECHO's control plane (gate + schedule + pack) per step"),

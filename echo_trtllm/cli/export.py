@@ -1,12 +1,20 @@
-"""echo-trtllm export: write an engine's (or a pair's) models as TensorRT-LLM checkpoints for `trtllm-build`.
+"""echo-trtllm export: write an engine's (or a pair's) models as TensorRT-LLM checkpoints or Hugging Face directories.
 
     echo-trtllm export --format trtllm --engine-dir engines/NAME --output ckpt/NAME
     echo-trtllm export --format trtllm --model M [--draft-model D] --output ckpt/NAME
+    echo-trtllm export --format hf --model M [--draft-model D] --output hf/NAME [--dtype bfloat16]
 
-Writes OUTPUT/target/ and OUTPUT/draft/ (when there is a separate draft model) and OUTPUT/trtllm_build.sh (the
-`trtllm-build` command lines, written against TensorRT-LLM 1.2.x, not run here), each model `config.json` +
-`rank{N}.safetensors` per tensor-parallel rank (--tp-size, default 1; + the tokenizer's files): TensorRT-LLM 1.2's layout for LLaMA / Qwen2, bf16/fp16/fp32 or FP8
-per tensor (an FP8 engine from `build --quantization fp8`). docs/trtllm.md.
+Writes OUTPUT/target/ and OUTPUT/draft/ (when there is a separate draft model; an EAGLE-3 head is skipped with a
+message: it is used as it is). docs/trtllm.md.
+
+trtllm: OUTPUT/trtllm_build.sh too (the `trtllm-build` command lines, written against TensorRT-LLM 1.2.x, not run
+here), each model `config.json` + `rank{N}.safetensors` per tensor-parallel rank (--tp-size, default 1; + the
+tokenizer's files): TensorRT-LLM 1.2's layout for LLaMA / Qwen2, bf16/fp16/fp32 or FP8 per tensor (an FP8 engine
+from `build --quantization fp8`).
+
+hf: each model as a Hugging Face directory (`config.json`, `model.safetensors`, the tokenizer's files) in --dtype,
+what `transformers` and vLLM load: a .gguf source (the Qwen2.5-Coder GGUF pairs) dequantised (vLLM's CPU build
+has no GGUF loader). Float models only (an FP8 engine's checkpoint already is an HF directory).
 """
 
 from __future__ import annotations
@@ -17,65 +25,95 @@ from pathlib import Path
 from . import options
 
 PROG = "echo-trtllm export"
+TRTLLM_DEFAULTS = {"plugin_lib": "plugins/build/libecho_plugin.so", "max_batch_size": 64, "tp_size": 1}
+TRTLLM_ONLY = {"plugin_lib": "--plugin-lib", "max_batch_size": "--max-batch-size", "tp_size": "--tp-size"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    ap.add_argument("--format", required=True, choices=["trtllm"], help="trtllm: a TensorRT-LLM checkpoint")
+    ap.add_argument("--format", required=True, choices=["trtllm", "hf"],
+                    help="trtllm: a TensorRT-LLM checkpoint (for trtllm-build); hf: a Hugging Face model directory "
+                         "(for vLLM and transformers; a .gguf source dequantised)")
     options.add_model_options(ap)
-    ap.add_argument("--output", required=True, help="directory to create (target/ and draft/ inside)")
+    ap.add_argument("--output", required=True, help="directory to create, new or empty (target/ and draft/ inside)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                    help="the checkpoint's dtype for everything not FP8 (default: bfloat16)")
-    ap.add_argument("--plugin-lib", default="plugins/build/libecho_plugin.so",
-                    help="the ECHO plugin library the generated trtllm_build.sh loads (default: %(default)s)")
-    ap.add_argument("--max-batch-size", type=int, default=64, help="for trtllm_build.sh (default: 64)")
-    ap.add_argument("--tp-size", type=int, default=1,
-                    help="tensor-parallel ranks: rank{N}.safetensors per rank, split as TensorRT-LLM splits them "
-                         "(default: 1)")
+                    help="the weights' dtype (trtllm: everything not FP8; default: bfloat16)")
+    g = ap.add_argument_group("--format trtllm only")
+    g.add_argument("--plugin-lib",
+                   help="the ECHO plugin library the generated trtllm_build.sh loads "
+                        f"(default: {TRTLLM_DEFAULTS['plugin_lib']})")
+    g.add_argument("--max-batch-size", type=int, help="for trtllm_build.sh (default: 64)")
+    g.add_argument("--tp-size", type=int,
+                   help="tensor-parallel ranks: rank{N}.safetensors per rank, split as TensorRT-LLM splits them "
+                        "(default: 1)")
     return ap
+
+
+def _sources(args) -> tuple[dict, object]:
+    """{"target": path, "draft": path or None} and the EchoConfig, each path checked to exist (errors name the
+    flag) before anything is loaded or written."""
+    from echo_trtllm.core.config import EchoConfig
+    from echo_trtllm.engine_dir import read_engine
+    from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
+    from echo_trtllm.models.loader import check_model_path
+
+    if args.engine_dir and (args.model or args.draft_model):
+        raise ValueError("--engine-dir names its own models; do not also give --model/--draft-model")
+    if args.engine_dir:
+        spec = read_engine(args.engine_dir)
+        sources, flags, config = {"target": spec.target, "draft": spec.draft}, {}, spec.config
+    else:
+        sources = {"target": args.model or DEFAULT_TARGET,
+                   "draft": args.draft_model or (DEFAULT_DRAFT if args.model is None else None)}
+        flags, config = {"target": "--model", "draft": "--draft-model"}, EchoConfig()
+    for name, src in sources.items():
+        if src is not None:
+            check_model_path(src, flags.get(name, f"--engine-dir {name}"))
+    return sources, config
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from echo_trtllm.engine_dir import read_engine
     from echo_trtllm.models.eagle3 import is_eagle3_dir
-    from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
-    from echo_trtllm.models.loader import load_model
-    from echo_trtllm.core.config import EchoConfig
     from echo_trtllm.models.fp8 import fp8_layers
+    from echo_trtllm.models.hf_export import save_hf
+    from echo_trtllm.models.loader import load_model
     from echo_trtllm.models.trtllm_checkpoint import export_checkpoint
     from echo_trtllm.trtllm_build import build_script
 
     try:
-        if args.engine_dir and (args.model or args.draft_model):
-            raise ValueError("--engine-dir names its own models; do not also give --model/--draft-model")
+        if args.format == "hf":
+            given = [flag for key, flag in TRTLLM_ONLY.items() if getattr(args, key) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)}: only for --format trtllm")
+        for key, default in TRTLLM_DEFAULTS.items():
+            if getattr(args, key) is None:
+                setattr(args, key, default)
         out = Path(args.output)
-        if out.exists() and any(out.iterdir()):
-            raise FileExistsError(f"{out} exists and is not empty; choose a new directory")
-        config = EchoConfig()
-        if args.engine_dir:
-            spec = read_engine(args.engine_dir)
-            sources = {"target": spec.target, "draft": spec.draft}
-            config = spec.config
-        else:
-            target = args.model or DEFAULT_TARGET
-            sources = {"target": target, "draft": args.draft_model or (DEFAULT_DRAFT if args.model is None else None)}
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise FileExistsError(f"--output {out} exists and is not an empty directory; choose a new directory")
+        sources, config = _sources(args)
         written, fp8 = [], False
         for name, src in sources.items():
             if src is None:
                 continue
             if is_eagle3_dir(src):
-                print(f"{PROG}: {name} is an EAGLE-3 head: not exported (TensorRT-LLM loads EAGLE-3 heads as they are)")
+                why = "TensorRT-LLM loads EAGLE-3 heads as they are" if args.format == "trtllm" else \
+                    "its directory is used as it is"
+                print(f"{PROG}: {name} is an EAGLE-3 head: not exported ({why})")
                 continue
             model, tok = load_model(src, dtype=args.dtype)
+            if args.format == "hf":
+                written.append(save_hf(model, tok, out / name, args.dtype))
+                continue
             written.append(export_checkpoint(model, out / name, tok, tp_size=args.tp_size))
             fp8 = fp8 or bool(fp8_layers(model))
-        script = out / "trtllm_build.sh"
-        script.write_text(build_script(config, str(Path(args.plugin_lib).resolve()), args.max_batch_size,
-                                       dtype=args.dtype, fp8=fp8,
-                                       has_draft=(out / "draft").is_dir()))
-        script.chmod(0o755)
-        written.append(script)
+        if args.format == "trtllm":
+            script = out / "trtllm_build.sh"
+            script.write_text(build_script(config, str(Path(args.plugin_lib).resolve()), args.max_batch_size,
+                                           dtype=args.dtype, fp8=fp8, has_draft=(out / "draft").is_dir()))
+            script.chmod(0o755)
+            written.append(script)
     except options.USAGE_ERRORS as e:
         return options.fail(PROG, e)
     for w in written:

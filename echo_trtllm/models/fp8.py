@@ -278,21 +278,13 @@ def weight_bytes(model: nn.Module) -> int:
 def write_checkpoint(model: nn.Module, tokenizer, out, scheme: str) -> None:
     """An FP8 model as an HF-style directory: config.json (with quantization_config), model.safetensors in the
     checkpoint layout above, and the tokenizer's files (also for a model that came from a .gguf file)."""
-    import json
-    from pathlib import Path
+    from echo_trtllm.models.hf_export import hf_config, write_hf_dir
 
-    from safetensors.torch import save_file
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = {**model.config.to_hf(), "torch_dtype": str(model.dtype).removeprefix("torch."),
-           "quantization_config": quant_config(scheme, ignored_layers(model))}
-    state = {k: v.contiguous() for k, v in quantized_state_dict(model).items()}
+    cfg = {**hf_config(model), "quantization_config": quant_config(scheme, ignored_layers(model))}
+    state = quantized_state_dict(model)
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    tokenizer.hf.save_pretrained(str(out))
+    write_hf_dir(out, cfg, state, tokenizer)
 
 
 def _calibrated(model: nn.Module, scheme: str, run) -> nn.Module:
