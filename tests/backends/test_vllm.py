@@ -16,6 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("ECHO_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+ENV = ("ECHO_VLLM_DRAFT_MODEL", "ECHO_VLLM_K_MAX", "ECHO_VLLM_DTYPE", "ECHO_VLLM_TRACE", "ECHO_VLLM_PRICES",
+       "ECHO_VLLM_MAX_ROWS")
 KMAX = 8  # six requests: two draft tokens a step among them at most
 
 
@@ -38,14 +40,14 @@ def runs(tmp_path_factory):
                OMP_NUM_THREADS="2", VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"))
     env.pop("ECHO_VLLM_DRAFT_MODEL", None)
     proc = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "backends" / "vllm_driver.py"), str(out), "ar", "echo",
-                           "echo-kmax", "echo-failing"], capture_output=True, text=True, env=env, cwd=str(ROOT),
+                           "echo-priced", "echo-kmax", "echo-failing"], capture_output=True, text=True, env=env, cwd=str(ROOT),
                           timeout=1800, check=False)
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             r = json.loads(line[len("RESULT "):])
             results[r["mode"]] = r
-    assert proc.returncode == 0 and len(results) == 4, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.returncode == 0 and len(results) == 5, proc.stdout[-3000:] + proc.stderr[-6000:]
 
     def trace(mode):
         return [json.loads(x) for x in (out / f"trace-{mode}.jsonl").read_text().splitlines()]
@@ -61,6 +63,18 @@ def test_echo_in_vllm_decodes_exactly_what_vllm_decodes_plainly(runs):
     assert all(len(o) == 32 for o in results["ar"]["outputs"])
     m = results["echo"]["metrics"]
     assert m["vllm:spec_decode_num_draft_tokens"] > 0 and m["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+@needs_vllm
+def test_prices_are_learnt_from_vllms_steps(runs):
+    """With prices (the default) the proposer times vLLM's steps between its calls and learns from the decode steps
+    among them; the controller's decisions are recorded per step; the output is vLLM's plain output."""
+    results, trace = runs
+    assert results["echo-priced"]["outputs"] == results["ar"]["outputs"]
+    steps = trace("echo-priced")
+    assert steps[-1]["stats"]["priced_steps"] > 0
+    assert all(s["decision"] is not None for s in steps if s["live"] and not s["failed"])
+    assert all(s["stats"]["steps"] <= len(steps) for s in steps)
 
 
 @needs_vllm
@@ -117,24 +131,43 @@ def test_bad_configs_are_refused_by_name(tmp_path, monkeypatch):
     assert cfg == {"method": "custom_class", "model": "echo_trtllm.backends.vllm.EchoProposer",
                    "num_speculative_tokens": 3}
     assert os.environ["ECHO_VLLM_DRAFT_MODEL"] == str(DEFAULT_DRAFT) and os.environ["ECHO_VLLM_K_MAX"] == "16"
-    for name in ("ECHO_VLLM_DRAFT_MODEL", "ECHO_VLLM_K_MAX", "ECHO_VLLM_DTYPE"):
+    with pytest.raises(ValueError, match="prices"):
+        speculative_config(str(DEFAULT_DRAFT), prices="yes")
+    with pytest.raises(ValueError, match="max_rows"):
+        speculative_config(str(DEFAULT_DRAFT), max_rows=0)
+    for name in ENV:
         monkeypatch.delenv(name, raising=False)
 
 
-class _Config:  # the two fields of vLLM's VllmConfig the proposer reads
+class _Config:  # the fields of vLLM's VllmConfig the proposer reads
     class speculative_config:
         num_speculative_tokens = 4
+
+    class scheduler_config:
+        max_num_seqs = 8
+
+    class model_config:
+        max_model_len = 128
+
+        class hf_config:
+            @staticmethod
+            def to_dict():
+                from echo_trtllm.models import DEFAULT_TARGET
+
+                return json.loads((DEFAULT_TARGET / "config.json").read_text())
 
 
 @pytest.mark.parametrize("env, match", [({}, "ECHO_VLLM_DRAFT_MODEL is not set"),
                                         ({"ECHO_VLLM_DRAFT_MODEL": "/nonexistent/draft"}, "does not exist"),
                                         ({"ECHO_VLLM_K_MAX": "zero"}, "ECHO_VLLM_K_MAX"),
-                                        ({"ECHO_VLLM_DTYPE": "int8"}, "ECHO_VLLM_DTYPE")])
+                                        ({"ECHO_VLLM_DTYPE": "int8"}, "ECHO_VLLM_DTYPE"),
+                                        ({"ECHO_VLLM_PRICES": "yes"}, "ECHO_VLLM_PRICES"),
+                                        ({"ECHO_VLLM_MAX_ROWS": "0"}, "ECHO_VLLM_MAX_ROWS")])
 def test_the_proposer_refuses_a_bad_environment_by_name(monkeypatch, env, match):
     from echo_trtllm.backends.vllm import EchoProposer
     from echo_trtllm.models import DEFAULT_DRAFT
 
-    for name in ("ECHO_VLLM_DRAFT_MODEL", "ECHO_VLLM_K_MAX", "ECHO_VLLM_DTYPE", "ECHO_VLLM_TRACE"):
+    for name in ENV:
         monkeypatch.delenv(name, raising=False)
     if "ECHO_VLLM_DRAFT_MODEL" not in env and match != "ECHO_VLLM_DRAFT_MODEL is not set":
         monkeypatch.setenv("ECHO_VLLM_DRAFT_MODEL", str(DEFAULT_DRAFT))
@@ -156,9 +189,10 @@ def test_the_proposer_drafts_the_draft_models_greedy_chains(monkeypatch):
     from echo_trtllm.models.loader import load_model
     from echo_trtllm.runtime.inputs import sequence_logits
 
-    for name in ("ECHO_VLLM_K_MAX", "ECHO_VLLM_DTYPE", "ECHO_VLLM_TRACE"):
+    for name in ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("ECHO_VLLM_DRAFT_MODEL", str(DEFAULT_DRAFT))
+    monkeypatch.setenv("ECHO_VLLM_PRICES", "0")  # every step drafts (no controller's first plain steps)
     proposer = EchoProposer(_Config())
     draft, tok = load_model(DEFAULT_DRAFT)
     contexts = [tok.encode("def main():\n    "), tok.encode("ROMEO:\nBut soft"), tok.encode("x")]

@@ -2,7 +2,9 @@
 engine (CPU build) on the embedded pair, greedy, once per mode named on the command line, one JSON line each.
 
     ar              vLLM's plain decoding
-    echo            vLLM + ECHO (echo_trtllm.backends.vllm), 4 draft tokens at most per request
+    echo            vLLM + ECHO (echo_trtllm.backends.vllm), 4 draft tokens at most per request, pure (every step
+                    drafts by the policy's rules)
+    echo-priced     the same with prices learnt from vLLM's steps and the AR fallback (the default)
     echo-kmax       the same within a global budget of ECHO_VLLM_K_MAX tokens a step (roots included)
     echo-failing    a proposer whose drafting fails every other step (tests.backends.vllm_failing)
 """
@@ -23,7 +25,7 @@ def run(mode: str, trace: str) -> dict:
 
     spec = None
     if mode != "ar":
-        spec = speculative_config(str(DEFAULT_DRAFT), num_speculative_tokens=4,
+        spec = speculative_config(str(DEFAULT_DRAFT), num_speculative_tokens=4, prices=mode == "echo-priced",
                                   k_max=int(os.environ["KMAX"]) if mode == "echo-kmax" else None)
         if mode == "echo-failing":
             spec["model"] = "tests.backends.vllm_failing.FailingProposer"
