@@ -188,6 +188,7 @@ class RowSpeculator:
         self.policy = make_policy(self.config, self.step_cost.prices if self.step_cost is not None else None)
         self.controller = SpeculationController(self.step_cost) if self.step_cost is not None else None
         self.last: _Step | None = None
+        self.last_interval: float | None = None
         self.stats = {"steps": 0, "speculative_steps": 0, "priced_steps": 0, "drafted": 0, "accepted": 0}
 
     # ------------------------------------------------------------------ one call
@@ -198,6 +199,8 @@ class RowSpeculator:
         each (default 0..n-1). clean: the engine's last step did no prefill beyond these rows' (no row still
         prefilling)."""
         start = self.clock()
+        # seconds since the last call returned: the engine's step in between (for traces; priced in _learn)
+        self.last_interval = None if self.last is None else start - self.last.end
         n = len(contexts)
         out: list[list[int]] = [[] for _ in range(n)]
         if n == 0:

@@ -152,5 +152,7 @@ class EchoProposer:
             decision = None if last is None or last.decision is None else last.decision.reason
             self.trace.write(json.dumps({"rows": rows, "live": len(live), "lengths": [len(d) for d in out],
                                          "k_max": self.k_max, "failed": failed, "decision": decision,
+                                         "propose_seconds": None if last is None else last.drafting_seconds,
+                                         "step_seconds": self.speculator.last_interval,
                                          "stats": self.speculator.stats}) + "\n")
             self.trace.flush()

@@ -13,17 +13,13 @@ from echo_trtllm.cli import main as cli_main
 from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
 from echo_trtllm.models.hf_export import save_hf
 from echo_trtllm.models.loader import _GGUF_BLOCK, _GGUF_NAMES, load_model
-from echo_trtllm.runtime.inputs import chain_batch
+from echo_trtllm.runtime.inputs import sequence_logits
 
 TEXTS = ["ROMEO:\nBut soft, what light through yonder window", "def main():\n    return 1", "O"]
 
 
-@torch.no_grad()
 def _logits(model, ids):
-    cache = model.allocate_cache(1, len(ids) + 1)
-    batch = chain_batch([torch.tensor(ids)], torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
-                        logits="all")
-    return model(batch, cache).float()
+    return sequence_logits(model, torch.tensor(ids))
 
 
 @torch.no_grad()

@@ -1,0 +1,74 @@
+"""What ECHO did inside vLLM, from the per-step traces its proposer writes (ECHO_VLLM_TRACE; `scripts/bench_vllm.py
+--trace-dir`): per batch size (live rows), the steps, the share that drafted, the tokens drafted, the controller's
+decisions, the proposer's own seconds per call and vLLM's step between calls (median, plain and drafting apart).
+
+    python scripts/echo_trace_summary.py TRACE.jsonl [...] --out summary.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def summarise(path: Path) -> dict:
+    steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    by_rows: dict[int, list[dict]] = collections.defaultdict(list)
+    for s in steps:
+        by_rows[s["live"]].append(s)
+    # a step's interval is recorded at the call after it: pair each call's decision with the next interval
+    following = {id(a): b.get("step_seconds") for a, b in itertools.pairwise(steps)}
+    out = {}
+    for rows, group in sorted(by_rows.items()):
+        drafting = [s for s in group if sum(s["lengths"]) > 0]
+        plain = [s for s in group if sum(s["lengths"]) == 0]
+
+        def median(xs):
+            xs = [x for x in xs if x is not None]
+            return statistics.median(xs) if xs else None
+
+        out[str(rows)] = {
+            "steps": len(group), "drafting_steps": len(drafting),
+            "drafted_tokens": sum(sum(s["lengths"]) for s in group),
+            "decisions": dict(collections.Counter(s.get("decision") for s in group)),
+            "propose_ms_median": median([s.get("propose_seconds") and 1e3 * s["propose_seconds"] for s in group]),
+            "propose_ms_median_drafting": median([1e3 * s["propose_seconds"] for s in drafting
+                                                  if s.get("propose_seconds") is not None]),
+            "vllm_step_ms_median_after_plain": median([following.get(id(s)) and 1e3 * following[id(s)]
+                                                       for s in plain]),
+            "vllm_step_ms_median_after_drafting": median([following.get(id(s)) and 1e3 * following[id(s)]
+                                                          for s in drafting]),
+        }
+    last = steps[-1]["stats"] if steps else {}
+    return {"trace": path.name, "by_live_rows": out, "final_stats": last}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("traces", nargs="+")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    from echo_trtllm.bench.run import report_meta
+
+    report = {"meta": report_meta("scripts/echo_trace_summary.py", argv),
+              "traces": [summarise(Path(t)) for t in args.traces]}
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    for t in report["traces"]:
+        print(t["trace"])
+        for rows, v in t["by_live_rows"].items():
+            if v["steps"] >= 5:
+                print(f"  rows {rows}: {v['steps']} steps, {v['drafting_steps']} drafting, propose "
+                      f"{v['propose_ms_median']} ms, vLLM step after plain {v['vllm_step_ms_median_after_plain']} "
+                      f"ms / after drafting {v['vllm_step_ms_median_after_drafting']} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
