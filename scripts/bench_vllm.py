@@ -136,7 +136,9 @@ def main(argv=None) -> int:
             cells = " ".join(f"c={x['concurrency']}:{x['tokens_per_s']:.1f}" for x in res.get("cells", []))
             print(f"round {r + 1} {m}: {cells or res.get('error', '')[-400:]}", flush=True)
         rounds.append(results)
-        report = {"meta": {**report_meta("scripts/bench_vllm.py", argv), "vllm_version": version, "env": VLLM_ENV,
+        meta = report_meta("scripts/bench_vllm.py", argv)
+        meta["command"] = meta["command"].replace("python -m ", "python ", 1)
+        report = {"meta": {**meta, "vllm_version": version, "env": VLLM_ENV,
                            "dtype": args.dtype, "max_tokens": args.max_tokens, "prompts": f"{args.prompts} (eval)",
                            "echo_k": args.echo_k, "batch": "closed: c requests together, ignore_eos"},
                   "summary": summarise(rounds, args.methods, args.concurrency), "rounds": rounds}

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from typing import NamedTuple
 
@@ -149,9 +150,15 @@ class EchoProposer:
     def _trace(self, rows: int, live: list[int], out: list[list[int]], failed: bool = False) -> None:
         if self.trace is not None:
             last = self.speculator.last
-            decision = None if last is None or last.decision is None else last.decision.reason
+            d = None if last is None else last.decision
+            decision = None if d is None else d.reason
+            # what the controller expected: speculative / plain tokens per second (and its bounds), both steps' seconds
+            estimate = None if d is None else {k: (v if math.isfinite(v) else None)
+                                               for k, v in (("ratio", d.ratio), ("low", d.low), ("high", d.high),
+                                                            ("plain_seconds", d.plain_seconds),
+                                                            ("spec_seconds", d.spec_seconds))}
             self.trace.write(json.dumps({"rows": rows, "live": len(live), "lengths": [len(d) for d in out],
-                                         "k_max": self.k_max, "failed": failed, "decision": decision,
+                                         "k_max": self.k_max, "failed": failed, "decision": decision, "estimate": estimate,
                                          "propose_seconds": None if last is None else last.drafting_seconds,
                                          "step_seconds": self.speculator.last_interval,
                                          "stats": self.speculator.stats}) + "\n")
