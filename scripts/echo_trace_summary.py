@@ -57,7 +57,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from echo_trtllm.bench.run import report_meta
 
-    report = {"meta": report_meta("scripts/echo_trace_summary.py", argv),
+    meta = report_meta("scripts/echo_trace_summary.py", argv)
+    meta["command"] = meta["command"].replace("python -m ", "python ", 1)
+    report = {"meta": meta,
               "traces": [summarise(Path(t)) for t in args.traces]}
     Path(args.out).write_text(json.dumps(report, indent=1))
     for t in report["traces"]:
