@@ -43,7 +43,7 @@ from echo_trtllm.core.steps import StepSample
 from echo_trtllm.models.llama import CausalLM, ModelConfig
 from echo_trtllm.runtime.inputs import chain_batch
 
-__all__ = ["RowDraftCache", "RowSpeculator", "chain_config", "linear_weights", "prior_cost_model"]
+__all__ = ["RowDraftCache", "RowSpeculator", "chain_config", "chains_of", "linear_weights", "prior_cost_model"]
 
 
 def chain_config(config: EchoConfig, max_draft_len: int) -> EchoConfig:
@@ -53,6 +53,18 @@ def chain_config(config: EchoConfig, max_draft_len: int) -> EchoConfig:
         raise ValueError(f"max_draft_len must be an integer >= 1, got {max_draft_len!r}")
     return dataclasses.replace(config, top_k=1, beam_width=1, max_depth=min(config.max_depth, max_draft_len),
                                max_nodes_per_request=max_draft_len + 1)
+
+
+def chains_of(selected, num_requests: int, max_draft_len: int) -> list[list[tuple[int, float]]]:
+    """Each request's chain in a selected tree of chains, in depth order: (token, path probability) per node, at
+    most max_draft_len."""
+    depth, req, tok = selected.depths.tolist(), selected.request_ids.tolist(), selected.token_ids.tolist()
+    conf = selected.path_probs.tolist()
+    nodes: list[list[tuple[int, int, float]]] = [[] for _ in range(num_requests)]
+    for k in range(selected.total_nodes):
+        if depth[k] > 0:
+            nodes[req[k]].append((depth[k], tok[k], conf[k]))
+    return [[(t, c) for _, t, c in sorted(n)][:max_draft_len] for n in nodes]
 
 
 def linear_weights(config: ModelConfig) -> int:
@@ -212,7 +224,7 @@ class RowSpeculator:
         rows = list(range(n)) if rows is None else list(rows)
         fits = [i for i in range(n) if i < self.cache.slots and ctxs[i].size + self.max_draft_len < self.cache.capacity]
         slots, held = self.cache.assign([ctxs[i] for i in fits], [rows[i] for i in fits])
-        self._learn(start, [ctxs[i] for i in fits], slots, n, clean and len(fits) == n)
+        self._learn(start, [ctxs[i] for i in fits], slots, clean and len(fits) == n)
         context = float(np.mean([c.size for c in ctxs]))
         decision = None
         if self.controller is not None:
@@ -223,7 +235,7 @@ class RowSpeculator:
         catch_up = 0
         speculate = bool(fits) and (decision is None or decision.speculate)
         if speculate:
-            forwards, catch_up = self._draft(ctxs, fits, slots, held, n, context, chains, confs)
+            forwards, catch_up = self._draft(ctxs, fits, slots, held, context, chains, confs)
             for i, s in zip(fits, slots):
                 out[i] = chains[s]
         end = self.clock()
@@ -237,7 +249,7 @@ class RowSpeculator:
         """Tokens a speculative step's first forward would read beyond one per row (after plain steps)."""
         return int(sum(max(ctxs[i].size - max(h, 1) - 1, 0) for i, h in zip(fits, held)))
 
-    def _draft(self, ctxs, fits, slots, held, n, context, chains, confs) -> tuple[list[int], int]:
+    def _draft(self, ctxs, fits, slots, held, context, chains, confs) -> tuple[list[int], int]:
         roots = torch.tensor([int(ctxs[i][-1]) for i in fits], dtype=torch.long)
         forwards: list[int] = []
         catch_up = [0]
@@ -248,33 +260,25 @@ class RowSpeculator:
                 starts = [min(held[j], int(ctxs[fits[j]].size) - 1) for j in req]
                 reads = [ctxs[fits[j]][p:] for j, p in zip(req, starts)]
                 catch_up[0] = sum(max(len(r) - 2, 0) for r in reads)
+                forwards.append(sum(len(r) for r in reads))
                 probs = self.cache.read([slots[j] for j in req], reads, starts)
             else:
                 tokens = [int(level.token_ids[f]) for f in frontier.tolist()]
                 starts = [int(self.cache.lengths[slots[j]]) for j in req]
+                forwards.append(len(req))
                 probs = self.cache.read([slots[j] for j in req], [np.array([t]) for t in tokens], starts)
-            forwards.append(sum(int(ctxs[fits[j]].size) - p for j, p in zip(req, starts)) if level.depth == 0
-                            else len(req))
             return probs
 
         budget = None if self.k_max is None else max(self.k_max, len(fits))
         result = draft_tree(self.policy, roots, draft_fn, budget=budget, context=context)
-        sel = result.selected
-        depth, req, tok = sel.depths.tolist(), sel.request_ids.tolist(), sel.token_ids.tolist()
-        conf = sel.path_probs.tolist()
-        nodes: dict[int, list[tuple[int, int, float]]] = {j: [] for j in range(len(fits))}
-        for k in range(sel.total_nodes):
-            if depth[k] > 0:
-                nodes[req[k]].append((depth[k], tok[k], conf[k]))
-        for j, s in enumerate(slots):
-            chain = sorted(nodes[j])[: self.max_draft_len]
-            chains[s] = [t for _, t, _ in chain]
-            confs[s] = [c for _, _, c in chain]
+        for s, chain in zip(slots, chains_of(result.selected, len(fits), self.max_draft_len)):
+            chains[s] = [t for t, _ in chain]
+            confs[s] = [c for _, c in chain]
         return forwards, catch_up[0]
 
     # ------------------------------------------------------------------ the last step's outcome
 
-    def _learn(self, now: float, ctxs: list[np.ndarray], slots: list[int], n: int, clean: bool) -> None:
+    def _learn(self, now: float, ctxs: list[np.ndarray], slots: list[int], clean: bool) -> None:
         last, self.last = self.last, None
         if last is None:
             return

@@ -14,10 +14,9 @@ The proposer is independent of TensorRT-LLM (its own tests run here); `make_draf
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
+from echo_trtllm.backends.rows import chain_config, chains_of
 from echo_trtllm.core import EchoConfig, draft_tree, make_policy
 from echo_trtllm.models.llama import CausalLM
 from echo_trtllm.runtime.inputs import sequence_logits
@@ -33,10 +32,7 @@ class EchoChainProposer:
     def __init__(self, draft: CausalLM, config: EchoConfig, max_draft_len: int) -> None:
         if not isinstance(draft, CausalLM):
             raise TypeError(f"draft must be a CausalLM (echo_trtllm.models), got {type(draft).__name__}")
-        if not isinstance(max_draft_len, int) or max_draft_len < 1:
-            raise ValueError(f"max_draft_len must be an integer >= 1, got {max_draft_len!r}")
-        chain = dataclasses.replace(config, top_k=1, beam_width=1, max_depth=min(config.max_depth, max_draft_len),
-                                    max_nodes_per_request=max_draft_len + 1)
+        chain = chain_config(config, max_draft_len)
         self.config, self.policy = chain, make_policy(chain)
         self.draft, self.max_draft_len = draft, max_draft_len
 
@@ -63,14 +59,7 @@ class EchoChainProposer:
 
         k = budget if budget is not None else self.config.k_max
         result = draft_tree(self.policy, roots, draft_fn, budget=k)
-        sel = result.selected
-        chains: list[list[int]] = [[] for _ in contexts]
-        depth = sel.depths.tolist()
-        for node in range(sel.total_nodes):
-            if depth[node] > 0:
-                chains[int(sel.request_ids[node])].append((depth[node], int(sel.token_ids[node])))
-        return [[t for _, t in sorted(c)][: self.max_draft_len] for c in chains]
-
+        return [[t for t, _ in chain] for chain in chains_of(result.selected, len(contexts), self.max_draft_len)]
 
 def make_drafter(draft: CausalLM, config: EchoConfig | None = None, max_draft_len: int = 4):
     """A TensorRT-LLM 1.2 `Drafter` whose `prepare_draft_tokens` sets each generation request's `py_draft_tokens`
