@@ -7,7 +7,7 @@ from .cost import CostModel, break_even_accept_prob, choose_budget
 from .gating import GateCalibration, GateConfig, GateSamples, GateSchedule, best_path_confidence, calibrate_gate, gate
 from .pack import PackedVerifyBatch, pack, pack_from_parents, unpack_mask
 from .prices import StepCostModel, StepPrices
-from .policies import POLICIES, DraftResult, DraftState, TreePolicy, draft_tree, make_policy
+from .policies import POLICIES, DraftLoop, DraftResult, DraftState, TreePolicy, draft_tree, make_policy
 from .steps import StepSample
 from .tree import DraftLevel, DraftTopK, SuperTree, expand_level, root_level
 from .verify import SamplingTensors, VerifyResult, process_logits, verify, verify_greedy, verify_sampling
@@ -16,7 +16,7 @@ __all__ = [
     "BudgetAllocation", "allocate_budget", "POLICY_NAMES", "EchoConfig", "CostModel", "Decision", "SpeculationController",
     "break_even_accept_prob", "choose_budget", "GateCalibration", "GateConfig", "GateSamples", "GateSchedule",
     "best_path_confidence", "calibrate_gate", "gate", "PackedVerifyBatch", "pack", "pack_from_parents",
-    "unpack_mask", "POLICIES", "DraftResult", "DraftState", "TreePolicy", "draft_tree", "make_policy",
+    "unpack_mask", "POLICIES", "DraftLoop", "DraftResult", "DraftState", "TreePolicy", "draft_tree", "make_policy",
     "DraftLevel", "DraftTopK", "SuperTree", "expand_level", "root_level", "SamplingTensors", "VerifyResult",
     "process_logits", "verify", "verify_greedy", "verify_sampling", "StepCostModel", "StepPrices", "StepSample",
 ]  # fmt: skip

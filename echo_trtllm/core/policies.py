@@ -46,6 +46,7 @@ __all__ = [
     "POLICIES",
     "make_policy",
     "draft_tree",
+    "DraftLoop",
     "draft_tree_batched",
     "LevelDrafter",
     "top_per_request",
@@ -541,6 +542,63 @@ class EchoNoBudgetStopPolicy(EchoPolicy):
     budget_stop = False
 
 
+class DraftLoop:
+    """`draft_tree`'s loop one level at a time, for a drafter that runs its own levels and hands each one over as
+    it comes (vLLM's draft-model runner drafts every row of its batch per level; the loop says which nodes the
+    policy expands and when it stops):
+
+        loop = DraftLoop(policy, roots, budget)
+        while (frontier := loop.frontier()) is not None:
+            loop.feed(probs_after(loop.levels[-1], frontier))   # (F, V) or DraftTopK
+        result = loop.result()
+    """
+
+    def __init__(self, policy: TreePolicy, root_token_ids: Tensor, budget: int | None = None,
+                 max_levels: int | None = None, context: float | None = None) -> None:
+        self.policy = policy
+        self.levels = [root_level(root_token_ids)]
+        self.state = policy.start(root_token_ids.numel(), budget, context)
+        self.depth_cap = policy.max_depth if max_levels is None else min(policy.max_depth, max_levels)
+        self._frontier: Tensor | None = None
+        self.done = False
+
+    @property
+    def depth(self) -> int:
+        """The depth of the level the next feed() adds."""
+        return len(self.levels)
+
+    def frontier(self) -> Tensor | None:
+        """The nodes of the last level the policy expands next (indices into levels[-1]); None: drafting ends."""
+        if self._frontier is not None:
+            return self._frontier
+        if self.done or self.depth > self.depth_cap:
+            self.done = True
+            return None
+        frontier = self.policy.frontier(self.levels[-1], self.state)
+        if frontier.numel() == 0:
+            self.done = True
+            return None
+        self.state.frontier_sizes.append(frontier.numel())
+        self._frontier = frontier
+        return frontier
+
+    def feed(self, probs: Tensor | DraftTopK) -> None:
+        """The draft distribution after each frontier node (F, V), or its top k."""
+        if self._frontier is None:
+            raise RuntimeError("feed() without a frontier: call frontier() first (and stop when it is None)")
+        level = expand_level(self.levels[-1], self._frontier, probs, self.policy.num_children(self.depth))
+        self._frontier = None
+        self.levels.append(level)
+        self.policy.observe(level, self.state)
+
+    def result(self) -> DraftResult:
+        """The policy's selection over every level drafted."""
+        self.done = True
+        candidates = SuperTree.from_levels(self.levels)
+        mask = self.policy.select(candidates, self.state)
+        return DraftResult(candidates, mask, candidates.select(mask), self.state)
+
+
 def draft_tree(
     policy: TreePolicy, root_token_ids: Tensor, draft_fn: DraftFn, budget: int | None = None,
     max_levels: int | None = None, context: float | None = None,
@@ -552,21 +610,10 @@ def draft_tree(
     distributions. max_levels: draft at most this many levels this step (None: the
     policy's max_depth). context: cached tokens per request as the step's attention reads them (for a cost grid).
     """
-    levels = [root_level(root_token_ids)]
-    state = policy.start(root_token_ids.numel(), budget, context)
-    depth_cap = policy.max_depth if max_levels is None else min(policy.max_depth, max_levels)
-    for depth in range(1, depth_cap + 1):
-        frontier = policy.frontier(levels[-1], state)
-        if frontier.numel() == 0:
-            break
-        state.frontier_sizes.append(frontier.numel())
-        probs = draft_fn(levels[-1], frontier)  # (F, V) or DraftTopK
-        level = expand_level(levels[-1], frontier, probs, policy.num_children(depth))
-        levels.append(level)
-        policy.observe(level, state)
-    candidates = SuperTree.from_levels(levels)
-    mask = policy.select(candidates, state)
-    return DraftResult(candidates, mask, candidates.select(mask), state)
+    loop = DraftLoop(policy, root_token_ids, budget, max_levels, context)
+    while (frontier := loop.frontier()) is not None:
+        loop.feed(draft_fn(loop.levels[-1], frontier))  # (F, V) or DraftTopK
+    return loop.result()
 
 
 class LevelDrafter(Protocol):
