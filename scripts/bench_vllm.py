@@ -1,5 +1,7 @@
 """Side by side on one machine: vLLM's plain decoding, vLLM's own draft-model speculation at fixed k, vLLM + ECHO
-(echo_trtllm.backends.vllm) and this project's engine, on one target/draft pair, closed batches of c greedy requests
+(vllm-echo-draft: ECHO around vLLM's own draft-model runner, echo_trtllm.backends.vllm_draft; vllm-echo: vLLM's
+custom-class proposer drafting with this project's engine, echo_trtllm.backends.vllm) and this project's engine,
+on one target/draft pair, closed batches of c greedy requests
 (ignore_eos, max_tokens each: the batch holds c rows throughout). Every method gets the same prompts, tokens, dtype
 and a warm-up; each (round, method) runs in a fresh process, the methods' order rotating between rounds; the
 ratios to vLLM AR are taken within a round, then the median and spread over rounds are reported.
@@ -28,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "2"}
-METHODS = ("vllm-ar", "vllm-draft-k2", "vllm-draft-k4", "vllm-echo", "vllm-echo-pure", "engine-ar", "engine-echo")
+METHODS = ("vllm-ar", "vllm-draft-k2", "vllm-draft-k4", "vllm-echo-draft", "vllm-echo-draft-pure", "vllm-echo",
+           "vllm-echo-pure", "engine-ar", "engine-echo")
 
 
 def parse(argv=None):
@@ -37,7 +40,7 @@ def parse(argv=None):
     ap.add_argument("--draft-hf", required=True, help="the draft as an HF directory (vLLM's draft-model method, ECHO)")
     ap.add_argument("--target", help="the target for this project's engine (default: --target-hf)")
     ap.add_argument("--draft", help="the draft for this project's engine (default: --draft-hf)")
-    ap.add_argument("--methods", nargs="+", default=["vllm-ar", "vllm-draft-k2", "vllm-draft-k4", "vllm-echo"],
+    ap.add_argument("--methods", nargs="+", default=["vllm-ar", "vllm-draft-k2", "vllm-draft-k4", "vllm-echo-draft"],
                     choices=METHODS)
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16, 64])
     ap.add_argument("--rounds", type=int, default=3)
@@ -45,6 +48,9 @@ def parse(argv=None):
     ap.add_argument("--prompts", default="humaneval", help="prompt set (eval split); default humaneval")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--echo-k", type=int, default=4, help="ECHO's longest chain (num_speculative_tokens)")
+    ap.add_argument("--cell-warmup-tokens", type=int, default=8,
+                    help="before each concurrency's timed batch, an untimed one of other prompts at the same "
+                         "concurrency and this many tokens (0: none); every method alike")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--memory-share", type=float, default=0.35, help="vLLM's gpu_memory_utilization (on the CPU: the share of host memory for weights and KV)")
     ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
@@ -65,6 +71,7 @@ def run_method(args, method: str, prompts: list[str], offset: int) -> dict:
             "target": args.target or args.target_hf, "draft": args.draft or args.draft_hf,
             "echo_draft": args.draft_hf, "echo_k": args.echo_k, "dtype": args.dtype, "prompts": prompts,
             "concurrency": args.concurrency, "max_tokens": args.max_tokens, "warmup_tokens": 8,
+            "cell_warmup_tokens": args.cell_warmup_tokens,
             "max_model_len": args.max_model_len, "memory_share": args.memory_share, "offset": offset,
             "trace": str(Path(args.trace_dir).resolve() / f"{method}-{offset}.jsonl") if args.trace_dir else None}
     python = args.vllm_python if method.startswith("vllm") else sys.executable

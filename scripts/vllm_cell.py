@@ -16,8 +16,14 @@ def vllm_llm(spec: dict):
     from vllm import LLM
 
     method = spec["method"]
-    speculative = None
-    if method.startswith("vllm-draft-k"):
+    speculative, additional = None, None
+    if method in ("vllm-echo-draft", "vllm-echo-draft-pure"):  # ECHO around vLLM's own draft-model runner
+        from echo_trtllm.backends.vllm_draft import engine_args
+
+        args = engine_args(spec["draft_hf"], spec["echo_k"], prices=method == "vllm-echo-draft",
+                           trace=spec.get("trace"))
+        speculative, additional = args["speculative_config"], args["additional_config"]
+    elif method.startswith("vllm-draft-k"):
         speculative = {"method": "draft_model", "model": spec["draft_hf"],
                        "num_speculative_tokens": int(method.removeprefix("vllm-draft-k"))}
     elif method.startswith("vllm-echo"):
@@ -30,7 +36,8 @@ def vllm_llm(spec: dict):
                                          max_rows=max(spec["concurrency"]))
     elif method != "vllm-ar":
         raise ValueError(f"unknown vLLM method {method!r}")
-    llm = LLM(model=spec["target_hf"], speculative_config=speculative, dtype=spec["dtype"],
+    extra = {"additional_config": additional} if additional else {}
+    llm = LLM(model=spec["target_hf"], speculative_config=speculative, dtype=spec["dtype"], **extra,
               max_model_len=spec["max_model_len"], max_num_seqs=max(spec["concurrency"]), seed=0,
               gpu_memory_utilization=spec["memory_share"], disable_log_stats=False)
 
@@ -74,6 +81,9 @@ def main() -> None:
     cells = []
     for c in spec["concurrency"]:
         batch = [prompts[(spec["offset"] + i) % len(prompts)] for i in range(c)]
+        if spec.get("cell_warmup_tokens"):  # this batch size's shapes once, untimed (every method alike)
+            warm = [prompts[(spec["offset"] + c + i) % len(prompts)] for i in range(c)]
+            generate(warm, spec["cell_warmup_tokens"])
         before = counters()
         t = time.perf_counter()
         tokens = generate(batch, spec["max_tokens"])

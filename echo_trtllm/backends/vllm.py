@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 from echo_trtllm.core import EchoConfig
 
-__all__ = ["PROPOSER_PATH", "EchoProposer", "speculative_config"]
+__all__ = ["PROPOSER_PATH", "EchoProposer", "speculative_config", "trace_record"]
 
 PROPOSER_PATH = "echo_trtllm.backends.vllm.EchoProposer"
 DTYPES = ("float32", "bfloat16", "float16")  # the draft's dtypes, for speculative_config() and ECHO_VLLM_DTYPE
@@ -152,17 +152,20 @@ class EchoProposer:
 
     def _trace(self, rows: int, live: list[int], out: list[list[int]], failed: bool = False) -> None:
         if self.trace is not None:
-            last = self.speculator.last
-            d = None if last is None else last.decision
-            decision = None if d is None else d.reason
-            # what the controller expected: speculative / plain tokens per second (and its bounds), both steps' seconds
-            estimate = None if d is None else {k: (v if math.isfinite(v) else None)
-                                               for k, v in (("ratio", d.ratio), ("low", d.low), ("high", d.high),
-                                                            ("plain_seconds", d.plain_seconds),
-                                                            ("spec_seconds", d.spec_seconds))}
-            self.trace.write(json.dumps({"rows": rows, "live": len(live), "lengths": [len(d) for d in out],
-                                         "k_max": self.k_max, "failed": failed, "decision": decision, "estimate": estimate,
-                                         "propose_seconds": None if last is None else last.drafting_seconds,
-                                         "step_seconds": self.speculator.last_interval,
-                                         "stats": self.speculator.stats}) + "\n")
+            self.trace.write(json.dumps(trace_record(self.speculator, rows, len(live), out, self.k_max, failed)) + "\n")
             self.trace.flush()
+
+
+def trace_record(speculator, rows: int, live: int, out: list[list[int]], k_max: int | None, failed: bool) -> dict:
+    """One step of a proposer's trace: the rows, each row's draft length, the controller's decision and what it
+    expected (speculative / plain tokens per second and bounds, both steps' seconds), the proposer's seconds and the
+    engine's step between calls, the speculator's running counts."""
+    last = speculator.last
+    d = None if last is None else last.decision
+    estimate = None if d is None else {k: (v if math.isfinite(v) else None)
+                                       for k, v in (("ratio", d.ratio), ("low", d.low), ("high", d.high),
+                                                    ("plain_seconds", d.plain_seconds), ("spec_seconds", d.spec_seconds))}
+    return {"rows": rows, "live": live, "lengths": [len(x) for x in out], "k_max": k_max, "failed": failed,
+            "decision": None if d is None else d.reason, "estimate": estimate,
+            "propose_seconds": None if last is None else last.drafting_seconds,
+            "step_seconds": speculator.last_interval, "stats": dict(speculator.stats)}

@@ -40,14 +40,15 @@ def runs(tmp_path_factory):
                OMP_NUM_THREADS="2", VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"))
     env.pop("ECHO_VLLM_DRAFT_MODEL", None)
     proc = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "backends" / "vllm_driver.py"), str(out), "ar", "echo",
-                           "echo-priced", "echo-kmax", "echo-failing"], capture_output=True, text=True, env=env, cwd=str(ROOT),
+                           "echo-priced", "echo-kmax", "echo-failing", "echo-draft", "echo-draft-self", "echo-draft-priced"],
+                          capture_output=True, text=True, env=env, cwd=str(ROOT),
                           timeout=1800, check=False)
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             r = json.loads(line[len("RESULT "):])
             results[r["mode"]] = r
-    assert proc.returncode == 0 and len(results) == 5, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.returncode == 0 and len(results) == 8, proc.stdout[-3000:] + proc.stderr[-6000:]
 
     def trace(mode):
         return [json.loads(x) for x in (out / f"trace-{mode}.jsonl").read_text().splitlines()]
@@ -109,6 +110,70 @@ def test_a_failing_proposer_costs_only_its_steps(runs):
     assert failed and all(sum(s["lengths"]) == 0 for s in failed)
     assert any(sum(s["lengths"]) > 0 for s in steps if not s["failed"])
     assert results["echo-failing"]["outputs"] == results["ar"]["outputs"]
+
+
+# ---------------------------------------------------------------- ECHO around vLLM's own draft-model runner
+
+
+@needs_vllm
+def test_echo_around_vllms_draft_decodes_what_vllm_decodes_plainly(runs):
+    """vLLM's draft-model speculation with ECHO deciding around it (the plugin): vLLM's plain output token for
+    token, drafts verified and accepted, each request its own draft length, the policy ending vLLM's loop early."""
+    results, trace = runs
+    assert results["echo-draft"]["outputs"] == results["ar"]["outputs"]
+    m = results["echo-draft"]["metrics"]
+    assert m["vllm:spec_decode_num_draft_tokens"] > 0 and m["vllm:spec_decode_num_accepted_tokens"] > 0
+    steps = trace("echo-draft")
+    assert any(len(set(s["lengths"])) > 1 for s in steps if s["rows"] > 1)
+    assert all(max(s["lengths"]) <= 4 for s in steps)
+    assert steps[-1]["stats"]["stopped_early"] > 0
+
+
+@needs_vllm
+def test_plain_steps_skip_vllms_draft_and_rows_read_back_what_they_missed(runs):
+    """The target as its own draft, one speculative step then one plain step in turn, within K_max = 8 tokens a
+    step: the plain steps draft nothing, every speculative step first reads what the plain one skipped (the
+    catch-up), and the draft's KV cache is then exactly right: a greedy draft equal to the target has every token
+    accepted (a stale or misplaced entry would cost acceptance). vLLM's plain output throughout."""
+    results, trace = runs
+    assert results["echo-draft-self"]["outputs"] == results["ar"]["outputs"]
+    m = results["echo-draft-self"]["metrics"]
+    assert m["vllm:spec_decode_num_draft_tokens"] > 0
+    assert m["vllm:spec_decode_num_accepted_tokens"] == m["vllm:spec_decode_num_draft_tokens"]
+    steps = trace("echo-draft-self")
+    assert any(s["catch_up"] > 0 for s in steps)
+    assert all(sum(s["lengths"]) == 0 for s in steps[1::2])
+    assert all(sum(s["lengths"]) <= max(KMAX - s["live"], 0) for s in steps)
+
+
+@needs_vllm
+def test_prices_are_learnt_from_vllms_steps_around_its_draft(runs):
+    results, trace = runs
+    assert results["echo-draft-priced"]["outputs"] == results["ar"]["outputs"]
+    steps = trace("echo-draft-priced")
+    assert steps[-1]["stats"]["priced_steps"] > 0
+    assert all(s["decision"] is not None for s in steps)
+
+
+def test_echo_settings_are_refused_by_name(tmp_path):
+    from echo_trtllm.backends.vllm_draft import engine_args, parse_settings
+    from echo_trtllm.models import DEFAULT_DRAFT
+
+    assert parse_settings({}) is None and parse_settings(None) is None
+    assert parse_settings({"echo": {}}).prices is True
+    for bad, match in (({"echo": 3}, "object of settings"), ({"echo": {"budget": 3}}, "'budget'"),
+                       ({"echo": {"prices": "yes"}}, "prices"), ({"echo": {"k_max": 0}}, "k_max"),
+                       ({"echo": {"cycle": [0, 1]}}, "cycle"), ({"echo": {"trace": ""}}, "trace")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            parse_settings(bad)
+    with pytest.raises(ValueError, match="draft_model"):
+        engine_args(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        engine_args(str(DEFAULT_DRAFT), num_speculative_tokens=0)
+    args = engine_args(str(DEFAULT_DRAFT), 3, k_max=16)
+    assert args == {"speculative_config": {"method": "draft_model", "model": str(DEFAULT_DRAFT),
+                                           "num_speculative_tokens": 3},
+                    "additional_config": {"echo": {"prices": True, "k_max": 16}}}
 
 
 # ---------------------------------------------------------------- the adapter's checks (no vLLM needed)
@@ -207,3 +272,61 @@ def test_the_proposer_drafts_the_draft_models_greedy_chains(monkeypatch):
             greedy = int(sequence_logits(draft, torch.tensor(ids), "last").float()[-1].argmax())
             assert t == greedy
             ids.append(t)
+
+
+def test_catch_up_inputs_read_each_lagging_rows_missed_positions():
+    """The first draft forward's inputs after plain steps, built the way the proposer hands them to vLLM's draft
+    runner (a stand-in base class; the real one runs in the vLLM tests above): each lagging row's missed positions
+    come first, with their committed tokens and the KV slots the row's block table gives them (a naive loop is the
+    reference); rows in step keep their tokens; the query bounds follow."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+
+    from echo_trtllm.backends.vllm_draft import proposer_class
+
+    @dataclasses.dataclass
+    class Cad:  # the fields of vLLM's CommonAttentionMetadata the catch-up rewrites or reads
+        query_start_loc: torch.Tensor
+        query_start_loc_cpu: torch.Tensor
+        num_reqs: int
+        num_actual_tokens: int
+        max_query_len: int
+        block_table_tensor: torch.Tensor
+        slot_mapping: torch.Tensor
+
+    class Base:
+        def __init__(self, vllm_config, device, runner=None):
+            pass
+
+    class Batch:
+        token_ids_cpu = np.arange(300, dtype=np.int32).reshape(3, 100) + 1000
+
+    class Runner:
+        input_batch = Batch()
+
+    proposer = proposer_class(Base)(vllm_config=object(), device="cpu", runner=Runner())
+    proposer.block_size = 4
+    table = torch.tensor([[5, 9, 2, 7], [1, 3, 8, 0], [4, 6, 0, 0]], dtype=torch.int32)
+    qsl = torch.tensor([0, 1, 3, 4], dtype=torch.int32)
+    ids = torch.tensor([11, 21, 22, 31], dtype=torch.int32)
+    pos = torch.tensor([10, 8, 9, 5])
+    cad = Cad(qsl, qsl.clone(), 3, 4, 2, table, torch.zeros(4, dtype=torch.int64))
+    new_ids, new_pos, new = proposer._catch_up({0: 7, 2: 0}, ids, pos, cad)
+    want_ids, want_pos, want_rows = [], [], []
+    for row, (_, pos_range, own) in enumerate(((7, range(7, 10), [11]), (None, range(0), [21, 22]),
+                                                   (0, range(5), [31]))):
+        for p in pos_range:
+            want_ids.append(int(Batch.token_ids_cpu[row, p]))
+            want_pos.append(p)
+            want_rows.append(row)
+        for k, t in enumerate(own):
+            want_ids.append(t)
+            want_pos.append(int(pos[int(qsl[row]) + k]))
+            want_rows.append(row)
+    assert new_ids.tolist() == want_ids and new_pos.tolist() == want_pos
+    slots = [int(table[r, p // 4]) * 4 + p % 4 for r, p in zip(want_rows, want_pos)]
+    assert new.slot_mapping.tolist() == slots
+    assert new.query_start_loc_cpu.tolist() == [0, 4, 6, 12] and new.num_actual_tokens == 12
+    assert new.max_query_len == 6 and new.num_reqs == 3
