@@ -22,7 +22,8 @@ def summarise(path: Path) -> dict:
     steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     by_rows: dict[int, list[dict]] = collections.defaultdict(list)
     for s in steps:
-        by_rows[s["live"]].append(s)
+        # the custom-class proposer's traces count the rows it drafted for ("live"); the draft-runner's, every row
+        by_rows[s["rows"] if "catch_up" in s else s["live"]].append(s)
     # a step's interval is recorded at the call after it: pair each call's decision with the next interval
     following = {id(a): b.get("step_seconds") for a, b in itertools.pairwise(steps)}
     out = {}

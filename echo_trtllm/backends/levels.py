@@ -43,7 +43,7 @@ from echo_trtllm.core.prices import StepCostModel
 from echo_trtllm.core.steps import StepSample
 from echo_trtllm.core.tree import DraftTopK
 
-from .rows import chain_config, chains_of
+from .rows import chain_config, chains_of, learn_acceptance
 
 __all__ = ["LevelSpeculator", "StepPlan"]
 
@@ -239,24 +239,16 @@ class LevelSpeculator:
         if last is None:
             return
         follows = len(requests) == len(last.requests) and set(requests) == set(last.requests)
-        depths, probs, accepted = [], [], []
+        outcomes: list[tuple[list[float], int]] = []
         produced = 0
         for r, q, rej, lv in zip(requests, lengths, rejected, live):
             chain = last.chains.get(r, [])
             if r not in last.requests or q != len(chain) + 1 or not lv or not 0 <= rej <= len(chain):
                 follows = False
                 continue
-            a = len(chain) - rej
-            produced += a + 1
-            for d, c in enumerate(last.confidences.get(r, []), start=1):
-                depths.append(d)
-                probs.append(c)
-                accepted.append(d <= a)
-        if depths:
-            self.policy.acceptance.observe(torch.tensor(depths), torch.tensor(probs, dtype=torch.float32),
-                                           torch.tensor(accepted), torch.ones(len(depths), dtype=torch.bool))
-            self.stats["drafted"] += len(depths)
-            self.stats["accepted"] += int(sum(accepted))
+            produced += len(chain) - rej + 1
+            outcomes.append((last.confidences.get(r, []), len(chain) - rej))
+        learn_acceptance(self.policy, self.stats, outcomes)
         if self.step_cost is None or not follows or not last.requests:
             return
         b = len(last.requests)

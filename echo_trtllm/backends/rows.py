@@ -43,7 +43,8 @@ from echo_trtllm.core.steps import StepSample
 from echo_trtllm.models.llama import CausalLM, ModelConfig
 from echo_trtllm.runtime.inputs import chain_batch
 
-__all__ = ["RowDraftCache", "RowSpeculator", "chain_config", "chains_of", "linear_weights", "prior_cost_model"]
+__all__ = ["RowDraftCache", "RowSpeculator", "chain_config", "chains_of", "learn_acceptance", "linear_weights",
+           "prior_cost_model"]
 
 
 def chain_config(config: EchoConfig, max_draft_len: int) -> EchoConfig:
@@ -65,6 +66,22 @@ def chains_of(selected, num_requests: int, max_draft_len: int) -> list[list[tupl
         if depth[k] > 0:
             nodes[req[k]].append((depth[k], tok[k], conf[k]))
     return [[(t, c) for _, t, c in sorted(n)][:max_draft_len] for n in nodes]
+
+
+def learn_acceptance(policy, stats: dict, outcomes: list[tuple[list[float], int]]) -> None:
+    """Each chain's node confidences (path probabilities, in depth order) against the length the engine accepted,
+    into the policy's acceptance estimates and the running drafted / accepted counts."""
+    depths, probs, accepted = [], [], []
+    for confidences, a in outcomes:
+        for d, c in enumerate(confidences, start=1):
+            depths.append(d)
+            probs.append(c)
+            accepted.append(d <= a)
+    if depths:
+        policy.acceptance.observe(torch.tensor(depths), torch.tensor(probs, dtype=torch.float32),
+                                  torch.tensor(accepted), torch.ones(len(depths), dtype=torch.bool))
+        stats["drafted"] += len(depths)
+        stats["accepted"] += int(sum(accepted))
 
 
 def linear_weights(config: ModelConfig) -> int:
@@ -282,7 +299,7 @@ class RowSpeculator:
         last, self.last = self.last, None
         if last is None:
             return
-        depths, probs, accepted = [], [], []
+        outcomes: list[tuple[list[float], int]] = []
         produced, matched, follows = 0, 0, True
         for ctx, s in zip(ctxs, slots):
             if s not in last.contexts:
@@ -301,15 +318,8 @@ class RowSpeculator:
                 continue
             matched += 1
             produced += a + 1
-            for d, (c, t) in enumerate(zip(last.confidences.get(s, []), chain), start=1):
-                depths.append(d)
-                probs.append(c)
-                accepted.append(d <= a)
-        if depths:
-            self.policy.acceptance.observe(torch.tensor(depths), torch.tensor(probs, dtype=torch.float32),
-                                           torch.tensor(accepted), torch.ones(len(depths), dtype=torch.bool))
-            self.stats["drafted"] += len(depths)
-            self.stats["accepted"] += int(sum(accepted))
+            outcomes.append((last.confidences.get(s, [])[: len(chain)], a))
+        learn_acceptance(self.policy, self.stats, outcomes)
         if self.step_cost is None or not (clean and last.clean and follows and matched):
             return
         drafted = sum(len(c) for c in last.chains.values())

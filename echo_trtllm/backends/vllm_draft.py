@@ -200,7 +200,7 @@ def proposer_class(base: type) -> type:
             if not plan.speculate:
                 out = [[] for _ in range(n)]
                 self.echo.finish(n)
-                self._trace(out, plan)
+                self._trace(out, plan, sum(live))
                 return out
             if plan.prepend:
                 target_token_ids, target_positions, cad = self._catch_up(plan.prepend, target_token_ids,
@@ -216,12 +216,12 @@ def proposer_class(base: type) -> type:
                 _log.exception("ECHO: vLLM's draft failed; this step drafts nothing")
                 self.echo.fail(starts)
                 out = [[] for _ in range(n)]
-                self._trace(out, plan, failed=True)
+                self._trace(out, plan, sum(live), failed=True)
                 return out
             finally:
                 self._echo_step = False
             out = self.echo.finish(n)
-            self._trace(out, plan)
+            self._trace(out, plan, sum(live))
             return out
 
         def _catch_up(self, prepend: dict[int, int], ids, positions, cad):
@@ -266,12 +266,12 @@ def proposer_class(base: type) -> type:
                 raise _EnoughLevels
             return tokens, None
 
-        def _trace(self, out, plan, failed: bool = False) -> None:
+        def _trace(self, out, plan, live: int, failed: bool = False) -> None:
             if self._echo_trace is not None:
                 from echo_trtllm.backends.vllm import trace_record
 
-                record = trace_record(self.echo, len(out), sum(plan.drafting), out, self.echo_settings.k_max, failed)
-                record["catch_up"] = plan.catch_up
+                record = trace_record(self.echo, len(out), live, out, self.echo_settings.k_max, failed)
+                record["drafting"], record["catch_up"] = sum(plan.drafting), plan.catch_up
                 self._echo_trace.write(json.dumps(record) + "\n")
                 self._echo_trace.flush()
 

@@ -41,7 +41,8 @@ class Engine:
     """vLLM's step loop in miniature (module docstring). verify(B, T) and level_seconds: the modelled clock."""
 
     def __init__(self, spec: LevelSpeculator, k: int, clock: Clock | None = None, verify=lambda b, t: 0.0,
-                 level_seconds: float = 0.0, capacity: int | None = None, draft=draft_next) -> None:
+                 level_seconds: float = 0.0, capacity: int | None = None, draft=draft_next,
+                 prompts: list[list[int]] = ()) -> None:
         self.spec, self.k, self.clock, self.verify, self.draft = spec, k, clock or Clock(), verify, draft
         self.level_seconds, self.capacity = level_seconds, capacity
         self.rows: dict[str, list[int]] = {}  # request -> committed tokens
@@ -51,6 +52,8 @@ class Engine:
         self.violations: list[str] = []
         self.accepted = self.drafted = self.catch_up = self.levels = 0
         self.oracle: list[tuple[list[list[int]], list[list[int]]]] = []
+        for i, p in enumerate(prompts):
+            self.add(f"r{i}", p)
 
     def add(self, req: str, prompt: list[int], cached: int = 0) -> None:
         """A request arrives; its first `cached` positions come from a prefix cache (the draft never read them)."""
@@ -160,9 +163,7 @@ PROMPTS = [[5, 9, 2, 11, 40], [1, 2, 3], [60, 61, 62, 63, 64, 65, 66], [7, 7], [
 
 def test_chains_equal_draft_tree():
     spec = LevelSpeculator(EchoConfig(), 4, prices=False)
-    engine = Engine(spec, 4)
-    for i, p in enumerate(PROMPTS):
-        engine.add(f"r{i}", p)
+    engine = Engine(spec, 4, prompts=PROMPTS)
     for _ in range(12):
         engine.step(oracle=True)
     assert engine.oracle and all(out == expected for out, expected in engine.oracle)
@@ -174,9 +175,7 @@ def test_chains_equal_draft_tree():
 def test_the_policy_ends_the_engines_draft_loop():
     """A draft unsure of every token fails the first gate everywhere: the engine's loop ends after one level."""
     spec = LevelSpeculator(EchoConfig(), 4, prices=False)
-    engine = Engine(spec, 4, draft=lambda ctx: (draft_next(ctx)[0], 0.2))
-    for i, p in enumerate(PROMPTS):
-        engine.add(f"r{i}", p)
+    engine = Engine(spec, 4, draft=lambda ctx: (draft_next(ctx)[0], 0.2), prompts=PROMPTS)
     for _ in range(6):
         engine.step(oracle=True)
     assert all(out == expected for out, expected in engine.oracle)
@@ -185,9 +184,7 @@ def test_the_policy_ends_the_engines_draft_loop():
 
 def test_budget_is_global_across_the_batch():
     spec = LevelSpeculator(EchoConfig(), 4, k_max=len(PROMPTS) + 3, prices=False)
-    engine = Engine(spec, 4)
-    for i, p in enumerate(PROMPTS):
-        engine.add(f"r{i}", p)
+    engine = Engine(spec, 4, prompts=PROMPTS)
     for _ in range(10):
         engine.step(oracle=True)
         assert sum(len(c) for c in engine.chains.values()) <= 3
@@ -199,9 +196,7 @@ def test_plain_steps_skip_the_draft_and_rows_read_back_what_they_missed():
     what each row missed (ground truth: no row drafts with unread positions), including a request that arrived in a
     plain step and one whose prompt came from a prefix cache; a request that leaves is forgotten."""
     spec = LevelSpeculator(EchoConfig(), 3, prices=False, cycle=(1, 2))
-    engine = Engine(spec, 3)
-    for i, p in enumerate(PROMPTS[:3]):
-        engine.add(f"r{i}", p)
+    engine = Engine(spec, 3, prompts=PROMPTS[:3])
     levels = []
     for step in range(15):
         if step == 4:
@@ -225,9 +220,7 @@ def test_catch_up_is_bounded_by_the_drafts_buffers():
     """A row whose missed positions do not fit the first forward stays behind and drafts nothing, and reads them
     back at a later speculative step where they fit; no row ever drafts over unread positions."""
     spec = LevelSpeculator(EchoConfig(), 3, prices=False, cycle=(1, 3))
-    engine = Engine(spec, 3, capacity=3 * 2 + 3 + 6)
-    for i, p in enumerate(PROMPTS[:3]):
-        engine.add(f"r{i}", p)
+    engine = Engine(spec, 3, capacity=3 * 2 + 3 + 6, prompts=PROMPTS[:3])
     behind = 0
     for _ in range(24):
         engine.step()
@@ -238,9 +231,7 @@ def test_catch_up_is_bounded_by_the_drafts_buffers():
 
 def test_acceptance_counted_as_the_engine_counts():
     spec = LevelSpeculator(EchoConfig(), 4, prices=False)
-    engine = Engine(spec, 4)
-    for i, p in enumerate(PROMPTS):
-        engine.add(f"r{i}", p)
+    engine = Engine(spec, 4, prompts=PROMPTS)
     for _ in range(15):
         engine.step()
     engine.step()  # the last chains' outcome is learnt at the next call
@@ -252,9 +243,7 @@ def _priced(verify, level_seconds, steps=60):
     clock = Clock()
     cost = CostModel((1, 2, 4, 8, 16, 32), (0.05,) * 6, (1, 2, 4, 8, 16, 32), (0.01,) * 6)
     spec = LevelSpeculator(EchoConfig(), 3, cost=cost, clock=clock)
-    engine = Engine(spec, 3, clock, verify, level_seconds)
-    for i, p in enumerate(PROMPTS[:4]):
-        engine.add(f"r{i}", p)
+    engine = Engine(spec, 3, clock, verify, level_seconds, prompts=PROMPTS[:4])
     for _ in range(steps):
         engine.step()
     return spec
@@ -290,20 +279,12 @@ def test_misuse_is_refused_by_name():
 def test_a_step_far_slower_than_predicted_is_not_learnt_from():
     """Once the prices are fitted, a step 10x slower than every other (an engine's first step of a new shape) is
     counted as an outlier and leaves the plain price where the steady steps put it."""
-    clock = Clock()
-    slow = {12}
     calls = [0]
 
     def verify(b, t):
         calls[0] += 1
-        return (0.02 + 0.005 * t) * (10 if calls[0] in slow else 1)
+        return (0.02 + 0.005 * t) * (10 if calls[0] == 12 else 1)
 
-    cost = CostModel((1, 2, 4, 8, 16, 32), (0.05,) * 6, (1, 2, 4, 8, 16, 32), (0.01,) * 6)
-    spec = LevelSpeculator(EchoConfig(), 3, cost=cost, clock=clock)
-    engine = Engine(spec, 3, clock, verify, 0.004)
-    for i, p in enumerate(PROMPTS[:4]):
-        engine.add(f"r{i}", p)
-    for _ in range(30):
-        engine.step()
+    spec = _priced(verify, 0.004, steps=30)
     assert spec.stats["outliers"] == 1
     assert spec.step_cost.plain_seconds(4, 40.0) == pytest.approx(0.02 + 0.005 * 4, rel=0.15)
