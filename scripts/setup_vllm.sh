@@ -14,4 +14,4 @@ if ! "$ENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
   "$ENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 "$ENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e .
-"$ENV/bin/python" -c "import vllm, echo_trtllm.backends.vllm; print('vllm', vllm.__version__, 'with echo_trtllm')"
+"$ENV/bin/python" -c "import vllm, echo_trtllm.backends.vllm, echo_trtllm.backends.vllm_draft; print('vllm', vllm.__version__, 'with echo_trtllm (its vllm.general_plugins entry point included)')"
