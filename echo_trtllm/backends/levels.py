@@ -36,14 +36,13 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-from echo_trtllm.core import DraftLoop, EchoConfig, make_policy
-from echo_trtllm.core.controller import Decision, SpeculationController
+from echo_trtllm.core import DraftLoop, EchoConfig
+from echo_trtllm.core.controller import Decision
 from echo_trtllm.core.cost import CostModel
-from echo_trtllm.core.prices import StepCostModel
 from echo_trtllm.core.steps import StepSample
 from echo_trtllm.core.tree import DraftTopK
 
-from .rows import chain_config, chains_of, learn_acceptance
+from .rows import chain_config, chains_of, learn_acceptance, priced_policy
 
 __all__ = ["LevelSpeculator", "StepPlan"]
 
@@ -97,10 +96,8 @@ class LevelSpeculator:
         if cycle is not None and (len(cycle) != 2 or min(cycle) < 0 or cycle[0] < 1):
             raise ValueError(f"cycle must be (speculative >= 1, plain >= 0) steps, got {cycle!r}")
         self.cycle = cycle
-        priced = prices and cost is not None and cycle is None
-        self.step_cost = StepCostModel.from_cost_model(cost, relative=1.0) if priced else None
-        self.policy = make_policy(self.config, self.step_cost.prices if self.step_cost is not None else None)
-        self.controller = SpeculationController(self.step_cost) if self.step_cost is not None else None
+        self.step_cost, self.policy, self.controller = priced_policy(self.config,
+                                                                     cost if prices and cycle is None else None)
         self.lag: dict[Hashable, int] = {}  # request -> first position whose draft KV is missing
         self.known: set[Hashable] = set()
         self._shapes: set[tuple[int, int]] = set()  # (batch, verified tokens) of the steps priced
@@ -152,11 +149,11 @@ class LevelSpeculator:
             speculate = n > 0
         self.steps += 1
         self.stats["steps"] += 1
+        step = {"start": start, "requests": list(requests), "context": context, "decision": decision}
         if not speculate or n == 0:
             for r, s in zip(requests, starts):
                 self.lag.setdefault(r, s)
-            self._step = {"start": start, "requests": list(requests), "context": context, "decision": decision, "forwards": (),
-                              "catch_up": 0}
+            self._step = {**step, "forwards": (), "catch_up": 0}
             return StepPlan(False, {}, [False] * n, decision)
         room = None if capacity is None else capacity - sum(lengths) - n
         prepend: dict[int, int] = {}
@@ -177,8 +174,7 @@ class LevelSpeculator:
         budget = None if self.k_max is None else max(self.k_max, len(rows))
         self._rows = torch.tensor(rows, dtype=torch.long)
         self._loop = DraftLoop(self.policy, torch.zeros(len(rows), dtype=torch.long), budget=budget, context=context)
-        self._step = {"start": start, "requests": list(requests), "context": context, "decision": decision,
-                          "forwards": [sum(lengths) + catch_up + n], "catch_up": catch_up}
+        self._step = {**step, "forwards": [sum(lengths) + catch_up + n], "catch_up": catch_up}
         return StepPlan(True, prepend, drafting, decision, catch_up)
 
     # ------------------------------------------------------------------ as the levels arrive

@@ -44,7 +44,7 @@ from echo_trtllm.models.llama import CausalLM, ModelConfig
 from echo_trtllm.runtime.inputs import chain_batch
 
 __all__ = ["RowDraftCache", "RowSpeculator", "chain_config", "chains_of", "learn_acceptance", "linear_weights",
-           "prior_cost_model"]
+           "priced_policy", "prior_cost_model", "weights_scaled_prior"]
 
 
 def chain_config(config: EchoConfig, max_draft_len: int) -> EchoConfig:
@@ -102,9 +102,25 @@ def prior_cost_model(draft: CausalLM, target_config: ModelConfig, tokens: tuple[
     if measure is None:
         def measure(model, toks, reps):
             return nondecreasing(measure_forward_seconds(model, toks, repeats=reps))
-    draft_seconds = tuple(float(s) for s in measure(draft, tokens, repeats))
-    ratio = linear_weights(target_config) / linear_weights(draft.config)
+    return weights_scaled_prior(tokens, measure(draft, tokens, repeats), draft.config, target_config)
+
+
+def weights_scaled_prior(tokens: tuple[int, ...], draft_seconds, draft_config: ModelConfig,
+                         target_config: ModelConfig) -> CostModel:
+    """The prices' prior from the draft's forward seconds at each token count: the target's taken as the draft's
+    scaled by `linear_weights` (uncertain; the engine's real steps correct both)."""
+    draft_seconds = tuple(float(s) for s in draft_seconds)
+    ratio = linear_weights(target_config) / linear_weights(draft_config)
     return CostModel(tokens, tuple(s * ratio for s in draft_seconds), tokens, draft_seconds, device="cpu")
+
+
+def priced_policy(config: EchoConfig, cost: CostModel | None):
+    """The echo policy for `config` and, given a prior `cost` (None: unpriced), the whole-step cost model it reads
+    its prices from (learning from the engine's steps, the prior uncertain by 100 %) and the speculation controller
+    on it: (step_cost, policy, controller), the first and last None when unpriced."""
+    step_cost = StepCostModel.from_cost_model(cost, relative=1.0) if cost is not None else None
+    policy = make_policy(config, step_cost.prices if step_cost is not None else None)
+    return step_cost, policy, SpeculationController(step_cost) if step_cost is not None else None
 
 
 class RowDraftCache:
@@ -213,9 +229,7 @@ class RowSpeculator:
         self.max_draft_len, self.k_max = max_draft_len, k_max
         self.cache = RowDraftCache(draft, max_rows, capacity)
         self.clock = clock
-        self.step_cost = StepCostModel.from_cost_model(cost, relative=1.0) if prices and cost is not None else None
-        self.policy = make_policy(self.config, self.step_cost.prices if self.step_cost is not None else None)
-        self.controller = SpeculationController(self.step_cost) if self.step_cost is not None else None
+        self.step_cost, self.policy, self.controller = priced_policy(self.config, cost if prices else None)
         self.last: _Step | None = None
         self.last_interval: float | None = None
         self.stats = {"steps": 0, "speculative_steps": 0, "priced_steps": 0, "drafted": 0, "accepted": 0}

@@ -111,9 +111,9 @@ class _EnoughLevels(Exception):
     """Raised from the level hook to end vLLM's draft loop where the policy expands nothing more."""
 
 
-def _prior_seconds(proposer, tokens: tuple[int, ...], repeats: int = 2) -> tuple[float, ...]:
+def _draft_forward_seconds(proposer, tokens: tuple[int, ...], repeats: int = 2) -> tuple[float, ...]:
     """vLLM's draft forward timed at each token count (one forward, no attention metadata: weights only; the
-    best of `repeats`, made non-decreasing)."""
+    best of `repeats`)."""
     saved = proposer.num_speculative_tokens
     proposer.num_speculative_tokens = 1  # dummy_run runs one forward per draft level
     seconds = []
@@ -124,7 +124,7 @@ def _prior_seconds(proposer, tokens: tuple[int, ...], repeats: int = 2) -> tuple
                 t0 = time.perf_counter()
                 proposer.dummy_run(n, use_cudagraphs=False)
                 best = min(best, time.perf_counter() - t0)
-            seconds.append(max(best, seconds[-1] if seconds else 0.0))
+            seconds.append(best)
     finally:
         proposer.num_speculative_tokens = saved
     return tuple(seconds)
@@ -158,20 +158,19 @@ def proposer_class(base: type) -> type:
 
         def _start_echo(self) -> None:
             from echo_trtllm.backends.levels import LevelSpeculator
-            from echo_trtllm.backends.rows import linear_weights
+            from echo_trtllm.backends.rows import weights_scaled_prior
             from echo_trtllm.core import EchoConfig
-            from echo_trtllm.core.cost import CostModel
             from echo_trtllm.models.llama import ModelConfig
+            from echo_trtllm.runtime.calibrate import nondecreasing
 
             s = self.echo_settings
             cost = None
             if s.prices and s.cycle is None:
                 tokens = tuple(t for t in (1, 2, 4, 8, 16, 32, 64, 128, 256) if t <= self.max_num_tokens)
-                draft_seconds = _prior_seconds(self, tokens)
-                target = ModelConfig.from_hf(self.speculative_config.target_model_config.hf_config.to_dict())
-                draft = ModelConfig.from_hf(self.draft_model_config.hf_config.to_dict())
-                ratio = linear_weights(target) / linear_weights(draft)
-                cost = CostModel(tokens, tuple(x * ratio for x in draft_seconds), tokens, draft_seconds, device="cpu")
+                cost = weights_scaled_prior(tokens, nondecreasing(_draft_forward_seconds(self, tokens)),
+                                            ModelConfig.from_hf(self.draft_model_config.hf_config.to_dict()),
+                                            ModelConfig.from_hf(
+                                                self.speculative_config.target_model_config.hf_config.to_dict()))
             self.echo = LevelSpeculator(EchoConfig(), int(self.speculative_config.num_speculative_tokens),
                                         k_max=s.k_max, cost=cost, prices=s.prices, cycle=s.cycle)
             if s.trace:
@@ -197,31 +196,26 @@ def proposer_class(base: type) -> type:
             live = [s + q >= int(p) for s, q, p in zip(starts, lengths, prompt)]
             rejected = None if num_rejected_tokens_gpu is None else num_rejected_tokens_gpu[:n].tolist()
             plan = self.echo.begin(requests, starts, lengths, rejected, live, capacity=int(self.max_num_tokens))
-            if not plan.speculate:
-                out = [[] for _ in range(n)]
-                self.echo.finish(n)
-                self._trace(out, plan, sum(live))
-                return out
-            if plan.prepend:
-                target_token_ids, target_positions, cad = self._catch_up(plan.prepend, target_token_ids,
-                                                                         target_positions, cad)
-            self._echo_step = True
-            try:
-                super().propose(num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
-                                next_token_ids, None, cad, sampling_metadata, mm_embed_inputs,
-                                num_rejected_tokens_gpu, slot_mappings)
-            except _EnoughLevels:
-                pass
-            except Exception:  # noqa: BLE001 - speculation is an optimisation: this step verifies no drafts
-                _log.exception("ECHO: vLLM's draft failed; this step drafts nothing")
-                self.echo.fail(starts)
-                out = [[] for _ in range(n)]
-                self._trace(out, plan, sum(live), failed=True)
-                return out
-            finally:
-                self._echo_step = False
-            out = self.echo.finish(n)
-            self._trace(out, plan, sum(live))
+            failed = False
+            if plan.speculate:
+                if plan.prepend:
+                    target_token_ids, target_positions, cad = self._catch_up(plan.prepend, target_token_ids,
+                                                                             target_positions, cad)
+                self._echo_step = True
+                try:
+                    super().propose(num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
+                                    next_token_ids, None, cad, sampling_metadata, mm_embed_inputs,
+                                    num_rejected_tokens_gpu, slot_mappings)
+                except _EnoughLevels:
+                    pass
+                except Exception:  # noqa: BLE001 - speculation is an optimisation: this step verifies no drafts
+                    _log.exception("ECHO: vLLM's draft failed; this step drafts nothing")
+                    self.echo.fail(starts)
+                    failed = True
+                finally:
+                    self._echo_step = False
+            out = [[] for _ in range(n)] if failed else self.echo.finish(n)  # a plain step's: no chains
+            self._trace(out, plan, sum(live), failed)
             return out
 
         def _catch_up(self, prepend: dict[int, int], ids, positions, cad):
@@ -255,11 +249,7 @@ def proposer_class(base: type) -> type:
         def _sample_draft_tokens(self, hidden_states, sampling_metadata):
             if not self._echo_step:
                 return super()._sample_draft_tokens(hidden_states, sampling_metadata)
-            if self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy:
-                tokens, probs = super()._sample_draft_tokens(hidden_states, sampling_metadata)
-                confidence = probs.gather(-1, tokens.long()[:, None]).squeeze(-1)
-                self.echo.level(tokens, confidence)  # vLLM's draft probabilities need every level: no early end
-                return tokens, probs
+            # greedy drafting only (probabilistic drafting is refused at start): each row's token and its probability
             logp = torch.log_softmax(self.model.compute_logits(hidden_states).float(), dim=-1)
             confidence, tokens = logp.max(dim=-1)
             if not self.echo.level(tokens, confidence.exp()):

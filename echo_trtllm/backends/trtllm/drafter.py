@@ -61,6 +61,7 @@ class EchoChainProposer:
         result = draft_tree(self.policy, roots, draft_fn, budget=k)
         return [[t for t, _ in chain] for chain in chains_of(result.selected, len(contexts), self.max_draft_len)]
 
+
 def make_drafter(draft: CausalLM, config: EchoConfig | None = None, max_draft_len: int = 4):
     """A TensorRT-LLM 1.2 `Drafter` whose `prepare_draft_tokens` sets each generation request's `py_draft_tokens`
     to its ECHO chain, padded with the request's end id to `max_draft_len` (1.2 pads drafts for CUDA graphs).
