@@ -19,6 +19,10 @@ linear function of the step's features whose coefficients are tracked by a Kalma
 - **Noise.** The measurement noise is relative (a step of 1 s varies more than one of 10 ms), its scale the running
   mean of the absolute relative residuals; an innovation beyond `huber` standard deviations is clipped, so one step
   slowed by another process (a shared machine only ever adds time) moves the prices by a bounded amount.
+- **Costs are not negative.** After each update the mean is projected onto theta >= 0 in the covariance's metric
+  (the coefficients that went negative held at zero, the others moved as their correlation with them says), not
+  clipped alone: a clipped coefficient moves nothing else, and a step measured cheaper than predicted could raise
+  its own price (`KalmanLinear._project`).
 - **Uncertainty.** `predict` returns each prediction's variance (the coefficients' covariance read along the
   features); the speculation controller reads the covariance along the difference of two step shapes' relative
   features, the variance of log(t_a / t_b), which is what a decision between them needs: within a phase a slowdown
@@ -95,6 +99,25 @@ class KalmanLinear:
         self._diagonal = self.cov.reshape(-1)[:: mean.size + 1]
         self._floor = 0.05 * self.prior_sd
 
+    def _project(self) -> None:
+        """No coefficient below zero (a cost): the mean is projected onto theta >= 0 in the covariance's metric,
+        the coefficients that went negative held at zero and the others moved as their correlation with them says
+        (the covariance is kept). Clipping them alone would move the others nowhere: after a step cheaper than
+        predicted, a coefficient pushed below zero and clipped back can leave the prediction higher than before
+        (a plain step measured 3 x cheaper raised its own price by 17 %: tests/core/test_prices.py)."""
+        theta, held = self.theta, np.zeros(self.theta.size, dtype=bool)
+        for _ in range(theta.size):
+            below = theta < 0
+            if not below.any():
+                break
+            held |= below
+            a = np.flatnonzero(held)
+            p_aa = self.cov[np.ix_(a, a)]
+            jitter = 1e-12 * max(float(np.trace(p_aa)) / a.size, 1e-30)
+            theta -= self.cov[:, a] @ np.linalg.solve(p_aa + jitter * np.eye(a.size), theta[a])
+            theta[a] = 0.0
+        np.maximum(theta, 0.0, out=theta)  # rounding
+
     def predict(self, phi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(mean, variance of the mean) of phi . theta for phi (n, features)."""
         phi = np.atleast_2d(phi)
@@ -136,8 +159,8 @@ class KalmanLinear:
         clipped = max(-bound, min(bound, r))
         gain = p_phi / s
         self.theta += gain * clipped
-        np.maximum(self.theta, 0.0, out=self.theta)
         self.cov -= np.multiply.outer(gain, p_phi)  # symmetric: (P phi)(P phi)^T / s
+        self._project()
         # the noise scale: running mean absolute relative residual (x 1.25: the normal's sd from its mean |x|)
         rel = abs(clipped) / scale
         self.noise[channel] = max(self.noise_floor, (1 - self.noise_rate) * self.noise[channel]

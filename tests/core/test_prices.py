@@ -173,3 +173,23 @@ def test_a_step_that_drafts_but_verifies_its_roots_only_is_no_tree():
     assert drafted_only.speculated and not drafted_only.verified_drafts
     _, v = sample_features(drafted_only)
     assert v[-2] == 1.0 and v[-1] == 0.0  # the draft's commit yes, a tree's verification no
+
+
+def test_a_step_cheaper_than_its_price_lowers_its_price():
+    """Coefficients are costs (>= 0). Fitted on speculative steps of 64 rows (3.7 s), the model held its per-row
+    and attention coefficients at zero; a plain step of 64 rows measured at 0.59 s where it predicted 1.9 s pushed
+    the per-row coefficient below zero: clipped back alone, it left the prediction 17 % higher than before. The
+    mean is now projected onto the costs' bounds in the covariance's metric: the plain price falls to within 25 %
+    of the measurement, the speculative steps' stays within 10 % of theirs."""
+    model = StepCostModel.from_cost_model(CostModel((1, 4096), (1.9015, 1.9 + 0.0015 * 4096), (1, 4096),
+                                                    (0.201, 0.2 + 0.001 * 4096)))
+    spec = StepSample(64, 320, 400.0, (128, 64, 64, 64), 1.48, 2.22)
+    plain = StepSample(64, 64, 400.0, (), 0.002, 0.59)
+    for _ in range(12):
+        model.observe(spec)
+    before = model.predict_sample(plain)
+    model.observe(plain)
+    after = model.predict_sample(plain)
+    assert after < before and after == pytest.approx(plain.seconds, rel=0.25)
+    assert model.predict_sample(spec) == pytest.approx(spec.seconds, rel=0.1)
+    assert (model.theta_verification >= 0).all() and (model.theta_drafting >= 0).all()
