@@ -143,7 +143,10 @@ class LevelSpeculator:
         if self.cycle is not None:
             speculate = self.steps % (self.cycle[0] + self.cycle[1]) < self.cycle[0]
         elif self.controller is not None and n > 0:
-            decision = self.controller.decide(n, context, sum(starts[i] - self.lag[requests[i]] for i in lagging))
+            # beyond steady speculation the draft's first forward reads what lagging rows missed and the step's
+            # prefill (rows still prefilling, or finishing their prompt: more tokens than a chain verifies)
+            extra = sum(starts[i] - self.lag[requests[i]] for i in lagging) + self.prefill_tokens(lengths, live)
+            decision = self.controller.decide(n, context, extra)
             speculate = decision.speculate
         else:
             speculate = n > 0
@@ -176,6 +179,11 @@ class LevelSpeculator:
         self._loop = DraftLoop(self.policy, torch.zeros(len(rows), dtype=torch.long), budget=budget, context=context)
         self._step = {**step, "forwards": [sum(lengths) + catch_up + n], "catch_up": catch_up}
         return StepPlan(True, prepend, drafting, decision, catch_up)
+
+    def prefill_tokens(self, lengths: Sequence[int], live: Sequence[bool]) -> int:
+        """Tokens of a step's rows that prefill (not yet sampling, or more tokens than a chain's 1 + max_draft_len):
+        the draft reads them in its first forward if the step speculates."""
+        return sum(q for q, lv in zip(lengths, live) if not lv or q > 1 + self.max_draft_len)
 
     # ------------------------------------------------------------------ as the levels arrive
 

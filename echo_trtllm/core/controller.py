@@ -16,14 +16,6 @@ nearby batch sizes count most, so a batch size never seen speculating is judged 
 its own size. A ratio of averages (tokens over
 seconds), not an average of rates: a lucky step does not count for more than its time.
 
-Measured steps correct both sides. The cost model prices shapes it may have seen rarely (a plain step at a batch
-size where nearly every step speculated); each mode's price is multiplied by exp(mean log(measured / priced)) of its
-own steps near this batch size (the same weights; plain steps kept apart, speculative ones only where they read no
-catch-up; each residual clipped to a factor of 4, shrunk towards the model by a pseudo-weight of `MEASURED_PRIOR`),
-and the plain price's doubt shrinks with the plain steps measured. So one plain step measured overrules a plain
-price the model got wrong (a vLLM run at 64 rows priced it at 2.0 s, vLLM took 0.59 s), whatever the model then
-learns from it.
-
 The estimate includes one prior pseudo-step at break-even (the plain rate), so a few steps move it only part of the
 way. The ratio r = speculative / plain has an uncertainty (log scale): the sampling variance of the ratio estimate
 (delta method, the prior step's relative deviation `prior_sd` included; with fewer than MIN_EVIDENCE effective
@@ -75,10 +67,6 @@ MAX_FORWARDS = 64  # draft forwards per step a record keeps (a deeper tree's fur
 PLAIN_KNOWN = 0.1
 # effective speculative steps (sum w)^2 / sum w^2 below which the estimate is never confident either way
 MIN_EVIDENCE = 4.0
-# measured steps correct the model's prices of both modes (module docstring): a residual's clip (log) and the
-# pseudo-weight that shrinks the correction towards the model
-MAX_LOG_RESIDUAL, MEASURED_PRIOR = math.log(4.0), 0.25
-PLAIN_MEMORY = 32  # plain steps kept for the plain price's correction
 
 
 @dataclass(frozen=True)
@@ -147,14 +135,12 @@ class _Records:
         self.size = self.head = 0
         self.step, self.batch, self.verified = np.zeros(c), np.ones(c), np.ones(c)
         self.emitted, self.catch_up, self.drafts = np.zeros(c), np.zeros(c), np.zeros((c, MAX_FORWARDS))
-        self.seconds, self.context = np.zeros(c), np.zeros(c)  # as measured, at the step's own shape
         self._scaled: dict[int, dict] = {}  # B -> rescaled features and which rows are current
 
     def add(self, step: int, sample: StepSample, emitted: float) -> None:
         i = self.head
         self.step[i], self.batch[i], self.verified[i] = step, sample.batch_size, sample.verified_tokens
         self.emitted[i], self.catch_up[i] = emitted, sample.catch_up_tokens
-        self.seconds[i], self.context[i] = sample.seconds, sample.context
         self.drafts[i] = 0.0
         tokens = sample.draft_tokens[:MAX_FORWARDS]
         self.drafts[i, : len(tokens)] = tokens
@@ -194,40 +180,6 @@ class _Records:
         return {k: v[:n] for k, v in cache.items() if k != "valid"}
 
 
-class _PlainRecords:
-    """The last `capacity` plain steps as measured: when, batch size, context, seconds."""
-
-    def __init__(self, capacity: int) -> None:
-        c = self.capacity = capacity
-        self.size = self.head = 0
-        self.step, self.batch, self.context, self.seconds = np.zeros(c), np.ones(c), np.zeros(c), np.zeros(c)
-
-    def add(self, step: int, sample: StepSample) -> None:
-        i = self.head
-        self.step[i], self.batch[i], self.context[i], self.seconds[i] = (step, sample.batch_size, sample.context,
-                                                                         sample.seconds)
-        self.head = (self.head + 1) % self.capacity
-        self.size = min(self.size + 1, self.capacity)
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return self.head, self.size
-
-
-def measured_log_factor(predicted: np.ndarray, measured: np.ndarray, weights: np.ndarray) -> tuple[float, float]:
-    """How far measured steps sit from the model's prices of the same shapes: the weighted mean of
-    log(measured / predicted), each clipped to +-MAX_LOG_RESIDUAL (a stall says little), shrunk towards 0 by
-    MEASURED_PRIOR pseudo-weight (one step at this batch size moves a price most of the way). Returns (log factor,
-    the evidence's total weight)."""
-    ok = (measured > 0) & (predicted > 0)
-    if not ok.any():
-        return 0.0, 0.0
-    r = np.clip(np.log(measured[ok] / predicted[ok]), -MAX_LOG_RESIDUAL, MAX_LOG_RESIDUAL)
-    w = weights[ok]
-    total = float(w.sum())
-    return float(w @ r) / (total + MEASURED_PRIOR), total
-
-
 class SpeculationController:
     """Decides, before drafting, whether a step speculates (module docstring)."""
 
@@ -251,7 +203,6 @@ class SpeculationController:
         self.rank_decay = 0.5 ** (1.0 / memory_half_life)
         self.bandwidth, self.min_weight = bandwidth, min_weight
         self.records = _Records(memory)
-        self.plain = _PlainRecords(PLAIN_MEMORY)
         self.credit, self.max_credit = initial_credit, max_credit
         self.plain_probe_every = plain_probe_every
         self.step = 0
@@ -271,41 +222,32 @@ class SpeculationController:
         context (within 10 %) stay: prices learnt in a few steps do not move a decision, and the estimate reads
         every record (a confident loss for up to 4 x `refresh_every` steps)."""
         last = self._estimate
-        # new plain evidence renews an estimate, except a confident loss's (steady plain steps need none)
-        if last.get("batch") == batch_size and last.get("head") == (self.records.head, self.records.size) and \
-                (last.get("plain") == self.plain.key or self._confident_loss(last["value"])):
+        if last.get("batch") == batch_size and last.get("head") == (self.records.head, self.records.size):
             # a confident loss is kept 4x as long: steady plain steps then pay for no estimate they do not need
             keep = self.refresh_every * (4 if self._confident_loss(last["value"]) else 1)
             if self.step - last["step"] < keep and abs(context - last["context"]) <= 0.1 * context:
                 return last["value"]
         value = self._estimate_now(batch_size, context)
         self._estimate = {"batch": batch_size, "head": (self.records.head, self.records.size), "step": self.step,
-                          "context": context, "value": value, "plain": self.plain.key}
+                          "context": context, "value": value}
         return value
 
     def _estimate_now(self, batch_size: int, context: float) -> tuple[float, float, float, float, float]:
         cost = self.cost
-        b = float(batch_size)
         plain = cost.joint(*sample_features(StepSample(batch_size, batch_size, context)))
         theta_d, theta_v = cost.theta_drafting, cost.theta_verification
         nd = cost.ND
-        t_model = max(float(plain[:nd] @ theta_d), 1e-6) + max(float(plain[nd:] @ theta_v), 1e-6)
-        plain_var = cost.variance(plain / t_model)
-        # plain steps measured near this batch size correct the model's plain price (and resolve its doubt)
-        t_plain = t_model
-        pr = self.plain
-        if pr.size:
-            m = pr.size
-            predicted = cost.predict(pr.batch[:m], pr.batch[:m], pr.context[:m], np.zeros((m, 0)))[0]
-            log_factor, weight = measured_log_factor(predicted, pr.seconds[:m],
-                                                     self._weights(pr.head, pr.capacity, m, pr.step, pr.batch, b))
-            t_plain = t_model * math.exp(log_factor)
-            plain_var *= MEASURED_PRIOR / (MEASURED_PRIOR + weight)
+        t_plain = max(float(plain[:nd] @ theta_d), 1e-6) + max(float(plain[nd:] @ theta_v), 1e-6)
+        g = plain / t_plain
+        plain_var = cost.variance(g)
         if not self.records.size:
             return math.nan, math.inf, t_plain, math.nan, plain_var
+        b = float(batch_size)
         rec = self.records
         n = rec.size
-        w = self._weights(rec.head, rec.capacity, n, rec.step, rec.batch, b)
+        rank = (rec.head - 1 - np.arange(n)) % rec.capacity  # 0: the newest
+        w = self.rank_decay ** rank * self.decay ** (self.step - rec.step[:n]) * np.exp(
+            -((np.log2(b) - np.log2(rec.batch[:n])) ** 2) / (2 * self.bandwidth ** 2))
         total = float(w.sum())
         if total < self.min_weight:
             return math.nan, math.inf, t_plain, math.nan, plain_var
@@ -315,11 +257,6 @@ class SpeculationController:
         # seconds of each rescaled step at this context: the features without the context, then its columns
         seconds = (np.maximum(f["d"] @ theta_d[:-1] + f["dt"] * ctx * theta_d[-1], 1e-6)
                    + np.maximum(f["v"] @ theta_v[[*range(k), k + 1, k + 2, k + 3]] + f["vt"] * ctx * theta_v[k], 1e-6))
-        # the speculative steps as measured against the model's prices of their own shapes: the same correction,
-        # from the steady steps alone (a catch-up's time is no part of steady speculation's)
-        own = cost.predict(rec.batch[:n], rec.verified[:n], rec.context[:n], rec.drafts[:n])[0]
-        seconds_model = seconds
-        seconds = seconds * math.exp(measured_log_factor(own, rec.seconds[:n], w * (rec.catch_up[:n] == 0))[0])
         tokens = f["e"]
         ws = float(w @ seconds)
         t_spec = ws / total
@@ -338,18 +275,10 @@ class SpeculationController:
         mean_d = np.concatenate([(w @ f["d"]) / total, [float(w @ f["dt"]) / total * ctx]])
         v = (w @ f["v"]) / total
         mean_v = np.concatenate([v[:k], [float(w @ f["vt"]) / total * ctx], v[k:]])
-        g = cost.joint(mean_d, mean_v) / (float(w @ seconds_model) / total) - plain / t_model
+        g = cost.joint(mean_d, mean_v) / t_spec - plain / t_plain
         rel_model = cost.variance(g)
         ratio = rate * t_plain / b
         return ratio, math.sqrt(rel_sampling + rel_model), t_plain, t_spec, plain_var
-
-    def _weights(self, head: int, capacity: int, n: int, steps: np.ndarray, batches: np.ndarray,
-                 b: float) -> np.ndarray:
-        """Each of a ring buffer's first n records' weight for a decision at batch size b: rank (0: the newest),
-        age and batch size (module docstring)."""
-        rank = (head - 1 - np.arange(n)) % capacity
-        return self.rank_decay ** rank * self.decay ** (self.step - steps[:n]) * np.exp(
-            -((np.log2(b) - np.log2(batches[:n])) ** 2) / (2 * self.bandwidth ** 2))
 
     def expects_plain(self, batch_size: int) -> bool:
         """Whether the last estimate, made at this batch size within the last 64 steps, was a confident loss (its
@@ -445,7 +374,6 @@ class SpeculationController:
             self.records.add(self.step, sample, produced)
         else:
             self.last_plain[self._bucket(b)] = self.step
-            self.plain.add(self.step, sample)
         self.credit = min(self.max_credit, self.credit + self.explore_share * produced / b)
         if decision is None or not decision.probe:
             return

@@ -288,3 +288,17 @@ def test_a_step_far_slower_than_predicted_is_not_learnt_from():
     spec = _priced(verify, 0.004, steps=30)
     assert spec.stats["outliers"] == 1
     assert spec.step_cost.plain_seconds(4, 40.0) == pytest.approx(0.02 + 0.005 * 4, rel=0.15)
+
+
+def test_a_steps_prefill_is_charged_to_a_probe():
+    """vLLM run F at 64 rows: probes in a batch's prefill steps drafted 5-9 s each (the draft's first forward reads
+    every prompt token of the step) where the controller had priced them as decode steps. What the draft reads
+    beyond steady speculation now includes the step's prefill: rows not yet sampling, and rows whose query is
+    longer than a chain's 1 + max_draft_len (finishing their prompt), besides what lagging rows missed."""
+    spec = LevelSpeculator(EchoConfig(), 3, cost=CostModel.linear(0.02, 0.005))
+    seen = []
+    decide = spec.controller.decide
+    spec.controller.decide = lambda n, c, extra=0: seen.append(extra) or decide(n, c, extra)
+    spec.begin(["a", "b", "c"], [0, 40, 10], [300, 4, 20], live=[False, True, True])
+    # "b" verifies a chain of 3 (a decode row); "b" and "c", first seen past position 0, read from 0 as well
+    assert seen == [(300 + 20) + (40 + 10)]
