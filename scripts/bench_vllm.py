@@ -74,6 +74,8 @@ def run_method(args, method: str, prompts: list[str], offset: int) -> dict:
             "cell_warmup_tokens": args.cell_warmup_tokens,
             "max_model_len": args.max_model_len, "memory_share": args.memory_share, "offset": offset,
             "trace": str(Path(args.trace_dir).resolve() / f"{method}-{offset}.jsonl") if args.trace_dir else None}
+    if args.trace_dir:
+        Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
     python = args.vllm_python if method.startswith("vllm") else sys.executable
     env = dict(os.environ, PYTHONPATH=str(ROOT), **VLLM_ENV)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:

@@ -85,6 +85,9 @@ def parse_settings(additional_config) -> EchoSettings | None:
     trace = cfg.get("trace")
     if trace is not None and (not isinstance(trace, str) or not trace):
         raise ValueError(f"additional_config['echo']['trace'] must be a file path, got {trace!r}")
+    if trace is not None and not os.path.isdir(os.path.dirname(os.path.abspath(trace))):
+        # checked before vLLM starts: the worker opens it at its first step, where a failure kills the engine
+        raise ValueError(f"additional_config['echo']['trace'] must be a file in an existing directory, got {trace!r}")
     return EchoSettings(bool(prices), k_max, cycle, trace)
 
 

@@ -163,11 +163,15 @@ def test_echo_settings_are_refused_by_name(tmp_path):
     assert parse_settings({"echo": {}}).prices is True
     for bad, match in (({"echo": 3}, "object of settings"), ({"echo": {"budget": 3}}, "'budget'"),
                        ({"echo": {"prices": "yes"}}, "prices"), ({"echo": {"k_max": 0}}, "k_max"),
-                       ({"echo": {"cycle": [0, 1]}}, "cycle"), ({"echo": {"trace": ""}}, "trace")):
+                       ({"echo": {"cycle": [0, 1]}}, "cycle"), ({"echo": {"trace": ""}}, "trace"),
+                       # a trace in a missing directory: refused before vLLM starts (its worker's first step
+                       # failing to open it killed the engine)
+                       ({"echo": {"trace": str(tmp_path / "missing" / "t.jsonl")}}, "existing directory")):
         with pytest.raises((ValueError, TypeError), match=match):
             parse_settings(bad)
     with pytest.raises(ValueError, match="draft_model"):
         engine_args(str(tmp_path / "missing"))
+    assert parse_settings({"echo": {"trace": str(tmp_path / "t.jsonl")}}).trace == str(tmp_path / "t.jsonl")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         engine_args(str(DEFAULT_DRAFT), num_speculative_tokens=0)
     args = engine_args(str(DEFAULT_DRAFT), 3, k_max=16)
