@@ -1,6 +1,7 @@
 """What ECHO did inside vLLM, from the per-step traces its proposer writes (ECHO_VLLM_TRACE; `scripts/bench_vllm.py
 --trace-dir`): per batch size (live rows), the steps, the share that drafted, the tokens drafted, the controller's
-decisions, the proposer's own seconds per call and vLLM's step between calls (median, plain and drafting apart).
+decisions, the proposer's own seconds per call and vLLM's step between calls (median, plain and drafting apart), and
+the drafting steps by their longest chain (measured seconds beside the controller's predictions).
 
     python scripts/echo_trace_summary.py TRACE.jsonl [...] --out summary.json
 """
@@ -16,6 +17,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def by_depth(steps: list[dict]) -> dict[int, list[dict]]:
+    """Drafting steps grouped by their longest chain."""
+    groups: dict[int, list[dict]] = collections.defaultdict(list)
+    for s in steps:
+        groups[max(s["lengths"])].append(s)
+    return groups
 
 
 def summarise(path: Path) -> dict:
@@ -46,6 +55,20 @@ def summarise(path: Path) -> dict:
                                                        for s in plain]),
             "vllm_step_ms_median_after_drafting": median([following.get(id(s)) and 1e3 * following[id(s)]
                                                           for s in drafting]),
+            # drafting steps by their longest chain (the levels the policy kept): the proposer's seconds, vLLM's
+            # step after, what the controller predicted for a steady speculative step, the catch-up read first
+            "by_longest_chain": {
+                str(depth): {"steps": len(g),
+                             "propose_ms_median": median([1e3 * s["propose_seconds"] for s in g
+                                                          if s.get("propose_seconds") is not None]),
+                             "vllm_step_ms_median": median([following.get(id(s)) and 1e3 * following[id(s)]
+                                                            for s in g]),
+                             "predicted_spec_ms_median": median([1e3 * s["estimate"]["spec_seconds"] for s in g
+                                                                 if (s.get("estimate") or {}).get("spec_seconds")]),
+                             "catch_up_tokens_median": median([s.get("catch_up") for s in g])}
+                for depth, g in sorted(by_depth(drafting).items())},
+            "predicted_plain_ms_median": median([1e3 * s["estimate"]["plain_seconds"] for s in group
+                                                 if (s.get("estimate") or {}).get("plain_seconds")]),
         }
     last = steps[-1]["stats"] if steps else {}
     return {"trace": path.name, "by_live_rows": out, "final_stats": last}
