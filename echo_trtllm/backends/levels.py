@@ -50,6 +50,8 @@ __all__ = ["LevelSpeculator", "StepPlan"]
 OUTLIER_RATIO, OUTLIER_AFTER = 4.0, 8
 # the first step of a (batch, verified tokens) shape at more than FIRST_SHAPE_RATIO x its prediction is one too
 FIRST_SHAPE_RATIO = 2.0
+# decode steps a priced speculator starts with, speculative and plain in turn (`LevelSpeculator` warm_up)
+WARM_UP_STEPS = 8
 
 
 @dataclasses.dataclass
@@ -77,6 +79,7 @@ class _Last:
     drafting_seconds: float
     end: float
     decision: Decision | None
+    warm: int = -1  # the step's index in the warm-up (-1: not a warm-up step)
 
 
 class LevelSpeculator:
@@ -86,12 +89,18 @@ class LevelSpeculator:
     included; None: unlimited). cost: the prices' prior (None with prices=False). prices: learn prices from the
     engine's steps and let the controller choose plain steps (False: every step speculates, unpriced). cycle:
     (speculative, plain) steps in a fixed duty cycle instead of the controller (a measurement tool: it exercises
-    the catch-up at known steps)."""
+    the catch-up at known steps). warm_up: the first decode steps (no row prefilling) alternate speculative and
+    plain steps chosen here ("forced"), not by the controller: the first of each kind pays an engine's one-off costs
+    and is not learnt from; the others teach the prices both kinds of step, and the speculative ones are the
+    controller's first evidence without charging its exploration budget (the engine's own warm-up at load does
+    the same, `Executor.warm_up`). 0: none."""
 
     def __init__(self, config: EchoConfig, max_draft_len: int, k_max: int | None = None, cost: CostModel | None = None,
                  clock: Callable[[], float] = time.perf_counter, prices: bool = True,
-                 cycle: tuple[int, int] | None = None) -> None:
+                 cycle: tuple[int, int] | None = None, warm_up: int = WARM_UP_STEPS) -> None:
         self.config = chain_config(config, max_draft_len)
+        if not isinstance(warm_up, int) or isinstance(warm_up, bool) or warm_up < 0:
+            raise ValueError(f"warm_up must be an integer >= 0 (decode steps), got {warm_up!r}")
         self.max_draft_len, self.k_max, self.clock = max_draft_len, k_max, clock
         if cycle is not None and (len(cycle) != 2 or min(cycle) < 0 or cycle[0] < 1):
             raise ValueError(f"cycle must be (speculative >= 1, plain >= 0) steps, got {cycle!r}")
@@ -106,6 +115,9 @@ class LevelSpeculator:
         self._loop: DraftLoop | None = None
         self._step: dict | None = None
         self.steps = 0
+        # decode steps of the warm-up still to run (only with the controller)
+        self.warm_up = warm_up if self.controller is not None else 0
+        self._warm = 0  # warm-up steps run
         self.stats = {"steps": 0, "speculative_steps": 0, "priced_steps": 0, "drafted": 0, "accepted": 0,
                       "catch_up_tokens": 0, "stopped_early": 0, "outliers": 0}
 
@@ -140,8 +152,13 @@ class LevelSpeculator:
         context = float(sum(s + q for s, q in zip(starts, lengths)) / max(n, 1))
         decision = None
         lagging = [i for i, r in enumerate(requests) if r in self.lag]
+        warm = -1
         if self.cycle is not None:
             speculate = self.steps % (self.cycle[0] + self.cycle[1]) < self.cycle[0]
+        elif self._warm < self.warm_up and n > 0 and self.prefill_tokens(lengths, live) == 0:
+            speculate = self._warm % 2 == 0
+            decision = Decision(speculate, "forced", n)
+            warm, self._warm = self._warm, self._warm + 1
         elif self.controller is not None and n > 0:
             # beyond steady speculation the draft's first forward reads what lagging rows missed and the step's
             # prefill (rows still prefilling, or finishing their prompt: more tokens than a chain verifies)
@@ -152,7 +169,7 @@ class LevelSpeculator:
             speculate = n > 0
         self.steps += 1
         self.stats["steps"] += 1
-        step = {"start": start, "requests": list(requests), "context": context, "decision": decision}
+        step = {"start": start, "requests": list(requests), "context": context, "decision": decision, "warm": warm}
         if not speculate or n == 0:
             for r, s in zip(requests, starts):
                 self.lag.setdefault(r, s)
@@ -222,7 +239,7 @@ class LevelSpeculator:
                 confs[r] = [c for _, c in chain]
         end = self.clock()
         self.last = _Last(step["requests"], chains, confs, step["context"], tuple(step["forwards"]), step["catch_up"],
-                          end - step["start"], end, step["decision"])
+                          end - step["start"], end, step["decision"], step["warm"])
         return out
 
     def fail(self, starts: Sequence[int]) -> None:
@@ -253,8 +270,8 @@ class LevelSpeculator:
             produced += len(chain) - rej + 1
             outcomes.append((last.confidences.get(r, []), len(chain) - rej))
         learn_acceptance(self.policy, self.stats, outcomes)
-        if self.step_cost is None or not follows or not last.requests:
-            return
+        if self.step_cost is None or not follows or not last.requests or 0 <= last.warm < 2:
+            return  # (the warm-up's first speculative and plain steps pay an engine's one-off costs)
         b = len(last.requests)
         drafted = sum(len(c) for c in last.chains.values())
         sample = StepSample(b, b + drafted, last.context, last.forwards, last.drafting_seconds,
@@ -271,5 +288,8 @@ class LevelSpeculator:
             self.stats["outliers"] += 1
             return
         self.step_cost.observe(sample)
-        self.controller.observe(sample, produced, last.decision)
+        if last.warm >= 0:
+            self.controller.record(sample, produced)  # evidence, no decision, nothing charged
+        else:
+            self.controller.observe(sample, produced, last.decision)
         self.stats["priced_steps"] += 1

@@ -20,10 +20,12 @@ How it gets in: the package declares a `vllm.general_plugins` entry point (`regi
 process it starts; it replaces vLLM 0.32's `DraftModelProposer` with a subclass that behaves exactly like it unless
 the engine's `additional_config` has an "echo" entry. Settings (all optional) in that entry: "prices" (true: learn
 prices and run plain steps where speculation does not pay, the default; false: speculate every step, unpriced),
-"k_max" (the step's global budget in tokens, roots included; default unlimited), "cycle" ([speculative, plain]
-steps in a fixed duty cycle instead of the controller: a measurement tool), "trace" (a file each worker appends one
-JSON line per step to). The draft must share the target's vocabulary, and vLLM must draft greedily
-(`draft_sample_method` "greedy", vLLM's default); sampled requests are verified by vLLM's rejection sampler as usual.
+"k_max" (the step's global budget in tokens, roots included; default unlimited), "warm_up" (the first decode steps,
+speculative and plain in turn, that teach the prices before the controller decides; default 8, 0: none), "cycle"
+([speculative, plain] steps in a fixed duty cycle instead of the controller: a measurement tool), "trace" (a file
+each worker appends one JSON line per step to). The draft must share the target's vocabulary, and vLLM must draft
+greedily (`draft_sample_method` "greedy", vLLM's default); sampled requests are verified by vLLM's rejection sampler
+as usual.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ __all__ = ["ECHO_KEY", "EchoSettings", "engine_args", "parse_settings", "propose
 
 ECHO_KEY = "echo"
 VLLM_SERIES = "0.32."  # the vLLM series whose proposer internals this module is written against
-_KEYS = ("prices", "k_max", "cycle", "trace")
+_KEYS = ("prices", "k_max", "cycle", "trace", "warm_up")
 _log = logging.getLogger(__name__)
 
 
@@ -50,6 +52,7 @@ class EchoSettings:
     k_max: int | None = None
     cycle: tuple[int, int] | None = None
     trace: str | None = None
+    warm_up: int | None = None  # None: the speculator's default
 
 
 def _int(value, at_least: int) -> bool:
@@ -88,11 +91,15 @@ def parse_settings(additional_config) -> EchoSettings | None:
     if trace is not None and not os.path.isdir(os.path.dirname(os.path.abspath(trace))):
         # checked before vLLM starts: the worker opens it at its first step, where a failure kills the engine
         raise ValueError(f"additional_config['echo']['trace'] must be a file in an existing directory, got {trace!r}")
-    return EchoSettings(bool(prices), k_max, cycle, trace)
+    warm_up = cfg.get("warm_up")
+    if warm_up is not None and not _int(warm_up, 0):
+        raise ValueError(f"additional_config['echo']['warm_up'] must be an integer >= 0 (decode steps), "
+                         f"got {warm_up!r}")
+    return EchoSettings(bool(prices), k_max, cycle, trace, warm_up)
 
 
 def engine_args(draft_model: str, num_speculative_tokens: int = 4, *, prices: bool = True, k_max: int | None = None,
-                cycle: tuple[int, int] | None = None, trace: str | None = None) -> dict:
+                cycle: tuple[int, int] | None = None, trace: str | None = None, warm_up: int | None = None) -> dict:
     """`vllm.LLM(target, **engine_args(draft))`: vLLM's draft-model speculation with ECHO deciding around it.
     Checked here, before vLLM starts anything."""
     if not isinstance(draft_model, (str, os.PathLike)) or not os.path.isdir(draft_model):
@@ -101,7 +108,8 @@ def engine_args(draft_model: str, num_speculative_tokens: int = 4, *, prices: bo
     if not _int(num_speculative_tokens, 1):
         raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {num_speculative_tokens!r}")
     echo: dict = {"prices": prices}
-    for key, value in (("k_max", k_max), ("cycle", list(cycle) if cycle is not None else None), ("trace", trace)):
+    for key, value in (("k_max", k_max), ("cycle", list(cycle) if cycle is not None else None), ("trace", trace),
+                       ("warm_up", warm_up)):
         if value is not None:
             echo[key] = value
     parse_settings({ECHO_KEY: echo})
@@ -174,8 +182,9 @@ def proposer_class(base: type) -> type:
                                             ModelConfig.from_hf(self.draft_model_config.hf_config.to_dict()),
                                             ModelConfig.from_hf(
                                                 self.speculative_config.target_model_config.hf_config.to_dict()))
+            warm = {} if s.warm_up is None else {"warm_up": s.warm_up}
             self.echo = LevelSpeculator(EchoConfig(), int(self.speculative_config.num_speculative_tokens),
-                                        k_max=s.k_max, cost=cost, prices=s.prices, cycle=s.cycle)
+                                        k_max=s.k_max, cost=cost, prices=s.prices, cycle=s.cycle, **warm)
             if s.trace:
                 self._echo_trace = open(s.trace, "a")  # noqa: SIM115 - kept open for the worker's life
 

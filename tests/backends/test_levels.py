@@ -38,13 +38,16 @@ class Clock:
 
 
 class Engine:
-    """vLLM's step loop in miniature (module docstring). verify(B, T) and level_seconds: the modelled clock."""
+    """vLLM's step loop in miniature (module docstring). verify(B, T), level_seconds and read_seconds (per token
+    of the draft's first forward: the step's tokens, one sampled token per row, what lagging rows missed): the
+    modelled clock."""
 
     def __init__(self, spec: LevelSpeculator, k: int, clock: Clock | None = None, verify=lambda b, t: 0.0,
                  level_seconds: float = 0.0, capacity: int | None = None, draft=draft_next,
-                 prompts: list[list[int]] = ()) -> None:
+                 prompts: list[list[int]] = (), read_seconds: float = 0.0) -> None:
         self.spec, self.k, self.clock, self.verify, self.draft = spec, k, clock or Clock(), verify, draft
-        self.level_seconds, self.capacity = level_seconds, capacity
+        self.level_seconds, self.capacity, self.read_seconds = level_seconds, capacity, read_seconds
+        self.produced = 0  # tokens the target emitted (accepted drafts and one of its own per row and step)
         self.rows: dict[str, list[int]] = {}  # request -> committed tokens
         self.pending: dict[str, tuple[int, int]] = {}  # request -> (first position of its next query, its length)
         self.chains: dict[str, list[int]] = {}
@@ -82,6 +85,7 @@ class Engine:
                 self.accepted += a
                 self.drafted += len(chain)
             ctx.append(target_next(ctx))
+            self.produced += a + 1
             starts.append(s)
             lengths.append(q)
             rejected.append(len(chain) - a if q == len(chain) + 1 else 0)
@@ -91,6 +95,7 @@ class Engine:
         plan = self.spec.begin(reqs, starts, lengths, rejected, capacity=self.capacity)
         out = [[] for _ in reqs]
         if plan.speculate:
+            self.clock.t += self.read_seconds * (sum(lengths) + b + sum(starts[i] - s for i, s in plan.prepend.items()))
             for i, r in enumerate(reqs):  # the draft's first forward: the step's tokens, a lagging row's missed ones
                 start = plan.prepend.get(i, starts[i])
                 if i in plan.prepend:
@@ -302,3 +307,36 @@ def test_a_steps_prefill_is_charged_to_a_probe():
     spec.begin(["a", "b", "c"], [0, 40, 10], [300, 4, 20], live=[False, True, True])
     # "b" verifies a chain of 3 (a decode row); "b" and "c", first seen past position 0, read from 0 as well
     assert seen == [(300 + 20) + (40 + 10)]
+
+
+def test_the_warm_up_alternates_forced_steps_and_charges_the_controller_nothing():
+    """vLLM run G at one row: two probes (one verification stalled 7x) spent the exploration budget and the
+    controller ran 58 plain steps on a guess (ratio 1.0, bounds 0.24-4.3). A priced speculator now starts as the
+    engine's own warm-up does: its first decode steps alternate speculative and plain ("forced", prefill steps
+    not counted), the first of each kind not learnt from, the others priced, the speculative ones the controller's
+    first evidence, its exploration budget and step count untouched."""
+    clock = Clock()
+    spec = LevelSpeculator(EchoConfig(), 3, cost=CostModel.linear(0.02, 0.005), clock=clock, warm_up=6)
+    engine = Engine(spec, 3, clock, lambda b, t: 0.02 + 0.005 * t, 0.004, prompts=[p * 3 for p in PROMPTS[:2]])
+    credit = spec.controller.credit
+    reasons, levels = [], []
+    for _ in range(8):
+        before = engine.levels
+        engine.step()
+        reasons.append(spec.last.decision.reason if spec.last.decision else None)
+        levels.append(engine.levels - before)
+    # step 0 prefills both prompts: the controller's; then six forced steps, speculative first; then the controller's
+    assert reasons[1:7] == ["forced"] * 6 and reasons[0] != "forced" and reasons[7] != "forced"
+    assert [n > 0 for n in levels[1:7]] == [True, False] * 3
+    # the controller observed its own plain step 0 only; the credit grew by what that step emitted
+    assert spec.controller.stats.steps == 1 and spec.controller.credit >= credit
+    assert spec.controller.records.size == 2  # forced speculative steps 3 and 5 (step 1 paid the one-off costs)
+    assert spec.stats["priced_steps"] == 5  # step 0 and forced steps 3-6 (not 1 and 2)
+    assert engine.violations == []
+
+
+def test_no_warm_up_without_prices():
+    spec = LevelSpeculator(EchoConfig(), 3, prices=False)
+    assert spec.warm_up == 0
+    with pytest.raises(ValueError, match="warm_up"):
+        LevelSpeculator(EchoConfig(), 3, warm_up=-1)

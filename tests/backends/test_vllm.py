@@ -153,6 +153,9 @@ def test_prices_are_learnt_from_vllms_steps_around_its_draft(runs):
     steps = trace("echo-draft-priced")
     assert steps[-1]["stats"]["priced_steps"] > 0
     assert all(s["decision"] is not None for s in steps)
+    # the warm-up: the first eight decode steps speculative and plain in turn, chosen before the controller decides
+    forced = [s for s in steps if s["decision"] == "forced"]
+    assert [s["drafting"] > 0 for s in forced] == [True, False] * 4
 
 
 def test_echo_settings_are_refused_by_name(tmp_path):
@@ -164,6 +167,7 @@ def test_echo_settings_are_refused_by_name(tmp_path):
     for bad, match in (({"echo": 3}, "object of settings"), ({"echo": {"budget": 3}}, "'budget'"),
                        ({"echo": {"prices": "yes"}}, "prices"), ({"echo": {"k_max": 0}}, "k_max"),
                        ({"echo": {"cycle": [0, 1]}}, "cycle"), ({"echo": {"trace": ""}}, "trace"),
+                       ({"echo": {"warm_up": -1}}, "warm_up"), ({"echo": {"warm_up": True}}, "warm_up"),
                        # a trace in a missing directory: refused before vLLM starts (its worker's first step
                        # failing to open it killed the engine)
                        ({"echo": {"trace": str(tmp_path / "missing" / "t.jsonl")}}, "existing directory")):
@@ -174,6 +178,7 @@ def test_echo_settings_are_refused_by_name(tmp_path):
     assert parse_settings({"echo": {"trace": str(tmp_path / "t.jsonl")}}).trace == str(tmp_path / "t.jsonl")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         engine_args(str(DEFAULT_DRAFT), num_speculative_tokens=0)
+    assert parse_settings({"echo": {"warm_up": 0}}).warm_up == 0
     args = engine_args(str(DEFAULT_DRAFT), 3, k_max=16)
     assert args == {"speculative_config": {"method": "draft_model", "model": str(DEFAULT_DRAFT),
                                            "num_speculative_tokens": 3},
