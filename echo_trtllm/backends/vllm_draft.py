@@ -25,7 +25,7 @@ speculative and plain in turn, that teach the prices before the controller decid
 ([speculative, plain] steps in a fixed duty cycle instead of the controller: a measurement tool), "trace" (a file
 each worker appends one JSON line per step to). The draft must share the target's vocabulary, and vLLM must draft
 greedily (`draft_sample_method` "greedy", vLLM's default); sampled requests are verified by vLLM's rejection sampler
-as usual.
+as usual, and a step that verifies no drafts samples with vLLM's plain sampler, as vLLM's AR decoding does.
 """
 
 from __future__ import annotations
@@ -166,6 +166,24 @@ def proposer_class(base: type) -> type:
             if getattr(spec, "draft_sample_method", "greedy") != "greedy":
                 raise ValueError(f"ECHO needs vLLM's greedy drafting (draft_sample_method 'greedy'), got "
                                  f"{spec.draft_sample_method!r}")
+            self.echo_plain_samples = 0
+            self._sample_plainly_without_drafts(runner)
+
+        def _sample_plainly_without_drafts(self, runner) -> None:
+            """A step that verifies no drafts samples as vLLM's plain decoding does. vLLM 0.32 sends every step of a
+            speculative engine through its rejection sampler, drafts or none: at 64 rows its full-vocabulary copies
+            cost ~19 ms a step, where ECHO's plain steps are meant to cost what AR's do. With no drafts in the step
+            (`max_spec_len == 0`) the runner's own plain path (`spec_decode_metadata=None`) is exactly the sampler
+            the rejection sampler calls for the bonus token; the metadata still reaches the proposer."""
+            sample = runner._sample
+
+            def _sample(logits, spec_decode_metadata):
+                if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
+                    self.echo_plain_samples += 1
+                    spec_decode_metadata = None
+                return sample(logits, spec_decode_metadata)
+
+            runner._sample = _sample
 
         def _start_echo(self) -> None:
             from echo_trtllm.backends.levels import LevelSpeculator
@@ -274,6 +292,7 @@ def proposer_class(base: type) -> type:
 
                 record = trace_record(self.echo, len(out), live, out, self.echo_settings.k_max, failed)
                 record["drafting"], record["catch_up"] = sum(plan.drafting), plan.catch_up
+                record["plain_samples"] = self.echo_plain_samples
                 self._echo_trace.write(json.dumps(record) + "\n")
                 self._echo_trace.flush()
 

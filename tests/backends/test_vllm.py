@@ -144,6 +144,9 @@ def test_plain_steps_skip_vllms_draft_and_rows_read_back_what_they_missed(runs):
     assert any(s["catch_up"] > 0 for s in steps)
     assert all(sum(s["lengths"]) == 0 for i, s in enumerate(steps) if i % 4)  # the three plain steps of four
     assert all(sum(s["lengths"]) <= max(KMAX - s["drafting"], 0) for s in steps)
+    # a step after one that drafted nothing verifies no drafts: vLLM's plain sampler, not its rejection sampler
+    sampled = [b["plain_samples"] - a["plain_samples"] for a, b in zip(steps, steps[1:])]
+    assert sampled == [int(sum(a["lengths"]) == 0) for a in steps[:-1]] and 0 in sampled and 1 in sampled
 
 
 @needs_vllm
