@@ -127,14 +127,24 @@ def summarise(rounds: list[dict], methods: list[str], concurrency: list[int]) ->
     return out
 
 
+def vllm_report_meta(script: str, argv, vllm_python: str) -> dict:
+    """What a vLLM report's JSON records beside its numbers: machine, date, the command, vLLM's version and the
+    environment its processes ran with."""
+    from echo_trtllm.bench.run import report_meta
+
+    meta = report_meta(script, argv)
+    meta["command"] = meta["command"].replace("python -m ", "python ", 1)
+    version = subprocess.run([vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                             text=True, check=False).stdout.strip()
+    return {**meta, "vllm_version": version, "env": VLLM_ENV}
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     from echo_trtllm.bench.prompts import load_prompts
-    from echo_trtllm.bench.run import report_meta
 
     prompts = load_prompts(args.prompts, "eval")
-    version = subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
-                             text=True, check=False).stdout.strip()
+    header = vllm_report_meta("scripts/bench_vllm.py", argv, args.vllm_python)
     rounds = []
     for r in range(args.rounds):
         order = args.methods[r % len(args.methods):] + args.methods[: r % len(args.methods)]
@@ -145,10 +155,7 @@ def main(argv=None) -> int:
             cells = " ".join(f"c={x['concurrency']}:{x['tokens_per_s']:.1f}" for x in res.get("cells", []))
             print(f"round {r + 1} {m}: {cells or res.get('error', '')[-400:]}", flush=True)
         rounds.append(results)
-        meta = report_meta("scripts/bench_vllm.py", argv)
-        meta["command"] = meta["command"].replace("python -m ", "python ", 1)
-        report = {"meta": {**meta, "vllm_version": version, "env": VLLM_ENV,
-                           "dtype": args.dtype, "max_tokens": args.max_tokens, "prompts": f"{args.prompts} (eval)",
+        report = {"meta": {**header, "dtype": args.dtype, "max_tokens": args.max_tokens, "prompts": f"{args.prompts} (eval)",
                            "echo_k": args.echo_k, "batch": "closed: c requests together, ignore_eos"},
                   "summary": summarise(rounds, args.methods, args.concurrency), "rounds": rounds}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -122,8 +122,7 @@ def main(argv=None) -> int:
         print("RESULT " + json.dumps(child(json.loads(sys.argv[2]))), flush=True)
         os._exit(0)
     args = parse(argv)
-    from scripts.bench_vllm import VLLM_ENV
-    from echo_trtllm.bench.run import report_meta
+    from scripts.bench_vllm import VLLM_ENV, vllm_report_meta
 
     runs = []
     for r in range(args.rounds):
@@ -140,15 +139,13 @@ def main(argv=None) -> int:
             run = {"round": r, **json.loads(lines[-1][len("RESULT "):])}
             runs.append(run)
             t = run["seconds_by_method"]
+            # sample_tokens, not _sample: ECHO's routing is set on the runner instance, past the class's timer
             print(f"round {r} {config}: {run['tokens_per_s']:.1f} tok/s, forward {t.get('_model_forward', 0):.2f} s, "
-                  f"sampling {t.get('_sample', 0):.2f} s", file=sys.stderr, flush=True)
-    meta = report_meta("scripts/profile_vllm_step.py", argv)
-    meta["command"] = meta["command"].replace("python -m ", "python ", 1)
-    version = subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
-                             text=True, check=False).stdout.strip() or None
+                  f"sample_tokens {t.get('sample_tokens', 0):.2f} s", file=sys.stderr, flush=True)
+    meta = vllm_report_meta("scripts/profile_vllm_step.py", argv, args.vllm_python)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": {**meta, "vllm_version": version, "env": VLLM_ENV,
-                                                   "concurrency": args.concurrency, "max_tokens": args.max_tokens},
+    Path(args.out).write_text(json.dumps({"meta": {**meta, "concurrency": args.concurrency,
+                                                   "max_tokens": args.max_tokens},
                                           "runs": runs}, indent=1))
     return 0
 
