@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "2"}
-METHODS = ("vllm-ar", "vllm-draft-k2", "vllm-draft-k4", "vllm-echo-draft", "vllm-echo-draft-pure", "vllm-echo",
+METHODS = ("vllm-ar", "vllm-draft-k2", "vllm-draft-k4", "vllm-draft-table", "vllm-echo-draft", "vllm-echo-draft-pure", "vllm-echo",
            "vllm-echo-pure", "engine-ar", "engine-echo")
 
 
@@ -48,6 +48,11 @@ def parse(argv=None):
     ap.add_argument("--prompts", default="humaneval", help="prompt set (eval split); default humaneval")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--echo-k", type=int, default=4, help="ECHO's longest chain (num_speculative_tokens)")
+    ap.add_argument("--table", default="1-4:2,5-1024:0", type=parse_table,
+                    help="vllm-draft-table's schedule, vLLM's num_speculative_tokens_per_batch_size as "
+                         "FIRST-LAST:K,... (inclusive batch-size ranges, sorted, the first starting at 1; K >= 0). "
+                         "The default is tuned by hand from runs H and I on this pair: k = 2 ahead of vLLM AR up "
+                         "to 4 rows, behind it from 16")
     ap.add_argument("--cell-warmup-tokens", type=int, default=8,
                     help="before each concurrency's timed batch, an untimed one of other prompts at the same "
                          "concurrency and this many tokens (0: none); every method alike")
@@ -66,8 +71,26 @@ def parse(argv=None):
     return args
 
 
+def parse_table(text: str) -> list[list[int]]:
+    """`1-4:2,5-1024:0` -> [[1, 4, 2], [5, 1024, 0]] (vLLM checks the ranges themselves when it starts)."""
+    table = []
+    for part in text.split(","):
+        try:
+            span, k = part.split(":")
+            first, last = span.split("-")
+            entry = [int(first), int(last), int(k)]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--table entries are FIRST-LAST:K, got {part!r}") from None
+        if entry[0] < 1 or entry[1] < entry[0] or entry[2] < 0:
+            raise argparse.ArgumentTypeError(f"--table entry {part!r}: needs 1 <= FIRST <= LAST and K >= 0")
+        table.append(entry)
+    if max(k for _, _, k in table) < 1:
+        raise argparse.ArgumentTypeError("--table needs at least one range with K >= 1")
+    return table
+
+
 def run_method(args, method: str, prompts: list[str], offset: int) -> dict:
-    spec = {"method": method, "target_hf": args.target_hf, "draft_hf": args.draft_hf,
+    spec = {"method": method, "table": args.table, "target_hf": args.target_hf, "draft_hf": args.draft_hf,
             "target": args.target or args.target_hf, "draft": args.draft or args.draft_hf,
             "echo_draft": args.draft_hf, "echo_k": args.echo_k, "dtype": args.dtype, "prompts": prompts,
             "concurrency": args.concurrency, "max_tokens": args.max_tokens, "warmup_tokens": 8,
@@ -156,7 +179,8 @@ def main(argv=None) -> int:
             print(f"round {r + 1} {m}: {cells or res.get('error', '')[-400:]}", flush=True)
         rounds.append(results)
         report = {"meta": {**header, "dtype": args.dtype, "max_tokens": args.max_tokens, "prompts": f"{args.prompts} (eval)",
-                           "echo_k": args.echo_k, "batch": "closed: c requests together, ignore_eos"},
+                           "echo_k": args.echo_k, "table": args.table,
+                           "batch": "closed: c requests together, ignore_eos"},
                   "summary": summarise(rounds, args.methods, args.concurrency), "rounds": rounds}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1))

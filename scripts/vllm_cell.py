@@ -23,6 +23,10 @@ def vllm_llm(spec: dict):
         args = engine_args(spec["draft_hf"], spec["echo_k"], prices=method == "vllm-echo-draft",
                            trace=spec.get("trace"))
         speculative, additional = args["speculative_config"], args["additional_config"]
+    elif method == "vllm-draft-table":  # vLLM's batch-size table (num_speculative_tokens_per_batch_size)
+        speculative = {"method": "draft_model", "model": spec["draft_hf"],
+                       "num_speculative_tokens": max(k for _, _, k in spec["table"]),
+                       "num_speculative_tokens_per_batch_size": [tuple(e) for e in spec["table"]]}
     elif method.startswith("vllm-draft-k"):
         speculative = {"method": "draft_model", "model": spec["draft_hf"],
                        "num_speculative_tokens": int(method.removeprefix("vllm-draft-k"))}
