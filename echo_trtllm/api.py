@@ -77,8 +77,8 @@ class LLM:
     `echo-trtllm build` (engine.json names both models and the EchoConfig). With neither, the embedded default
     target, drafting with its committed EAGLE-3 head (`models.default_drafter`).
 
-    dtype: "auto" (bfloat16 on CUDA; on a CPU whichever of float32 / bfloat16 runs the model's linears faster,
-    measured at load: see docs/dtype.md), "float32", "bfloat16", "float16".
+    dtype: "auto" (bfloat16 on CUDA; on a CPU bfloat16 where it has bf16 matrix instructions, AMX-BF16 or
+    AVX512-BF16, else float32: a rule, the same on every start; docs/dtype.md), "float32", "bfloat16", "float16".
 
     Speculation under load (echo family): each step's budget K and the gate's break-even probability come from
     prices learned online from the engine's own steps (`core.prices.StepCostModel`, warm-started by a cost curve
@@ -215,7 +215,7 @@ class LLM:
     def _load_parallel(self, model, draft_model, dtype: str, device: str, world: int):
         """Start the tensor-parallel group (runtime/parallel.py) and load the shards on every rank."""
         from echo_trtllm.models.eagle3 import is_eagle3_dir, load_eagle3, read_eagle3_config
-        from echo_trtllm.models.loader import choose_dtype, load_tokenizer, resolve_dtype
+        from echo_trtllm.models.loader import load_tokenizer, resolve_dtype
         from echo_trtllm.models.tp import check_shardable, check_shardable_source, load_embedding, read_config
         from echo_trtllm.runtime import parallel
 
@@ -244,10 +244,7 @@ class LLM:
             config = config or cfg
         if eagle3:  # the head is read on rank 0 only, after the shards: its fit is checked before any rank starts
             read_eagle3_config(draft_model, config)
-        if dtype == "auto":
-            dt = torch.bfloat16 if torch.device(device).type == "cuda" else choose_dtype(config)[0]
-        else:
-            dt = resolve_dtype(dtype)
+        dt = resolve_dtype(dtype, device)
         sharded_draft = draft_model is not None and not eagle3
         specs = [("target", str(model))] + ([("draft", str(draft_model))] if sharded_draft else [])
         group = parallel.start(world, device, specs, dt)

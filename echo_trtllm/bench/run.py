@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 import torch
 
 from echo_trtllm.api import FALLBACK_MODES, LLM
+from echo_trtllm.cpu import cpu_flags, cpu_model
 from echo_trtllm.core.config import DEFAULT_STATIC_CHOICES, POLICY_NAMES, EchoConfig
 from echo_trtllm.core.policies import POLICIES, make_policy
 from echo_trtllm.models.draft import draft_kind
@@ -69,7 +70,7 @@ from echo_trtllm.runtime.request import SamplingParams
 from .trace import TraceRecorder
 
 __all__ = ["BenchConfig", "run_cell", "bench", "markdown_table", "profile_table", "traffic_profile", "plot",
-           "machine_info", "report_meta", "cpu_flags", "METRICS"]
+           "machine_info", "report_meta", "METRICS"]
 
 METRICS = ("tokens_per_s", "e2e_tokens_per_s", "mat", "verified_per_step", "acceptance_rate", "latency_p50_s",
            "latency_p99_s", "control_share", "draft_share", "speculated_share", "drafted_share", "mat_vs_oracle",
@@ -80,9 +81,6 @@ FALLBACK_LABELS = {"on": "+fallback", "off": "pure"}
 # AR's own tokens/s spread over rounds, (max - min) / median, above which the table warns that ratios carry noise
 AR_SPREAD_WARNING = 0.10
 SPREAD = ("tokens_per_s", "speedup_vs_ar")
-# CPU feature flags that decide how fast a model's matrices run (recorded with every benchmark)
-SIMD_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4")
-
 
 # tree-shape options a --methods entry may set for itself ("chain:num_draft_tokens=2", "eagle2:total_tokens=16:
 # max_depth=4"); static_nodes=N keeps the default static tree's first N - 1 paths (it is listed best paths first)
@@ -205,30 +203,7 @@ class BenchConfig:
         return out
 
 
-def cpu_flags() -> list[str]:
-    """The CPU's SIMD / matrix feature flags (x86 /proc/cpuinfo), sorted; [] where unknown."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return sorted(x for x in line.split(":", 1)[1].split() if x.startswith(SIMD_PREFIXES))
-    except OSError:
-        pass
-    return []
-
-
 PERF_ENV_PREFIXES = ("ONEDNN_", "DNNL_", "OMP_", "MKL_", "KMP_")
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine_info() -> dict:

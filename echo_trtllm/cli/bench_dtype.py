@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     except options.USAGE_ERRORS as e:
         return options.fail(PROG, e)
     for role, r in results.items():
-        print(f"{role}: auto -> {r['auto']}  ({r['auto_evidence'].get('rule')})")
+        print(f"{role}: auto -> {r['auto']}  ({r['auto_rule']})")
         print("  tokens " + "".join(f"{t:>10}" for t in tokens))
         for name, curve in r["seconds"].items():
             print(f"  {name:<8}" + "".join(f"{curve[str(t)] * 1e3:>8.1f}ms" for t in tokens))

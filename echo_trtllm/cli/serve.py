@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         return options.fail(PROG, f"cannot listen on {args.host}:{args.port}: {e.strerror}")
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    print(f"{PROG}: listening on http://{shown}:{port} (model {name!r})", flush=True)
+    dtypes = llm.dtype["target"] + (f", draft {llm.dtype['draft']}" if llm.dtype["draft"] else "")
+    print(f"{PROG}: listening on http://{shown}:{port} (model {name!r}, dtype {dtypes})", flush=True)
     uvicorn_server(server, args.host, port, args.drain_timeout, args.log_level).run(sockets=[sock])
     return 0
 

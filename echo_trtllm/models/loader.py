@@ -16,58 +16,44 @@ from echo_trtllm.jsonfile import read_json_object
 
 from .llama import CausalLM, ModelConfig
 
-__all__ = ["Tokenizer", "load_model", "load_tokenizer", "check_same_vocabulary", "check_model_path", "choose_dtype",
-           "DTYPE_CHOICES"]
+__all__ = ["Tokenizer", "load_model", "load_tokenizer", "check_same_vocabulary", "check_model_path", "auto_dtype",
+           "resolve_dtype", "DTYPE_CHOICES"]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
-# "auto": bfloat16 on CUDA; on a CPU whichever of float32 / bfloat16 runs this model's linears faster (choose_dtype)
+# "auto": a rule on the device, the same on every start (auto_dtype)
 DTYPE_CHOICES = ("auto", *DTYPES)
-AUTO_ROWS = (1, 64)  # rows timed by choose_dtype: one decode row, and a verification step's worth
-AUTO_MARGIN = 1.25  # bfloat16 must be this much faster to be chosen on a CPU (close calls stay float32)
+# CPU flags of the bf16 matrix instructions under which many-row bfloat16 linears run faster than float32 ones
+BF16_MATRIX_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def auto_dtype(device: str | torch.device = "cpu", flags: list[str] | None = None) -> tuple[torch.dtype, str]:
+    """What dtype "auto" resolves to on `device`, and the rule that chose it: bfloat16 on CUDA; on a CPU bfloat16
+    when it has bf16 matrix instructions (AMX-BF16 or AVX512-BF16: a many-row bf16 linear there runs 2-4x faster
+    than fp32), else float32 (an AVX2-only CPU runs it ~4x slower: docs/dtype.md). A rule on the CPU's flags
+    (`flags`: injected by tests; default this CPU's), not a timing, so every start of the same machine picks the
+    same dtype and a seed gives the same text after a restart."""
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16, "cuda: bfloat16"
+    if flags is None:
+        from echo_trtllm.cpu import cpu_flags
+
+        flags = cpu_flags()
+    found = [f for f in BF16_MATRIX_FLAGS if f in flags]
+    if found:
+        return torch.bfloat16, f"cpu with {' and '.join(found)}: bfloat16"
+    return torch.float32, f"cpu without {' or '.join(BF16_MATRIX_FLAGS)}: float32"
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """A dtype name (or "auto", resolved for `device` by `auto_dtype`: the one place it is resolved) as a torch
+    dtype; an unknown name is refused naming the choices."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        return auto_dtype(device)[0]
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPE_CHOICES)}")
     return DTYPES[dtype]
-
-
-def time_linear(in_features: int, out_features: int, dtype: torch.dtype, rows: int, repeats: int = 5,
-                device: str | torch.device = "cpu") -> float:
-    """Fastest of `repeats` timings (seconds) of one (rows x in) @ (in x out) linear: the shape that dominates a
-    transformer forward. The minimum, not the median: on a shared machine noise only ever adds time."""
-    import time
-
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(out_features, in_features, generator=gen).to(dtype=dtype, device=device)
-    x = torch.randn(rows, in_features, generator=gen).to(dtype=dtype, device=device)
-    torch.nn.functional.linear(x, w)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.nn.functional.linear(x, w)
-        if torch.device(device).type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def choose_dtype(config: ModelConfig, device: str | torch.device = "cpu") -> tuple[torch.dtype, dict]:
-    """The dtype "auto" resolves to for this model on this device, and the timings it was chosen from.
-
-    CUDA: bfloat16. CPU: time the model's MLP linear (hidden -> intermediate) at AUTO_ROWS rows in float32 and
-    bfloat16; bfloat16 wins when its summed time is AUTO_MARGIN times smaller. CPUs with bf16 matrix instructions
-    (AMX, AVX512-BF16) run many-row bf16 linears several times faster than fp32; CPUs without them (AVX2 only)
-    run them several times slower (docs/dtype.md)."""
-    if torch.device(device).type == "cuda":
-        return torch.bfloat16, {"rule": "cuda: bfloat16"}
-    seconds = {name: sum(time_linear(config.hidden_size, config.intermediate_size, DTYPES[name], r) for r in AUTO_ROWS)
-               for name in ("float32", "bfloat16")}
-    choice = "bfloat16" if seconds["bfloat16"] * AUTO_MARGIN < seconds["float32"] else "float32"
-    return DTYPES[choice], {"rule": f"cpu: linear {config.hidden_size}x{config.intermediate_size} at rows "
-                                    f"{list(AUTO_ROWS)}", "seconds": seconds, "chosen": choice}
 
 
 @dataclass
@@ -281,11 +267,9 @@ def load_gguf(path: Path, dtype: torch.dtype, device) -> CausalLM:
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
                with_tokenizer: bool = True) -> tuple[CausalLM, Tokenizer | None]:
-    """Load an HF model directory or a .gguf file (and its tokenizer). dtype "auto": see `choose_dtype` (the
-    weights are read in float32, then converted)."""
+    """Load an HF model directory or a .gguf file (and its tokenizer). dtype "auto": see `auto_dtype`."""
     path = Path(path)
-    auto = dtype == "auto"
-    dt = torch.float32 if auto else resolve_dtype(dtype)
+    dt = resolve_dtype(dtype, device)
     check_model_path(path)
     from echo_trtllm.models.trtllm_checkpoint import is_trtllm_checkpoint, load_checkpoint
 
@@ -295,9 +279,6 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
         model = load_checkpoint(path, dt, device)
     else:
         model = load_hf(path, dt, device)
-    if auto:
-        chosen, _ = choose_dtype(model.config, device)
-        model = model.to(chosen)
     return model, (load_tokenizer(path, model.config) if with_tokenizer else None)
 
 

@@ -34,10 +34,15 @@ disable_created_metrics()  # no `_created` series beside every counter (as vLLM'
 
 
 class ServerMetrics:
-    def __init__(self, load, window_s: float = 10.0, clock=time.monotonic, speculation=lambda: None) -> None:
+    def __init__(self, load, window_s: float = 10.0, clock=time.monotonic, speculation=lambda: None,
+                 info: dict[str, str] | None = None) -> None:
         """load() -> (running, waiting) now; window_s: the tokens/s gauge's window; clock: seconds (tests inject);
-        speculation() -> `LLM.speculation_stats()` (None without the controller)."""
+        speculation() -> `LLM.speculation_stats()` (None without the controller); info: labels of the constant
+        `echo_trtllm_model_info` gauge (the served model, its dtypes)."""
         self.registry = r = CollectorRegistry()
+        if info:
+            Gauge(f"{PREFIX}_model_info", "the served model (value 1; labels: name, dtypes)", list(info),
+                  registry=r).labels(**info).set(1)
         self._load, self._window, self._clock = load, window_s, clock
         self._lock = threading.Lock()
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens emitted by a step)

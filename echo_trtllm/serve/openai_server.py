@@ -84,7 +84,9 @@ class OpenAIServer:
         self.created = int(time.time())
         self._lock = threading.Lock()
         self.inflight = 0  # engine requests submitted through this server and not yet ended
-        self.metrics = ServerMetrics(self._load, speculation=llm.speculation_stats)
+        self.metrics = ServerMetrics(self._load, speculation=llm.speculation_stats,
+                                     info={"model": self.model_name, "dtype": llm.dtype["target"],
+                                           "draft_dtype": llm.dtype["draft"] or "none"})
         llm.add_step_listener(self.metrics.on_step)
         self.app = self._build_app()
 
@@ -125,7 +127,9 @@ class OpenAIServer:
         @app.get("/v1/models")
         async def models():
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                                "owned_by": "echo-trtllm", "max_model_len": self.context}]}
+                                                "owned_by": "echo-trtllm", "max_model_len": self.context,
+                                                "dtype": self.llm.dtype["target"],
+                                                "draft_dtype": self.llm.dtype["draft"]}]}
 
         @app.get("/metrics")
         async def metrics():

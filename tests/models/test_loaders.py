@@ -104,22 +104,42 @@ def test_rope_scaling_llama3_matches_transformers():
     torch.testing.assert_close(ours, ref.float(), rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("cpu, per_row, expected", [
-    # seconds of the 1536x8960 linear per dtype at (1 row, 64 rows)
-    ("AVX2 only (issue 9's EPYC: bf16 64 rows 82 ms, fp32 21 ms)", {"float32": (0.8e-3, 21e-3),
-                                                                     "bfloat16": (1.2e-3, 82e-3)}, torch.float32),
-    ("AMX-BF16 (docs/bench/dtype-qwen.json)", {"float32": (0.5e-3, 11e-3), "bfloat16": (0.3e-3, 4.6e-3)},
+@pytest.mark.parametrize("cpu, flags, expected", [
+    ("Intel Xeon with AMX (docs/bench/dtype-qwen.json)", ["amx_bf16", "amx_tile", "avx2", "avx512_bf16", "avx512f"],
      torch.bfloat16),
-    ("a close call stays float32", {"float32": (1e-3, 10e-3), "bfloat16": (1e-3, 9e-3)}, torch.float32),
+    ("AMD EPYC with AVX512-BF16 (the vLLM runs' machine)", ["avx2", "avx512_bf16", "avx512f", "fma"], torch.bfloat16),
+    ("AMD EPYC with AVX2 only (issue 9: bf16 64 rows 82 ms, fp32 21 ms)", ["avx", "avx2", "fma", "f16c"],
+     torch.float32),
+    ("AVX-512 without its bf16 extension", ["avx2", "avx512f", "avx512bw"], torch.float32),
+    ("flags unknown (not x86 Linux)", [], torch.float32),
 ])
-def test_dtype_auto_picks_what_the_measured_linear_says(monkeypatch, cpu, per_row, expected):
-    """`--dtype auto` on a CPU is a measurement, not a table: injected linear timings decide it."""
+def test_dtype_auto_is_a_rule_on_the_cpu_flags(monkeypatch, cpu, flags, expected):
+    """`dtype="auto"` on a CPU is a rule on its instruction-set flags, never a timing race: the same flags give the
+    same dtype on every start, whatever the machine's load (a timing is refused to be consulted)."""
+    from echo_trtllm import cpu as cpu_mod
     from echo_trtllm.models import loader
 
-    names = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
-    monkeypatch.setattr(loader, "time_linear",
-                        lambda i, o, dtype, rows, **kw: per_row[names[dtype]][loader.AUTO_ROWS.index(rows)])
-    config = ModelConfig.from_hf(json.loads((DEFAULT_TARGET / "config.json").read_text()))
-    dtype, evidence = loader.choose_dtype(config, "cpu")
-    assert dtype == expected and evidence["chosen"] == names[expected]
-    assert loader.choose_dtype(config, "cuda")[0] == torch.bfloat16  # no timing on CUDA
+    monkeypatch.setattr(cpu_mod, "cpu_flags", lambda: list(flags))
+    monkeypatch.setattr(torch.nn.functional, "linear", None, raising=True)  # a timing would fail here
+    picks = {loader.auto_dtype("cpu")[0] for _ in range(3)} | {loader.resolve_dtype("auto") for _ in range(3)}
+    assert picks == {expected}, cpu
+    assert loader.auto_dtype("cpu", flags)[0] == expected
+    assert loader.auto_dtype("cuda", [])[0] == torch.bfloat16
+    assert expected is torch.bfloat16 or "float32" in loader.auto_dtype("cpu", flags)[1]
+
+
+def test_dtype_auto_is_the_same_for_load_model_and_llm(monkeypatch):
+    """One resolution of "auto" for the loader, the LLM API and the tensor-parallel path (a server and `LLM()`
+    started minutes apart chose bfloat16 and float32 from a timing before)."""
+    from echo_trtllm import LLM, cpu as cpu_mod
+    from echo_trtllm.models import loader
+
+    for flags, expected in ((["avx512_bf16"], "bfloat16"), (["avx2"], "float32")):
+        monkeypatch.setattr(cpu_mod, "cpu_flags", lambda flags=flags: list(flags))
+        model, _ = loader.load_model(DEFAULT_TARGET, dtype="auto", with_tokenizer=False)
+        assert str(model.dtype).removeprefix("torch.") == expected
+        llm = LLM(str(DEFAULT_TARGET), str(DEFAULT_DRAFT), dtype="auto")
+        try:
+            assert llm.dtype == {"target": expected, "draft": expected}
+        finally:
+            llm.shutdown()

@@ -101,13 +101,19 @@ def test_models_health_and_metrics(served):
     c = served.client()
     models = c.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    # the dtypes the engine runs ("auto" resolved), as LLM.dtype says, in /v1/models and /metrics
+    dtypes = served.llm.dtype
+    assert (models.data[0].dtype, models.data[0].draft_dtype) == (dtypes["target"], dtypes["draft"])
     with urllib.request.urlopen(served.url + "/health") as r:
         assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
     before = _metrics(served.url)
+    assert before["echo_trtllm_model_info"] == {_labels(dtype=dtypes["target"], draft_dtype=dtypes["draft"] or "none",
+                                                         model=MODEL): 1.0}
     r = c.completions.create(model=MODEL, prompt="O", max_tokens=8, temperature=0)
     after = _metrics(served.url)
-    assert after["echo_trtllm_requests_total"][("length",)] - before["echo_trtllm_requests_total"].get(("length",), 0) \
-        + after["echo_trtllm_requests_total"].get(("stop",), 0) - before["echo_trtllm_requests_total"].get(("stop",), 0) == 1
+    ended = {k: after["echo_trtllm_requests_total"].get(k, 0) - before.get("echo_trtllm_requests_total", {}).get(k, 0)
+             for k in (("length",), ("stop",))}  # (no series before the first request ends)
+    assert sum(ended.values()) == 1
     gen = after["echo_trtllm_generation_tokens_total"][()] - before["echo_trtllm_generation_tokens_total"][()]
     assert gen == r.usage.completion_tokens
     steps, verified = after["echo_trtllm_steps_total"][()], after["echo_trtllm_verified_tokens_total"][()]
@@ -127,6 +133,11 @@ def _metrics(url: str) -> dict:
         for s in fam.samples:
             out.setdefault(s.name, {})[tuple(s.labels.values())] = s.value
     return out
+
+
+def _labels(**labels) -> tuple:
+    """A sample's key in `_metrics` (label values in the order the exposition writes them: by name)."""
+    return tuple(v for _, v in sorted(labels.items()))
 
 
 # ----------------------------------------------------------------------------------------------- under load
