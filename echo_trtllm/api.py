@@ -11,9 +11,11 @@ the argument and what is accepted.
 
 from __future__ import annotations
 
+import numbers
 from pathlib import Path
 from typing import Sequence, Union
 
+import numpy as np
 import torch
 
 from echo_trtllm.core.config import EchoConfig
@@ -42,8 +44,9 @@ DraftSource = Union[str, Path, CausalLM, Eagle3Head]
 
 
 def _is_token_ids(value) -> bool:
+    """One prompt given as token ids: a non-empty list / tuple of integers (numpy's included: `list(array)`)."""
     return isinstance(value, (list, tuple)) and len(value) > 0 and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value)
+        isinstance(t, numbers.Integral) and not isinstance(t, (bool, np.bool_)) for t in value)
 
 
 def _positive_int(name: str, value, minimum: int = 1, allow_none: bool = False) -> None:
@@ -411,6 +414,28 @@ class LLM:
         if ex.controller is not None:
             out.update(ex.controller.stats.as_dict(), credit=ex.controller.credit)
         return out
+
+    @property
+    def max_batch_size(self) -> int:
+        """Requests the engine runs at once (its KV slots)."""
+        return self.executor.max_batch_size
+
+    @property
+    def max_seq_len(self) -> int:
+        """Tokens one request holds, prompt included (the context a server enforces)."""
+        return self.executor.max_seq_len
+
+    @property
+    def vocab_size(self) -> int:
+        """The target's vocabulary: token ids (prompts, stop ids, end ids) lie in [0, vocab_size)."""
+        return self.target.config.vocab_size
+
+    @property
+    def is_alive(self) -> bool:
+        """The engine can serve: its thread runs and takes work, and (tensor parallel) its group is whole. False for
+        good once a rank is gone: every later request would fail (servers answer /health with 503 then)."""
+        group = self._tp_group
+        return self._loop.alive and (group is None or group.healthy)
 
     @property
     def load(self) -> tuple[int, int]:

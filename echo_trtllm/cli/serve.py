@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.triton:
         return _main_triton(args)
     try:
-        from echo_trtllm.serve.openai_server import OpenAIServer, default_model_name, listen, uvicorn_server
+        from echo_trtllm.serve.openai_server import (OpenAIServer, default_model_name, listen, uvicorn_server,
+                                                     watch_engine)
     except ImportError as e:
         return _missing_extra(e, "serve")
     try:
@@ -85,13 +86,19 @@ def main(argv: list[str] | None = None) -> int:
     shown = f"[{host}]" if ":" in host else host
     dtypes = llm.dtype["target"] + (f", draft {llm.dtype['draft']}" if llm.dtype["draft"] else "")
     print(f"{PROG}: listening on http://{shown}:{port} (model {name!r}, dtype {dtypes})", flush=True)
-    uvicorn_server(server, args.host, port, args.drain_timeout, args.log_level).run(sockets=[sock])
+    userver = uvicorn_server(server, args.host, port, args.drain_timeout, args.log_level)
+    watch_engine(server, userver)
+    userver.run(sockets=[sock])
+    if server.engine_lost:
+        options.fail(PROG, "the engine could no longer serve (it stopped, or a tensor-parallel rank is gone); the "
+                           "server drained and exited")
+        return 1
     return 0
 
 
 def _main_triton(args) -> int:
     try:
-        from echo_trtllm.serve.triton import TritonServing
+        from echo_trtllm.serve.triton import TritonServing, stop_on_sigterm
     except ImportError as e:
         return _missing_extra(e, "triton")
     try:
@@ -104,11 +111,18 @@ def _main_triton(args) -> int:
         return _missing_extra(e, "triton")
     except options.USAGE_ERRORS as e:
         return options.fail(PROG, e)
-    serving.run()
-    print(f"{PROG} --triton: listening on http://{args.host}:{serving.http_port} grpc {args.host}:{serving.grpc_port} "
-          f"metrics {serving.metrics_port} (model {args.triton_model_name!r})", flush=True)
     try:
-        serving.serve()
+        stop_on_sigterm()
+        serving.run()
+        print(f"{PROG} --triton: listening on http://{args.host}:{serving.http_port} grpc {args.host}:"
+              f"{serving.grpc_port} metrics {serving.metrics_port} (model {args.triton_model_name!r})", flush=True)
+        lost = serving.serve()
+    except KeyboardInterrupt:  # during start-up
+        lost = None
     finally:
+        serving.stop()  # (after serve's own stop: does nothing; after a failure to start: ends what started)
         llm.shutdown()
+    if lost:
+        options.fail(PROG, f"{lost}; the server stopped")
+        return 1
     return 0

@@ -90,8 +90,8 @@ def save_hf(model: CausalLM, tokenizer, out, dtype: str | torch.dtype | None = N
     from .fp8 import fp8_layers
     from .loader import resolve_dtype
 
-    dt = None if dtype is None else resolve_dtype(dtype)
-    if dt is not None and dt not in _DTYPE_NAMES:
+    dt = None if dtype is None or dtype == "auto" else resolve_dtype(dtype)  # "auto": refused below, named
+    if (dt is None and dtype is not None) or (dt is not None and dt not in _DTYPE_NAMES):
         raise ValueError(f"dtype {dtype!r} is not one an HF directory is written in; choose float32, bfloat16 or "
                          "float16")
     if fp8_layers(model):

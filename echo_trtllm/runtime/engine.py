@@ -67,20 +67,14 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
-def _held_back(text: str, stops: list[str]) -> int:
-    """Characters at the end of an unfinished text that may still turn into a stop string or are half of a
-    multi-byte character; streaming withholds them so that sent text is never taken back. The half character
-    (U+FFFD) at the end is held, and so is any stop-string prefix just before it (a stop string can continue with
-    the character being completed)."""
+def _held_back(req: Request) -> int:
+    """Characters at the end of an unfinished request's text that may still turn into a stop string or are half
+    of a multi-byte character; streaming withholds them so that sent text is never taken back. The half character
+    (U+FFFD) at the end is held, and so is any stop-string prefix just before it (`StopMatcher.hold`, kept by the
+    executor as the text grows: a stop string can continue with the character being completed)."""
+    text = req.text
     partial = len(text) - len(text.rstrip("\ufffd"))
-    whole = text[: len(text) - partial]
-    hold = 0
-    for s in stops:
-        for k in range(min(len(s) - (0 if partial else 1), len(whole)), 0, -1):
-            if whole.endswith(s[:k]):
-                hold = max(hold, k)
-                break
-    return partial + hold
+    return partial + (req.stop_matcher.hold if req.stop_matcher is not None else 0)
 
 
 @dataclass(frozen=True)
@@ -122,7 +116,7 @@ class GenerationHandle:
 
     def _publish(self) -> None:
         req = self.request
-        text = req.text if req.finished else req.text[: len(req.text) - _held_back(req.text, req.params.stop_strings)]
+        text = req.text if req.finished else req.text[: len(req.text) - _held_back(req)]
         if not text.startswith(self._text):
             raise RuntimeError(f"streamed text would be taken back: sent {self._text!r}, now {text!r}")
         self._push(text, req.output_token_ids, req.stats, req.finish_reason, req.error)

@@ -65,6 +65,7 @@ from .drafter import make_drafter
 from .transfer import HostLink, Traffic
 from .inputs import chain_batch, tree_batch
 from .request import Request, SamplingParams, check_prompt
+from .stops import StopMatcher
 
 __all__ = ["Executor", "StepReport", "StepTimings", "check_limits"]
 
@@ -252,7 +253,7 @@ class Executor:
         if isinstance(prompt, str):
             ids, text = self.tokenizer.encode(prompt), prompt
         else:
-            ids, text = list(prompt), None
+            ids, text = [int(t) for t in prompt], None  # (numpy integers too)
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad and text is not None:  # a tokenizer that does not belong to the model
             raise ValueError(f"the tokenizer encoded the prompt to ids {bad[:5]} outside the model's vocabulary "
@@ -266,8 +267,17 @@ class Executor:
                 f"prompt has {len(ids)} tokens but the context holds {self.max_seq_len}: it must leave room for at "
                 "least one generated token"
             )
+        if len(ids) + params.max_tokens > self.max_seq_len:  # as the servers refuse it (400), not cut short
+            raise ValueError(f"SamplingParams.max_tokens: the context holds {self.max_seq_len} tokens, but the request "
+                             f"needs {len(ids) + params.max_tokens} ({len(ids)} in the prompt, {params.max_tokens} in "
+                             f"max_tokens)")
+        bad = [t for t in params.stop_token_ids or () if t >= vocab]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        return Request(next(self._ids), ids, params, text, generator=torch.Generator().manual_seed(seed))
+        stops = params.stop_strings
+        return Request(next(self._ids), ids, params, text, generator=torch.Generator().manual_seed(seed),
+                       stop_matcher=StopMatcher(stops) if stops else None)
 
     def submit(self, request: Request) -> None:
         self.waiting.append(request)
@@ -412,18 +422,19 @@ class Executor:
         """Append emitted tokens until a stop condition; returns how many were kept."""
         eos = set() if req.params.ignore_eos else set(self.tokenizer.eos_token_ids)
         stop_ids = set(req.params.stop_token_ids or [])
-        stops = req.params.stop_strings
         kept = 0
         for tok in tokens:
             req.output_token_ids.append(tok)
             kept += 1
             if tok in eos or tok in stop_ids:
                 req.finish_reason = "stop"
-            elif stops:
+            elif req.stop_matcher is not None:
+                # the stop strings are searched in the characters this token added (the text's end that is half a
+                # multi-byte character excluded: it is completed, or stays U+FFFD, with the next tokens)
                 text = self.tokenizer.decode(req.output_token_ids)
-                hits = [text.find(s) for s in stops if s in text]
-                if hits:
-                    req.text = text[: min(hits)]
+                hit = req.stop_matcher.feed(text.rstrip("\ufffd"))
+                if hit is not None:
+                    req.text = text[:hit]
                     req.finish_reason = "stop"
                     return kept
             if req.finish_reason is None and (

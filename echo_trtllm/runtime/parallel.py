@@ -89,6 +89,12 @@ class TPGroup:
     def is_leader(self) -> bool:
         return self.rank == 0
 
+    @property
+    def healthy(self) -> bool:
+        """The group can still run a model call: no collective has failed and every spawned rank is running (a
+        rank killed while the engine idles is seen here before the next call fails on it)."""
+        return self.tp.failed is None and all(p.poll() is None for p in self.processes)
+
     # ---------------------------------------------------------------- loading
 
     def agree(self, value, group=None):

@@ -3,25 +3,34 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-__all__ = ["SamplingParams", "RequestStats", "Request", "FINISH_REASONS", "check_prompt"]
+__all__ = ["SamplingParams", "RequestStats", "Request", "FINISH_REASONS", "check_prompt", "MAX_SEED", "MAX_TOP_K",
+           "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS"]
 
 # "abort": cancelled by the caller (handle.abort(), LLM.abort(), an abandoned stream, shutdown)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 MAX_SEED = 2**63 - 1
 MAX_TOP_K = 2**31 - 1  # anything larger keeps the whole vocabulary anyway
+# limits every front end shares (the LLM API, the OpenAI server, Triton): the engine thread checks stop strings and
+# stop ids at every step, so their count and size bound what one request can cost the others
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 4096  # characters of one request's stop strings together
+MAX_STOP_TOKEN_IDS = 256
 
 
 def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer, numpy's included (a token id read from an array); not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, (numbers.Integral, numbers.Real)) and not isinstance(value, (bool, np.bool_))
 
 
 def check_prompt(prompt) -> None:
@@ -81,9 +90,19 @@ class SamplingParams:
         if not (self.stop is None or (isinstance(self.stop, str) and self.stop) or (
                 isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop))):
             fail("stop", "a non-empty string, a list of non-empty strings, or None")
+        stops = self.stop_strings
+        if any("\ufffd" in s for s in stops):  # it stands for an undecodable byte: text never matches it reliably
+            fail("stop", "strings without U+FFFD (the replacement character)")
+        if len(stops) > MAX_STOP_STRINGS or sum(map(len, stops)) > MAX_STOP_CHARS:
+            raise ValueError(f"SamplingParams.stop must hold at most {MAX_STOP_STRINGS} strings of at most "
+                             f"{MAX_STOP_CHARS} characters together, got {len(stops)} strings of "
+                             f"{sum(map(len, stops))} characters")
         if not (self.stop_token_ids is None or (isinstance(self.stop_token_ids, (list, tuple)) and all(
                 _is_int(t) and t >= 0 for t in self.stop_token_ids))):
             fail("stop_token_ids", "a list of non-negative integer token ids or None")
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"SamplingParams.stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} token ids, got "
+                             f"{len(self.stop_token_ids)}")
         if not isinstance(self.ignore_eos, bool):
             fail("ignore_eos", "True or False")
 
@@ -166,6 +185,8 @@ class Request:
     draft_offset: int = 0  # leading tokens the draft no longer sees (re-primed after a long AR stretch)
     # an EAGLE-3 drafter's window of target features (runtime.drafter.FeatureWindow)
     features: object | None = None
+    # where the stop strings stand in `text` (runtime.stops.StopMatcher; None without stop strings)
+    stop_matcher: object | None = None
     _uniforms: list[float] = field(default_factory=list, repr=False)
 
     def position_uniforms(self, start: int, count: int) -> list[float]:

@@ -36,7 +36,7 @@ from starlette.requests import ClientDisconnect
 from echo_trtllm.runtime.engine import GenerationHandle
 
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from .protocol import GenerationPlan, RequestError, parse_chat, parse_completion
+from .protocol import GenerationPlan, RequestError, max_token_chars, parse_chat, parse_completion
 
 __all__ = ["OpenAIServer", "uvicorn_server", "bound_port", "listen", "default_model_name", "DEFAULT_MAX_QUEUE",
            "DEFAULT_MAX_BODY_BYTES"]
@@ -76,14 +76,15 @@ class OpenAIServer:
             raise ValueError(f"max_body_bytes must be an integer >= 1024, got {max_body_bytes!r}")
         self.llm = llm
         self.model_name = model_name or "echo-trtllm"
-        self.capacity = llm.executor.max_batch_size + max_queue_size
+        self.capacity = llm.max_batch_size + max_queue_size
         self.max_body_bytes = max_body_bytes
-        self.context = llm.executor.max_seq_len
+        self.context = llm.max_seq_len
         # the longest vocabulary entry (characters): a prompt longer than context x this cannot fit
-        self.max_token_chars = max((len(t) for t in llm.tokenizer.vocabulary()), default=64) or 64
+        self.max_token_chars = max_token_chars(llm.tokenizer)
         self.created = int(time.time())
         self._lock = threading.Lock()
         self.inflight = 0  # engine requests submitted through this server and not yet ended
+        self.engine_lost = False  # set by watch_engine when the engine could no longer serve
         self.metrics = ServerMetrics(self._load, speculation=llm.speculation_stats,
                                      info={"model": self.model_name, "dtype": llm.dtype["target"],
                                            "draft_dtype": llm.dtype["draft"] or "none"})
@@ -120,8 +121,9 @@ class OpenAIServer:
 
         @app.get("/health")
         async def health():
-            if not self.llm._loop.alive:
-                return _error(503, "the engine has stopped", kind="service_unavailable")
+            if not self.llm.is_alive:
+                return _error(503, "the engine cannot serve (it has stopped, or a tensor-parallel rank is gone)",
+                              kind="service_unavailable")
             return {"status": "ok"}
 
         @app.get("/v1/models")
@@ -173,11 +175,14 @@ class OpenAIServer:
     def _plan(self, body, chat: bool) -> GenerationPlan:
         tok = self.llm.tokenizer
         if chat:
-            return parse_chat(body, self.model_name, tok, self.context)
-        return parse_completion(body, self.model_name, tok.encode, self.llm.target.config.vocab_size, self.context,
+            return parse_chat(body, self.model_name, tok, self.context, self.max_token_chars)
+        return parse_completion(body, self.model_name, tok.encode, self.llm.vocab_size, self.context,
                                 self.max_token_chars)
 
     def _submit(self, plan: GenerationPlan) -> list[GenerationHandle]:
+        if not self.llm.is_alive:
+            raise RequestError(503, "the engine cannot serve (it has stopped, or a tensor-parallel rank is gone)",
+                               kind="service_unavailable")
         n = len(plan.prompts)
         if n > self.capacity:
             raise RequestError(400, f"prompt has {n} prompts; this server takes at most {self.capacity} requests in "
@@ -351,6 +356,27 @@ def uvicorn_server(server: OpenAIServer, host: str = "127.0.0.1", port: int = 80
     config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=drain_timeout, access_log=log_level == "debug")
     return uvicorn.Server(config)
+
+
+def watch_engine(server: OpenAIServer, userver, interval: float = 1.0) -> threading.Thread:
+    """A thread that tells uvicorn to drain and exit once the engine can no longer serve (`LLM.is_alive`: its
+    thread ended, or a tensor-parallel rank is gone), setting `server.engine_lost`: a server whose every request
+    would fail leaves, so that a supervisor restarts it and a load balancer stops sending to it (its /health
+    answers 503 from the moment the engine is lost). A shutdown uvicorn began itself (SIGTERM) is not a loss."""
+    def run() -> None:
+        while not userver.should_exit:
+            if not server.llm.is_alive:
+                if not userver.should_exit:
+                    log.error("the engine can no longer serve (it has stopped, or a tensor-parallel rank is gone): "
+                              "draining and exiting")
+                    server.engine_lost = True
+                    userver.should_exit = True
+                return
+            time.sleep(interval)
+
+    thread = threading.Thread(target=run, name="echo-engine-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def bound_port(userver) -> int:

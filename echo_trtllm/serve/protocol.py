@@ -16,16 +16,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from echo_trtllm.runtime.request import MAX_SEED, MAX_TOP_K, SamplingParams
+from echo_trtllm.runtime.request import (MAX_SEED, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_K,
+                                         SamplingParams)
 
 __all__ = ["RequestError", "GenerationPlan", "parse_completion", "parse_chat", "chat_prompt_ids", "MAX_STOP_STRINGS",
-           "MAX_PROMPTS"]
+           "MAX_PROMPTS", "max_token_chars"]
 
-# OpenAI caps stop sequences at 4; the engine checks each at every step, so an unbounded list is a cost a client
-# could impose on everyone's steps
-MAX_STOP_STRINGS = 16
+# (stop strings and stop ids: OpenAI caps stop sequences at 4; the limits every front end shares are in
+# runtime/request.py)
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (each becomes an engine request)
-MAX_STOP_TOKEN_IDS = 256  # the engine checks them at every step, like stop strings
 CHAT_ROLES = ("system", "user", "assistant")
 
 
@@ -53,6 +52,12 @@ class GenerationPlan:
     extra: dict = field(default_factory=dict)
     # stream_options.continuous_usage_stats (vLLM's name): every chunk carries the usage so far
     continuous_usage: bool = False
+
+
+def max_token_chars(tokenizer) -> int:
+    """The longest vocabulary entry in characters: a text longer than context x this cannot fit in the context,
+    so a front end refuses it before tokenising it (default 64 for a tokenizer without a vocabulary listing)."""
+    return max((len(t) for t in tokenizer.vocabulary()), default=64) or 64
 
 
 def _is_int(v) -> bool:
@@ -131,8 +136,11 @@ def _sampling(body: dict, max_tokens: int, max_tokens_field: str, vocab_size: in
             raise _bad("stop", "a non-empty string or a list of non-empty strings", stop)
         for s in stops:
             _text("stop", s)
-        if len(stops) > MAX_STOP_STRINGS:
-            raise _bad("stop", f"at most {MAX_STOP_STRINGS} strings", f"{len(stops)} strings")
+            if "\ufffd" in s:
+                raise _bad("stop", "strings without U+FFFD (the replacement character)", stop)
+        if len(stops) > MAX_STOP_STRINGS or sum(map(len, stops)) > MAX_STOP_CHARS:
+            raise _bad("stop", f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters together",
+                       f"{len(stops)} strings of {sum(map(len, stops))} characters")
         stop = stops or None
     stop_ids = _get(body, "stop_token_ids", lambda v: isinstance(v, list) and len(v) <= MAX_STOP_TOKEN_IDS and all(
         _is_int(t) and 0 <= t < vocab_size for t in v),
@@ -262,13 +270,20 @@ def chat_prompt_ids(messages: list[tuple[str, str]], tokenizer) -> list[int]:
     return tokenizer.encode("".join(f"{role}: {content}\n" for role, content in messages) + "assistant:")
 
 
-def parse_chat(body, served_model: str, tokenizer, context: int) -> GenerationPlan:
-    """POST /v1/chat/completions. tokenizer: the runtime's Tokenizer (chat template and length check)."""
+def parse_chat(body, served_model: str, tokenizer, context: int, max_token_chars: int | None = None
+               ) -> GenerationPlan:
+    """POST /v1/chat/completions. tokenizer: the runtime's Tokenizer (chat template and length check);
+    max_token_chars: the longest vocabulary entry in characters: messages longer together than context x that
+    cannot fit and are refused before the template renders or the tokenizer reads them (as completions' prompts)."""
     stream, include_usage, continuous = _common(body, served_model)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", 'a non-empty list of {"role": ..., "content": ...} objects', messages)
     turns = [_message_text(i, m) for i, m in enumerate(messages)]
+    chars = sum(len(c) for _, c in turns)
+    if max_token_chars is not None and chars > context * max_token_chars:
+        raise RequestError(400, f"the messages have {chars} characters: more than this model's context of {context} "
+                                f"tokens can hold", "messages")
     if turns[-1][0] == "assistant":
         raise _bad("messages", "a conversation whose last message is from the system or the user",
                    "the last message is from the assistant")

@@ -30,13 +30,15 @@ from __future__ import annotations
 import os
 import socket
 import sysconfig
+import time
 
 import numpy as np
 
-from echo_trtllm.runtime.request import MAX_SEED, MAX_TOP_K, SamplingParams
+from echo_trtllm.runtime.request import MAX_SEED, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOP_K, SamplingParams
+from echo_trtllm.serve.protocol import max_token_chars
 
 __all__ = ["TritonInputError", "parse_inputs", "response_tensors", "triton_inputs", "triton_outputs", "TritonServing",
-           "prepare_environment", "free_port", "DEFAULT_TRITON_MODEL", "INPUTS", "OUTPUTS", "INPUT_NAMES"]
+           "prepare_environment", "free_port", "stop_on_sigterm", "DEFAULT_TRITON_MODEL", "INPUTS", "OUTPUTS", "INPUT_NAMES"]
 
 DEFAULT_TRITON_MODEL = "ensemble"
 
@@ -86,15 +88,22 @@ def _strings(data: dict, name: str) -> list[str]:
         return []
     out = []
     for v in np.asarray(data[name]).reshape(-1):
-        s = v.decode("utf-8") if isinstance(v, (bytes, np.bytes_)) else str(v)
+        try:
+            s = v.decode("utf-8") if isinstance(v, (bytes, np.bytes_)) else str(v)
+        except UnicodeDecodeError as e:
+            raise TritonInputError(f"{name} is not valid UTF-8: {e}") from None
         # tensorrtllm_backend clients send "" for "none" and may join several words with commas
         out += [w for w in s.split(",") if w] if "," in s else ([s] if s else [])
     return out
 
 
-def parse_inputs(data: dict, context: int, encode=None) -> tuple[str, SamplingParams, bool, bool]:
+def parse_inputs(data: dict, context: int, encode=None, vocab_size: int | None = None,
+                 max_token_chars: int | None = None) -> tuple[str, SamplingParams, bool, bool]:
     """One request's tensors -> (prompt, SamplingParams, stream, exclude_input_in_output). encode(text) -> ids:
-    when given, a prompt whose tokens plus max_tokens exceed the context is refused (as the OpenAI server does)."""
+    when given, a prompt whose tokens plus max_tokens exceed the context is refused (as the OpenAI server does);
+    vocab_size: when given, end_id must lie in [0, vocab_size); max_token_chars: the longest vocabulary entry in
+    characters: a text_input longer than context x that is refused before it is tokenised. The limits are the
+    engine's own (runtime/request.py), each error naming the tensor; every cheap check runs before the tokenizer."""
     raw = np.asarray(data["text_input"]).reshape(-1) if "text_input" in data else np.array([])
     if raw.size != 1:
         raise TritonInputError(f"text_input must hold one string, got {raw.size}")
@@ -104,6 +113,9 @@ def parse_inputs(data: dict, context: int, encode=None) -> tuple[str, SamplingPa
         raise TritonInputError(f"text_input is not valid UTF-8: {e}") from None
     if not prompt:
         raise TritonInputError("text_input must be a non-empty string")
+    if max_token_chars is not None and len(prompt) > context * max_token_chars:
+        raise TritonInputError(f"text_input has {len(prompt)} characters: more than this model's context of "
+                               f"{context} tokens can hold")
     max_tokens = _scalar(data, "max_tokens", int, None)
     if max_tokens is None or max_tokens < 1:
         raise TritonInputError(f"max_tokens must be an integer >= 1, got {max_tokens}")
@@ -112,7 +124,8 @@ def parse_inputs(data: dict, context: int, encode=None) -> tuple[str, SamplingPa
     temperature = _scalar(data, "temperature", float, 1.0)
     top_p = _scalar(data, "top_p", float, 1.0)
     top_k = _scalar(data, "top_k", int, 0)
-    seed = _scalar(data, "seed", int, _scalar(data, "random_seed", int, None))
+    seed_name = "seed" if "seed" in data else "random_seed"
+    seed = _scalar(data, seed_name, int, None)
     beam = _scalar(data, "beam_width", int, 1)
     if beam != 1:
         raise TritonInputError(f"beam_width must be 1 (beam search is not implemented), got {beam}")
@@ -122,17 +135,22 @@ def parse_inputs(data: dict, context: int, encode=None) -> tuple[str, SamplingPa
     checks = [("temperature", np.isfinite(temperature) and temperature >= 0, "a finite number >= 0", temperature),
               ("top_p", 0 < top_p <= 1, "a number in (0, 1]", top_p),
               ("top_k", 0 <= top_k <= MAX_TOP_K, f"an integer in [0, {MAX_TOP_K}] (0 = off)", top_k),
-              ("random_seed", seed is None or 0 <= seed <= MAX_SEED, "in [0, 2**63 - 1]", seed),
-              ("end_id", end_id is None or end_id >= 0, "a token id >= 0", end_id)]
+              (seed_name, seed is None or 0 <= seed <= MAX_SEED, "in [0, 2**63 - 1]", seed),
+              ("end_id", end_id is None or (end_id >= 0 and (vocab_size is None or end_id < vocab_size)),
+               "a token id >= 0" if vocab_size is None else f"a token id in [0, {vocab_size})", end_id)]
     for name, ok, accepted, value in checks:
         if not ok:
             raise TritonInputError(f"{name} must be {accepted}, got {value}")
+    stops = _strings(data, "stop_words")
+    if len(stops) > MAX_STOP_STRINGS or sum(map(len, stops)) > MAX_STOP_CHARS or any("\ufffd" in w for w in stops):
+        raise TritonInputError(f"stop_words must hold at most {MAX_STOP_STRINGS} words of at most {MAX_STOP_CHARS} "
+                               f"characters together, without U+FFFD, got {len(stops)} words of "
+                               f"{sum(map(len, stops))} characters")
     if encode is not None:
         n = len(encode(prompt))
         if n + max_tokens > context:
             raise TritonInputError(f"max_tokens: the context holds {context} tokens, but the request needs "
                                    f"{n + max_tokens} ({n} in text_input, {max_tokens} in max_tokens)")
-    stops = _strings(data, "stop_words")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             stop=stops or None, stop_token_ids=[end_id] if end_id is not None else None)
     stream = _scalar(data, "stream", bool, False)
@@ -204,7 +222,9 @@ class TritonServing:
         prepare_environment()
         self.llm = llm
         self.model_name = model_name
-        self.context = llm.executor.max_seq_len
+        self.context = llm.max_seq_len
+        self.vocab_size = llm.vocab_size
+        self.max_token_chars = max_token_chars(llm.tokenizer)
         self.http_port = http_port or free_port(host)
         self.grpc_port = grpc_port or free_port(host)
         self.metrics_port = metrics_port or free_port(host)
@@ -221,7 +241,8 @@ class TritonServing:
     async def _infer(self, requests):
         """One request per call (max_batch_size 1); each yield answers it once."""
         (request,) = requests
-        prompt, params, stream, exclude = parse_inputs(request.data, self.context, self.llm.tokenizer.encode)
+        prompt, params, stream, exclude = parse_inputs(request.data, self.context, self.llm.tokenizer.encode,
+                                                       self.vocab_size, self.max_token_chars)
         handle = self.llm.generate_async(prompt, params, streaming=stream)
         async for out in handle:
             tensors = response_tensors(out, prompt, stream, exclude)
@@ -232,11 +253,28 @@ class TritonServing:
         self.triton.run()
         return self
 
-    def serve(self) -> None:
-        """Block until SIGINT / SIGTERM (pytriton's loop), then stop tritonserver."""
-        self.triton.serve()
+    def serve(self, poll_s: float = 1.0) -> str | None:
+        """Block while tritonserver and the engine both run; on SIGINT or SIGTERM (the caller turns SIGTERM into
+        KeyboardInterrupt: `stop_on_sigterm`), on tritonserver's end or on the engine's (`LLM.is_alive`: its thread
+        ended, or a tensor-parallel rank is gone), stop tritonserver and free its workspace, so nothing outlives
+        the server. Returns None when a signal ended it, else what ended it (the caller exits non-zero)."""
+        lost = None
+        try:
+            while lost is None:
+                if not self.llm.is_alive:
+                    lost = "the engine could no longer serve (it stopped, or a tensor-parallel rank is gone)"
+                elif not self.triton.is_alive():
+                    lost = "tritonserver ended on its own"
+                else:
+                    time.sleep(poll_s)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self.stop()
+        return lost
 
     def stop(self) -> None:
+        """Stop tritonserver and free its workspace and shared memory (pytriton's stop; a second call does nothing)."""
         self.triton.stop()
 
     def __enter__(self) -> "TritonServing":
@@ -244,3 +282,16 @@ class TritonServing:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def stop_on_sigterm() -> None:
+    """The first SIGTERM raises KeyboardInterrupt in the main thread, as SIGINT does, so `TritonServing.serve` stops
+    tritonserver before the process ends (by default SIGTERM ended the process at once and tritonserver, reparented,
+    ran on for 30-45 s with its shared memory); further SIGTERMs are ignored while that cleanup runs."""
+    import signal
+
+    def interrupt(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)

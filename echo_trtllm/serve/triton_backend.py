@@ -15,6 +15,7 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
+from echo_trtllm.serve.protocol import max_token_chars
 from echo_trtllm.serve.triton import INPUT_NAMES, TritonInputError, parse_inputs, response_tensors
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -32,7 +33,9 @@ class TritonPythonModel:
         kwargs = dict(max_batch_size=int(params.get("max_batch_size", "64")),
                       max_seq_len=int(params.get("max_seq_len", "1024")))
         self.llm = LLM(engine_dir=engine_dir, **kwargs) if engine_dir else LLM(**kwargs)
-        self.context = self.llm.executor.max_seq_len
+        self.context = self.llm.max_seq_len
+        self.vocab_size = self.llm.vocab_size
+        self.max_token_chars = max_token_chars(self.llm.tokenizer)
 
     def execute(self, requests):
         for request in requests:
@@ -43,7 +46,8 @@ class TritonPythonModel:
                 if tensor is not None:
                     data[name] = tensor.as_numpy()
             try:
-                prompt, params, stream, exclude = parse_inputs(data, self.context, self.llm.tokenizer.encode)
+                prompt, params, stream, exclude = parse_inputs(data, self.context, self.llm.tokenizer.encode,
+                                                               self.vocab_size, self.max_token_chars)
                 handle = self.llm.generate_async(prompt, params, streaming=stream)
             except (TritonInputError, ValueError, TypeError) as e:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))), flags=FINAL)

@@ -136,9 +136,9 @@ def test_dtype_auto_is_the_same_for_load_model_and_llm(monkeypatch):
 
     for flags, expected in ((["avx512_bf16"], "bfloat16"), (["avx2"], "float32")):
         monkeypatch.setattr(cpu_mod, "cpu_flags", lambda flags=flags: list(flags))
-        model, _ = loader.load_model(DEFAULT_TARGET, dtype="auto", with_tokenizer=False)
+        model, _ = loader.load_model(DEFAULT_TARGET, dtype="auto", device="cpu", with_tokenizer=False)
         assert str(model.dtype).removeprefix("torch.") == expected
-        llm = LLM(str(DEFAULT_TARGET), str(DEFAULT_DRAFT), dtype="auto")
+        llm = LLM(str(DEFAULT_TARGET), str(DEFAULT_DRAFT), dtype="auto", device="cpu")
         try:
             assert llm.dtype == {"target": expected, "draft": expected}
         finally:

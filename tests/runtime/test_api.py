@@ -245,9 +245,18 @@ def test_a_stop_string_continuing_into_a_multibyte_character_is_never_taken_back
     """A stop string whose later character is multi-byte: while that character is half decoded, the prefix before
     it must stay held back (found by a hostile probe: seed 92 samples '...bos' then 'Ҽ' byte by byte)."""
     from echo_trtllm.runtime.engine import _held_back
+    from echo_trtllm.runtime.request import Request
+    from echo_trtllm.runtime.stops import StopMatcher
 
-    assert _held_back("x日\ufffd", ["日本"]) == 2 and _held_back("ab\ufffd\ufffd", ["bX"]) == 3
-    assert _held_back("abc", ["cd"]) == 1 and _held_back("a\ufffd", []) == 1
+    def held(text, stops):
+        req = Request(0, [1], SamplingParams(stop=stops or None), text=text,
+                      stop_matcher=StopMatcher(stops) if stops else None)
+        if stops:
+            req.stop_matcher.feed(text.rstrip("\ufffd"))  # as the executor feeds it
+        return _held_back(req)
+
+    assert held("x日\ufffd", ["日本"]) == 2 and held("ab\ufffd\ufffd", ["bX"]) == 3
+    assert held("abc", ["cd"]) == 1 and held("a\ufffd", []) == 1
     params = SamplingParams(max_tokens=24, temperature=1e39, seed=92, ignore_eos=True, stop=["sҼ"])
     with pair_llm(max_batch_size=2) as llm:
         done = llm.generate("x", params, use_tqdm=False)

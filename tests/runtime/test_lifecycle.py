@@ -275,7 +275,7 @@ def test_an_llm_dropped_without_shutdown_stops_its_engine_thread(pair_llm):
 
     llm = pair_llm(max_batch_size=1)
     loop = llm._loop
-    handle = llm.generate_async(PROMPTS[0], SamplingParams(max_tokens=1500, temperature=0, ignore_eos=True))
+    handle = llm.generate_async(PROMPTS[0], SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True))
     del llm
     gc.collect()
     loop._thread.join(60)

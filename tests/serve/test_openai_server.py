@@ -314,3 +314,18 @@ def test_sustained_load_counts_the_tokens_inside_its_window_and_reads_the_engine
     assert tokens <= streamed + 3 * 8  # requests cut at either edge count only what arrived inside
     with pytest.raises(ValueError, match="concurrency or a request rate"):
         asyncio.run(run_sustained(served.url, MODEL, ["a"], 1.0, 0.0, 4))
+
+
+def test_a_normal_shutdown_is_not_an_engine_loss(pair_llm):
+    """The watchdog that takes a server out when its engine is lost (tests/serve/test_tensor_parallel_serve.py)
+    must not count uvicorn's own shutdown, which stops the engine too, as a loss (`echo-trtllm serve` would exit 1
+    on every SIGTERM)."""
+    from echo_trtllm.serve.openai_server import watch_engine
+
+    llm = pair_llm(max_batch_size=2, max_seq_len=128)
+    srv = RunningServer(llm)
+    watcher = watch_engine(srv.server, srv.uvicorn, interval=0.01)
+    assert srv.client().completions.create(model=MODEL, prompt="O", max_tokens=2, temperature=0).choices
+    srv.stop()  # uvicorn's should_exit, as its SIGTERM handler sets it; the lifespan then shuts the engine down
+    watcher.join(10)
+    assert not llm.is_alive and not watcher.is_alive() and not srv.server.engine_lost

@@ -13,7 +13,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from echo_trtllm import LLM, EchoConfig, SamplingParams
-from echo_trtllm.models import DEFAULT_EAGLE3, DEFAULT_TARGET
+from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_EAGLE3, DEFAULT_TARGET
 
 from .conftest import listening_url
 
@@ -68,3 +68,45 @@ def test_serve_tp2_equals_one_process_and_ends_with_its_ranks():
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+def test_a_killed_rank_turns_health_to_503_and_the_server_leaves():
+    """A rank killed while the server idles: /health answers 503 at the first request after it (it answered 200
+    with every request failing before), completions are refused with 503 instead of running into the dead group,
+    and the watchdog tells uvicorn to drain and exit (`echo-trtllm serve` then exits 1)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from echo_trtllm.serve.openai_server import watch_engine
+
+    from .conftest import RunningServer
+
+    llm = LLM(DEFAULT_TARGET, DEFAULT_DRAFT, speculative_config=EchoConfig(policy="echo"), tensor_parallel_size=2,
+              dtype="float32", cost_model=None, fallback=False, max_batch_size=4)
+    srv = None
+    try:
+        srv = RunningServer(llm)
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert client.completions.create(model="echo-test", prompt="O", max_tokens=4, temperature=0).choices
+        with urllib.request.urlopen(srv.url + "/health") as r:
+            assert r.status == 200
+        assert llm.is_alive
+        rank = llm._tp_group.processes[0]
+        rank.kill()
+        rank.wait(30)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(srv.url + "/health")
+        assert e.value.code == 503 and json.loads(e.value.read())["error"]["type"] == "service_unavailable"
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(model="echo-test", prompt="O", max_tokens=4, temperature=0)
+        assert e.value.status_code == 503
+        watch_engine(srv.server, srv.uvicorn, interval=0.05)
+        deadline = time.monotonic() + 30
+        while not srv.uvicorn.should_exit and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert srv.uvicorn.should_exit and srv.server.engine_lost
+    finally:
+        if srv is not None:
+            srv.stop()
+        llm.shutdown()

@@ -7,6 +7,7 @@ import json
 import os
 import queue
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -33,9 +34,8 @@ MODEL = "ensemble"
 @pytest.fixture(scope="module")
 def triton(pair_llm):
     llm = pair_llm(max_batch_size=32, max_seq_len=256, fallback=False)
-    serving = TritonServing(llm).run()
-    yield serving
-    serving.stop()
+    with TritonServing(llm) as serving:  # (run() on entry, stop() on exit)
+        yield serving
     llm.shutdown()
 
 
@@ -322,3 +322,50 @@ def test_tritonclient_http_sees_tensorrtllm_backend_interface(triton):
             c.infer(MODEL, [t, m])
     finally:
         c.close()
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [int(x) for x in subprocess.run(["pgrep", "-P", str(p)], capture_output=True,
+                                               text=True).stdout.split()]
+        out += kids
+        todo += kids
+    return out
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_sigterm_ends_serve_triton_with_its_tritonserver():
+    """`echo-trtllm serve --triton` on SIGTERM stops its tritonserver before it exits (it used to leave it running,
+    reparented, for 30-45 s with its shared memory)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "echo_trtllm.cli", "serve", "--triton", "--port", "0",
+                             "--dtype", "float32", "--max-batch-size", "2", "--max-seq-len", "128"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 240
+        line = ""
+        while "listening on" not in line and time.monotonic() < deadline and proc.poll() is None:
+            line = proc.stdout.readline()
+        assert "listening on" in line, "serve --triton did not start"
+        servers = [p for p in _descendants(proc.pid)
+                   if "tritonserver" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
+        assert servers, "no tritonserver child found"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0
+        deadline = time.monotonic() + 10
+        while any(_running(p) for p in servers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_running(p) for p in servers), "tritonserver outlived serve --triton"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
