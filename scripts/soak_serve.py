@@ -82,7 +82,7 @@ async def soak(host: str, port: int, pid: int, n: int, concurrency: int, max_tok
     rng = random.Random(seed)
     prompts = load_prompts("humaneval", "eval")
     kinds = rng.choices(list(KINDS), weights=list(KINDS.values()), k=n)
-    outcomes: dict[str, dict[str, int]] = {k: {} for k in KINDS}
+    outcomes: dict[str, dict[str, int]] = {k: {} for k in ("complete", "stream", "leave", "bad")}
     curve = [(0, rss_mib(pid))]
     done = 0
     t0 = time.perf_counter()
@@ -109,10 +109,19 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--sample-every", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mix", help="shares of the request kinds as KIND=SHARE,... (default: "
+                    + ",".join(f"{k}={v}" for k, v in KINDS.items()) + ")")
     ap.add_argument("--out", required=True)
     ap.add_argument("serve_flags", nargs=argparse.REMAINDER, help="-- flags for echo-trtllm serve")
     args = ap.parse_args()
     flags = args.serve_flags[1:] if args.serve_flags[:1] == ["--"] else args.serve_flags
+    if args.mix:
+        mix = {k: float(v) for k, v in (part.split("=") for part in args.mix.split(","))}
+        unknown = set(mix) - set(KINDS)
+        if unknown:
+            ap.error(f"--mix: unknown kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
+        KINDS.clear()
+        KINDS.update(mix)
     from echo_trtllm.bench.run import report_meta
     from echo_trtllm.bench.serve import scrape_metrics
 
