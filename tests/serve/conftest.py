@@ -1,3 +1,5 @@
+import signal
+import subprocess
 import threading
 import time
 
@@ -27,6 +29,37 @@ def listening_url(proc, timeout: float = 120.0) -> str | None:
         if "listening on " in line:
             return line.split("listening on ")[1].split()[0]
     return None
+
+
+def child_pids(pid: int, recursive: bool = False) -> list[int]:
+    """The processes `pid` started (and theirs, recursively)."""
+    out, todo = [], [pid]
+    while todo:
+        kids = [int(x) for x in subprocess.run(["pgrep", "-P", str(todo.pop())], capture_output=True,
+                                               text=True).stdout.split()]
+        out += kids
+        todo += kids if recursive else []
+    return out
+
+
+def process_running(pid: int) -> bool:
+    """The process exists and is not a zombie (a zombie still answers kill(0))."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def sigterm_ends_with(proc, children: list[int], exit_codes: tuple[int, ...], what: str, wait_s: float = 90,
+                      gone_s: float = 30) -> None:
+    """SIGTERM `proc`; it must exit with one of `exit_codes` within wait_s and `children` end within gone_s."""
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(wait_s) in exit_codes
+    deadline = time.monotonic() + gone_s
+    while any(process_running(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(process_running(p) for p in children), f"{what} outlived the server"
 
 
 class RunningServer:

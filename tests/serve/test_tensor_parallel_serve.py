@@ -15,27 +15,10 @@ pytest.importorskip("fastapi")
 from echo_trtllm import LLM, EchoConfig, SamplingParams
 from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_EAGLE3, DEFAULT_TARGET
 
-from .conftest import listening_url
+from .conftest import child_pids, listening_url, sigterm_ends_with
 
 MODEL = "echo-tp"
 FLAGS = ["--dtype", "float32", "--no-cost-model", "--fallback", "off", "--max-batch-size", "4"]
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie still answers kill(0)
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_serve_tp2_equals_one_process_and_ends_with_its_ranks():
@@ -52,18 +35,13 @@ def test_serve_tp2_equals_one_process_and_ends_with_its_ranks():
     try:
         url = listening_url(proc, timeout=180)
         assert url, "the server did not start"
-        ranks = _children(proc.pid)
+        ranks = child_pids(proc.pid)
         assert len(ranks) == 1, f"expected one spawned rank, found {ranks}"
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
         got = [client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0).choices[0].text
                for p in prompts]
         assert got == expected
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) in (0, -signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while any(_alive(r) for r in ranks) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not any(_alive(r) for r in ranks), "the spawned rank outlived the server"
+        sigterm_ends_with(proc, ranks, (0, -signal.SIGTERM), "the spawned rank", wait_s=60)
     finally:
         if proc.poll() is None:
             proc.kill()

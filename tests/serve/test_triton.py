@@ -7,7 +7,6 @@ import json
 import os
 import queue
 import shutil
-import signal
 import subprocess
 import sys
 import sysconfig
@@ -26,7 +25,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 from echo_trtllm import SamplingParams  # noqa: E402
 from echo_trtllm.serve.triton import TritonServing, free_port  # noqa: E402
 
-from .conftest import MAX_TOKENS, N_DISCONNECT, N_STREAMS, engine_idle  # noqa: E402
+from .conftest import MAX_TOKENS, N_DISCONNECT, N_STREAMS, child_pids, engine_idle, sigterm_ends_with  # noqa: E402
 
 MODEL = "ensemble"
 
@@ -324,25 +323,6 @@ def test_tritonclient_http_sees_tensorrtllm_backend_interface(triton):
         c.close()
 
 
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        kids = [int(x) for x in subprocess.run(["pgrep", "-P", str(p)], capture_output=True,
-                                               text=True).stdout.split()]
-        out += kids
-        todo += kids
-    return out
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_sigterm_ends_serve_triton_with_its_tritonserver():
     """`echo-trtllm serve --triton` on SIGTERM stops its tritonserver before it exits (it used to leave it running,
     reparented, for 30-45 s with its shared memory)."""
@@ -356,15 +336,10 @@ def test_sigterm_ends_serve_triton_with_its_tritonserver():
         while "listening on" not in line and time.monotonic() < deadline and proc.poll() is None:
             line = proc.stdout.readline()
         assert "listening on" in line, "serve --triton did not start"
-        servers = [p for p in _descendants(proc.pid)
+        servers = [p for p in child_pids(proc.pid, recursive=True)
                    if "tritonserver" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
         assert servers, "no tritonserver child found"
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(90) == 0
-        deadline = time.monotonic() + 10
-        while any(_running(p) for p in servers) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not any(_running(p) for p in servers), "tritonserver outlived serve --triton"
+        sigterm_ends_with(proc, servers, (0,), "tritonserver", gone_s=10)
     finally:
         if proc.poll() is None:
             proc.kill()
