@@ -247,7 +247,7 @@ class LLM:
             config = config or cfg
         if eagle3:  # the head is read on rank 0 only, after the shards: its fit is checked before any rank starts
             read_eagle3_config(draft_model, config)
-        dt = resolve_dtype(dtype, device)
+        dt = resolve_dtype(dtype, device, config)
         sharded_draft = draft_model is not None and not eagle3
         specs = [("target", str(model))] + ([("draft", str(draft_model))] if sharded_draft else [])
         group = parallel.start(world, device, specs, dt)

@@ -21,7 +21,7 @@ def dtype_curves(source, dtypes: list[str], tokens: tuple[int, ...], repeats: in
     """Load `source` once (float32) and time its forward over each T in `tokens` in each dtype, in the order
     given (the weights are converted in place; only times are compared)."""
     model, _ = load_model(source, dtype="float32", with_tokenizer=False)
-    chosen, rule = auto_dtype()
+    chosen, rule = auto_dtype(config=model.config)
     curves = {}
     for name in dtypes:
         model.to(DTYPES[name])

@@ -24,14 +24,21 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 DTYPE_CHOICES = ("auto", *DTYPES)
 # CPU flags of the bf16 matrix instructions under which many-row bfloat16 linears run faster than float32 ones
 BF16_MATRIX_FLAGS = ("amx_bf16", "avx512_bf16")
+# a model whose MLP matrix (hidden x intermediate) holds fewer weights than this runs faster in float32 on a CPU even
+# with those instructions: its linears are too small for the bf16 kernels to pay (the embedded target, 256 x 688:
+# `generate` 205 tok/s in float32, 142 in bfloat16); Qwen2.5-Coder 0.5B (896 x 4864) and 1.5B run faster in bf16
+AUTO_MIN_MLP_WEIGHTS = 1 << 20
 
 
-def auto_dtype(device: str | torch.device = "cpu", flags: list[str] | None = None) -> tuple[torch.dtype, str]:
-    """What dtype "auto" resolves to on `device`, and the rule that chose it: bfloat16 on CUDA; on a CPU bfloat16
-    when it has bf16 matrix instructions (AMX-BF16 or AVX512-BF16: a many-row bf16 linear there runs 2-4x faster
-    than fp32), else float32 (an AVX2-only CPU runs it ~4x slower: docs/dtype.md). A rule on the CPU's flags
-    (`flags`: injected by tests; default this CPU's), not a timing, so every start of the same machine picks the
-    same dtype and a seed gives the same text after a restart."""
+def auto_dtype(device: str | torch.device = "cpu", flags: list[str] | None = None,
+               config: ModelConfig | None = None) -> tuple[torch.dtype, str]:
+    """What dtype "auto" resolves to on `device` (for the model of `config`, when given), and the rule that chose it:
+    bfloat16 on CUDA; on a CPU bfloat16 when it has bf16 matrix instructions (AMX-BF16 or AVX512-BF16: a many-row
+    bf16 linear there runs 2-4x faster than fp32) and the model's MLP matrix holds at least AUTO_MIN_MLP_WEIGHTS
+    weights, else float32 (an AVX2-only CPU runs bf16 linears ~4x slower; a tiny model's are too small to gain:
+    docs/dtype.md). A rule on the CPU's flags (`flags`: injected by tests; default this CPU's) and the model's
+    shape, not a timing, so every start of the same machine picks the same dtype and a seed gives the same text
+    after a restart."""
     if torch.device(device).type == "cuda":
         return torch.bfloat16, "cuda: bfloat16"
     if flags is None:
@@ -39,18 +46,22 @@ def auto_dtype(device: str | torch.device = "cpu", flags: list[str] | None = Non
 
         flags = cpu_flags()
     found = [f for f in BF16_MATRIX_FLAGS if f in flags]
-    if found:
-        return torch.bfloat16, f"cpu with {' and '.join(found)}: bfloat16"
-    return torch.float32, f"cpu without {' or '.join(BF16_MATRIX_FLAGS)}: float32"
+    if not found:
+        return torch.float32, f"cpu without {' or '.join(BF16_MATRIX_FLAGS)}: float32"
+    if config is not None and config.hidden_size * config.intermediate_size < AUTO_MIN_MLP_WEIGHTS:
+        return torch.float32, (f"cpu with {' and '.join(found)}, but the model's MLP matrix ({config.hidden_size} x "
+                               f"{config.intermediate_size}) is below {AUTO_MIN_MLP_WEIGHTS} weights: float32")
+    return torch.bfloat16, f"cpu with {' and '.join(found)}: bfloat16"
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
-    """A dtype name (or "auto", resolved for `device` by `auto_dtype`: the one place it is resolved) as a torch
-    dtype; an unknown name is refused naming the choices."""
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu",
+                  config: ModelConfig | None = None) -> torch.dtype:
+    """A dtype name (or "auto", resolved for `device` and the model of `config` by `auto_dtype`: the one place it
+    is resolved) as a torch dtype; an unknown name is refused naming the choices."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return auto_dtype(device)[0]
+        return auto_dtype(device, config=config)[0]
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPE_CHOICES)}")
     return DTYPES[dtype]
@@ -267,9 +278,11 @@ def load_gguf(path: Path, dtype: torch.dtype, device) -> CausalLM:
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
                with_tokenizer: bool = True) -> tuple[CausalLM, Tokenizer | None]:
-    """Load an HF model directory or a .gguf file (and its tokenizer). dtype "auto": see `auto_dtype`."""
+    """Load an HF model directory or a .gguf file (and its tokenizer). dtype "auto": see `auto_dtype` (read in
+    float32, then converted to what the rule picks for the model's shape)."""
     path = Path(path)
-    dt = resolve_dtype(dtype, device)
+    auto = dtype == "auto"
+    dt = torch.float32 if auto else resolve_dtype(dtype, device)
     check_model_path(path)
     from echo_trtllm.models.trtllm_checkpoint import is_trtllm_checkpoint, load_checkpoint
 
@@ -279,6 +292,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
         model = load_checkpoint(path, dt, device)
     else:
         model = load_hf(path, dt, device)
+    if auto:
+        model = model.to(resolve_dtype("auto", device, model.config))
     return model, (load_tokenizer(path, model.config) if with_tokenizer else None)
 
 

@@ -126,6 +126,13 @@ def test_dtype_auto_is_a_rule_on_the_cpu_flags(monkeypatch, cpu, flags, expected
     assert loader.auto_dtype("cpu", flags)[0] == expected
     assert loader.auto_dtype("cuda", [])[0] == torch.bfloat16
     assert expected is torch.bfloat16 or "float32" in loader.auto_dtype("cpu", flags)[1]
+    # the model's shape: Qwen2.5-Coder 0.5B's MLP (896 x 4864) takes the CPU's pick, the embedded target's (256 x 688)
+    # stays float32 even with bf16 instructions (its linears are too small for them: 205 vs 142 tok/s)
+    qwen = ModelConfig.from_hf({"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,
+                                "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936})
+    tiny = ModelConfig.from_hf(json.loads((DEFAULT_TARGET / "config.json").read_text()))
+    assert loader.auto_dtype("cpu", flags, qwen)[0] == expected
+    assert loader.auto_dtype("cpu", flags, tiny)[0] == torch.float32
 
 
 def test_dtype_auto_is_the_same_for_load_model_and_llm(monkeypatch):
@@ -134,6 +141,7 @@ def test_dtype_auto_is_the_same_for_load_model_and_llm(monkeypatch):
     from echo_trtllm import LLM, cpu as cpu_mod
     from echo_trtllm.models import loader
 
+    monkeypatch.setattr(loader, "AUTO_MIN_MLP_WEIGHTS", 0)  # the embedded models count as large enough here
     for flags, expected in ((["avx512_bf16"], "bfloat16"), (["avx2"], "float32")):
         monkeypatch.setattr(cpu_mod, "cpu_flags", lambda flags=flags: list(flags))
         model, _ = loader.load_model(DEFAULT_TARGET, dtype="auto", device="cpu", with_tokenizer=False)
