@@ -26,6 +26,7 @@ from echo_trtllm.models import DEFAULT_TARGET, default_drafter
 from echo_trtllm.models.draft import load_draft
 from echo_trtllm.models.eagle3 import Eagle3Head
 from echo_trtllm.models.llama import CausalLM
+from echo_trtllm.models.packed import prepack_linears
 from echo_trtllm.models.loader import DTYPE_CHOICES, Tokenizer, check_model_path, check_same_vocabulary, load_model
 from echo_trtllm.runtime.calibrate import LOAD_REPEATS, Calibration, measure_cost_model
 from echo_trtllm.runtime.clock import Clock
@@ -204,6 +205,9 @@ class LLM:
                max_num_tokens, gate_samples, clock, iter_stats_max_iterations, adapt) -> None:
         self.config = config
         self.target, self.draft = target, draft
+        for model in (target, draft):  # bfloat16 linears run oneDNN's prepacked kernels (models/packed.py)
+            if model is not None:
+                prepack_linears(model)
         self.dtype = {"target": str(target.dtype).removeprefix("torch."),
                       "draft": str(draft.dtype).removeprefix("torch.") if draft is not None else None}
         self.cost_model = self._cost_model(cost_model, calibration, policy, target, draft, fallback)

@@ -1,0 +1,63 @@
+"""Prepacked bfloat16 linears (models/packed.py) against PyTorch's own linear: the same logits bit for bit, the
+same greedy tokens through the engine, and a weight changed after packing followed."""
+
+import pytest
+import torch
+
+from echo_trtllm import LLM, EchoConfig, SamplingParams
+from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
+from echo_trtllm.models.loader import load_model
+from echo_trtllm.models.packed import _PackedForward, prepack_available, prepack_linears
+from echo_trtllm.runtime.inputs import chain_batch
+from tests.helpers import run_greedy
+
+pytestmark = pytest.mark.skipif(not prepack_available(), reason="oneDNN's bfloat16 kernels are not available here")
+
+
+def _logits(model, ids, tokens=(1, 16)):
+    out = []
+    with torch.inference_mode():
+        for t in tokens:
+            cache = model.allocate_cache(1, 128)
+            model(chain_batch([ids[:32]], torch.tensor([0]), torch.tensor([0]), logits="none"), cache)
+            out.append(model(chain_batch([ids[32:32 + t]], torch.tensor([32]), torch.tensor([0]), logits="all"),
+                             cache))
+    return out
+
+
+def test_prepacked_logits_equal_pytorchs_linear_bit_for_bit():
+    model, _ = load_model(DEFAULT_TARGET, dtype="bfloat16", with_tokenizer=False)
+    ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(0))
+    eager = _logits(model, ids)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert prepack_linears(model) == linears and prepack_linears(model) == 0  # packed once
+    for a, b in zip(eager, _logits(model, ids)):
+        assert torch.equal(a, b)
+
+
+def test_a_weight_changed_after_packing_is_followed():
+    model, _ = load_model(DEFAULT_TARGET, dtype="bfloat16", with_tokenizer=False)
+    prepack_linears(model)
+    ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(1))
+    before = _logits(model, ids, (1,))[0]
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)  # in place: its version moves
+    reference, _ = load_model(DEFAULT_TARGET, dtype="bfloat16", with_tokenizer=False)
+    with torch.no_grad():
+        reference.lm_head.weight.mul_(2)
+    after = _logits(model, ids, (1,))[0]
+    assert not torch.equal(before, after) and torch.equal(after, _logits(reference, ids, (1,))[0])
+    model.float()  # another dtype: PyTorch's own path
+    assert _logits(model, ids, (1,))[0].dtype == torch.float32
+
+
+def test_llm_in_bfloat16_runs_prepacked_and_decodes_as_unpacked_ar(prompts):
+    with LLM(DEFAULT_TARGET, DEFAULT_DRAFT, speculative_config=EchoConfig(policy="echo"), dtype="bfloat16",
+             max_batch_size=4, max_seq_len=256, fallback=False, cost_model=None) as llm:
+        assert isinstance(llm.target.lm_head.__dict__.get("forward"), _PackedForward)
+        got = [o.token_ids for o in llm.generate(prompts[:4], SamplingParams(max_tokens=16, temperature=0,
+                                                                             ignore_eos=True), use_tqdm=False)]
+    target, tok = load_model(DEFAULT_TARGET, dtype="bfloat16")
+    draft, _ = load_model(DEFAULT_DRAFT, dtype="bfloat16", with_tokenizer=False)
+    ref, _, _ = run_greedy(target, draft, tok, "ar", prompts[:4], 4, [16] * 4)  # unpacked plain AR
+    assert got == ref
