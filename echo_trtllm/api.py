@@ -11,11 +11,9 @@ the argument and what is accepted.
 
 from __future__ import annotations
 
-import numbers
 from pathlib import Path
 from typing import Sequence, Union
 
-import numpy as np
 import torch
 
 from echo_trtllm.core.config import EchoConfig
@@ -32,7 +30,7 @@ from echo_trtllm.runtime.calibrate import LOAD_REPEATS, Calibration, measure_cos
 from echo_trtllm.runtime.clock import Clock
 from echo_trtllm.runtime.engine import CompletionOutput, EngineLoop, GenerationHandle, RequestOutput
 from echo_trtllm.runtime.executor import Executor, StepReport, check_limits
-from echo_trtllm.runtime.request import RequestStats, SamplingParams
+from echo_trtllm.runtime.request import RequestStats, SamplingParams, _is_int
 
 __all__ = ["LLM", "SamplingParams", "EchoConfig", "RequestOutput", "CompletionOutput", "RequestStats", "FALLBACK_MODES"]
 
@@ -46,8 +44,7 @@ DraftSource = Union[str, Path, CausalLM, Eagle3Head]
 
 def _is_token_ids(value) -> bool:
     """One prompt given as token ids: a non-empty list / tuple of integers (numpy's included: `list(array)`)."""
-    return isinstance(value, (list, tuple)) and len(value) > 0 and all(
-        isinstance(t, numbers.Integral) and not isinstance(t, (bool, np.bool_)) for t in value)
+    return isinstance(value, (list, tuple)) and len(value) > 0 and all(_is_int(t) for t in value)
 
 
 def _positive_int(name: str, value, minimum: int = 1, allow_none: bool = False) -> None:

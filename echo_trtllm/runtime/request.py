@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 __all__ = ["SamplingParams", "RequestStats", "Request", "FINISH_REASONS", "check_prompt", "MAX_SEED", "MAX_TOP_K",
-           "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS"]
+           "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS", "STOP_LIMITS", "stop_strings_fit",
+           "stops_described"]
 
 # "abort": cancelled by the caller (handle.abort(), LLM.abort(), an abandoned stream, shutdown)
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -22,6 +23,20 @@ MAX_TOP_K = 2**31 - 1  # anything larger keeps the whole vocabulary anyway
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 4096  # characters of one request's stop strings together
 MAX_STOP_TOKEN_IDS = 256
+STOP_LIMITS = f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters together, without U+FFFD"
+
+
+def stop_strings_fit(stops: list[str]) -> bool:
+    """The shared limits on one request's stop strings (STOP_LIMITS): U+FFFD stands for an undecodable byte, which
+    text never matches reliably."""
+    return len(stops) <= MAX_STOP_STRINGS and sum(map(len, stops)) <= MAX_STOP_CHARS and \
+        not any("\ufffd" in s for s in stops)
+
+
+def stops_described(stops: list[str]) -> str:
+    """What a refused set of stop strings held (never the strings themselves: they may be megabytes)."""
+    return f"{len(stops)} strings of {sum(map(len, stops))} characters" + (
+        ", one with U+FFFD" if any("\ufffd" in s for s in stops) else "")
 
 
 def _is_int(value) -> bool:
@@ -30,7 +45,7 @@ def _is_int(value) -> bool:
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (numbers.Integral, numbers.Real)) and not isinstance(value, (bool, np.bool_))
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 def check_prompt(prompt) -> None:
@@ -90,13 +105,8 @@ class SamplingParams:
         if not (self.stop is None or (isinstance(self.stop, str) and self.stop) or (
                 isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop))):
             fail("stop", "a non-empty string, a list of non-empty strings, or None")
-        stops = self.stop_strings
-        if any("\ufffd" in s for s in stops):  # it stands for an undecodable byte: text never matches it reliably
-            fail("stop", "strings without U+FFFD (the replacement character)")
-        if len(stops) > MAX_STOP_STRINGS or sum(map(len, stops)) > MAX_STOP_CHARS:
-            raise ValueError(f"SamplingParams.stop must hold at most {MAX_STOP_STRINGS} strings of at most "
-                             f"{MAX_STOP_CHARS} characters together, got {len(stops)} strings of "
-                             f"{sum(map(len, stops))} characters")
+        if not stop_strings_fit(self.stop_strings):
+            raise ValueError(f"SamplingParams.stop must be {STOP_LIMITS}, got {stops_described(self.stop_strings)}")
         if not (self.stop_token_ids is None or (isinstance(self.stop_token_ids, (list, tuple)) and all(
                 _is_int(t) and t >= 0 for t in self.stop_token_ids))):
             fail("stop_token_ids", "a list of non-negative integer token ids or None")

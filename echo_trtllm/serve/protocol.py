@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from echo_trtllm.runtime.request import (MAX_SEED, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_K,
-                                         SamplingParams)
+from echo_trtllm.runtime.request import (MAX_SEED, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_K, STOP_LIMITS,
+                                         SamplingParams, stop_strings_fit, stops_described)
 
 __all__ = ["RequestError", "GenerationPlan", "parse_completion", "parse_chat", "chat_prompt_ids", "MAX_STOP_STRINGS",
            "MAX_PROMPTS", "max_token_chars"]
@@ -136,11 +136,8 @@ def _sampling(body: dict, max_tokens: int, max_tokens_field: str, vocab_size: in
             raise _bad("stop", "a non-empty string or a list of non-empty strings", stop)
         for s in stops:
             _text("stop", s)
-            if "\ufffd" in s:
-                raise _bad("stop", "strings without U+FFFD (the replacement character)", stop)
-        if len(stops) > MAX_STOP_STRINGS or sum(map(len, stops)) > MAX_STOP_CHARS:
-            raise _bad("stop", f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters together",
-                       f"{len(stops)} strings of {sum(map(len, stops))} characters")
+        if not stop_strings_fit(stops):
+            raise _bad("stop", STOP_LIMITS, stops_described(stops))
         stop = stops or None
     stop_ids = _get(body, "stop_token_ids", lambda v: isinstance(v, list) and len(v) <= MAX_STOP_TOKEN_IDS and all(
         _is_int(t) and 0 <= t < vocab_size for t in v),

@@ -34,11 +34,13 @@ import time
 
 import numpy as np
 
-from echo_trtllm.runtime.request import MAX_SEED, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOP_K, SamplingParams
+from echo_trtllm.runtime.request import (MAX_SEED, MAX_TOP_K, STOP_LIMITS, SamplingParams, stop_strings_fit,
+                                         stops_described)
 from echo_trtllm.serve.protocol import max_token_chars
 
 __all__ = ["TritonInputError", "parse_inputs", "response_tensors", "triton_inputs", "triton_outputs", "TritonServing",
-           "prepare_environment", "free_port", "stop_on_sigterm", "DEFAULT_TRITON_MODEL", "INPUTS", "OUTPUTS", "INPUT_NAMES"]
+           "prepare_environment", "free_port", "stop_on_sigterm", "DEFAULT_TRITON_MODEL", "INPUTS", "OUTPUTS",
+           "INPUT_NAMES"]
 
 DEFAULT_TRITON_MODEL = "ensemble"
 
@@ -142,10 +144,8 @@ def parse_inputs(data: dict, context: int, encode=None, vocab_size: int | None =
         if not ok:
             raise TritonInputError(f"{name} must be {accepted}, got {value}")
     stops = _strings(data, "stop_words")
-    if len(stops) > MAX_STOP_STRINGS or sum(map(len, stops)) > MAX_STOP_CHARS or any("\ufffd" in w for w in stops):
-        raise TritonInputError(f"stop_words must hold at most {MAX_STOP_STRINGS} words of at most {MAX_STOP_CHARS} "
-                               f"characters together, without U+FFFD, got {len(stops)} words of "
-                               f"{sum(map(len, stops))} characters")
+    if not stop_strings_fit(stops):
+        raise TritonInputError(f"stop_words must be {STOP_LIMITS}, got {stops_described(stops)}")
     if encode is not None:
         n = len(encode(prompt))
         if n + max_tokens > context:
