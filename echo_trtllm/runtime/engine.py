@@ -25,6 +25,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..cpu import release_openmp_threads
 from .executor import Executor, StepReport
 from .request import Request, RequestStats
 
@@ -278,6 +279,9 @@ class EngineLoop:
         # is left and ends, instead of being killed inside a model forward.
         self._atexit = _exit_hook(weakref.ref(self))
         atexit.register(self._atexit)
+        # the models were loaded and warmed on this thread; its idle OpenMP team would make libgomp park the
+        # engine thread's workers after every kernel (echo_trtllm.cpu)
+        release_openmp_threads()
         self._thread.start()
 
     # ------------------------------------------------------------ any thread
