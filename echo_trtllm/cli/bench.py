@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile", action="store_true",
                     help="also print host <-> device traffic per step (syncs, bytes each way, largest read; every "
                          "row's JSON has it either way)")
+    ap.add_argument("--profile-phases", action="store_true",
+                    help="instead of the timed cells: where a decode step's time goes, per method and batch size "
+                         "(control, the draft's forwards, the tree's inputs, the target's forward by layer kind, "
+                         "acceptance, finishing, commit; plain and speculative steps apart; echo_trtllm.bench.phases)")
+    ap.add_argument("--profile-steps", type=int, default=16,
+                    help="--profile-phases: steps recorded per method and batch size, after 3 warm ones")
     return ap
 
 
@@ -101,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         calibration_prompts = load_prompts(args.prompt_set, "calibration")
         in_process = args.calibration == "in-process"
         calibration = Calibration.load(args.calibration) if args.calibration and not in_process else None
+        if args.profile_steps < 1:
+            raise ValueError(f"--profile-steps must be >= 1, got {args.profile_steps}")
         if args.no_cost_model and args.calibration:
             raise ValueError("--no-cost-model runs without the calibration's cost curve: do not give --calibration")
     except options.USAGE_ERRORS as e:
@@ -122,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         print("cost curve measured at load (out of the box, no calibration): t_verify " +
               ", ".join(f"{t}:{s * 1e3:.1f}ms" for t, s in zip(cost_model.verify_tokens, cost_model.verify_seconds)),
               flush=True)
+    if args.profile_phases:
+        return _profile(args, argv, cfg, target, draft, tok, prompts, calibration, cost_model)
     hf = None
     if cfg.hf_assisted and 1 in cfg.batch_sizes and 0.0 in cfg.temperatures and draft_kind(draft) == "model":
         hf = load_hf_pair(args.model or str(DEFAULT_TARGET), args.draft_model or str(DEFAULT_DRAFT),
@@ -162,4 +172,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         for name in plot(rows, args.plot, os.path.basename(args.model or "default pair")):
             print(name)
+    return 0
+
+
+def _profile(args, argv, cfg, target, draft, tok, prompts, calibration, cost_model) -> int:
+    """--profile-phases: each method's engine at each batch size, stepped and timed phase by phase."""
+    from echo_trtllm.bench.phases import phase_table, profile_steps
+    from echo_trtllm.bench.run import machine_info, make_engine
+
+    rows = []
+    for b in cfg.batch_sizes:
+        for label, method, mode in cfg.runs():
+            llm = make_engine(target, draft, tok, cfg.config_for(method, b), b, cfg.max_seq_len, calibration,
+                              cost_model, mode)
+            try:
+                rows.append({"method": label, "batch_size": b, **profile_steps(llm, prompts, b, args.profile_steps)})
+            finally:
+                llm.shutdown()
+            print(phase_table(rows[-1:]).split("\n")[2], flush=True)
+    table = phase_table(rows)
+    print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"phases": rows, "machine": machine_info(), "date": time.strftime("%Y-%m-%d"),
+                       "command": command_line(argv), "steps": args.profile_steps, "warm_steps": 3,
+                       "dtype": {"target": str(target.dtype), "draft": str(draft.dtype)}}, f, indent=2)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table)
     return 0

@@ -95,12 +95,20 @@ class StepTimings:
     excluded).
 
     control: ECHO's gate + schedule + pack (drafting loop and selection minus the draft model's forwards, plus
-    packing); draft_model: the draft's forwards; verify: the target's forward over the packed trees."""
+    packing); draft_model: the draft's forwards; verify: the tree's inputs on the device and the target's forward
+    over the packed trees. The finer phases after drafting (the per-phase profile, `bench --profile-phases`):
+    forward, the target's forward alone (verify - forward: building and sending the inputs); accept, acceptance
+    and the accepted path's read; finish, appending tokens and the stop checks; commit, the KV commits, the draft's
+    observation of the new features and freeing finished requests."""
 
     total: float = 0.0
     draft_model: float = 0.0
     control: float = 0.0
     verify: float = 0.0
+    forward: float = 0.0
+    accept: float = 0.0
+    finish: float = 0.0
+    commit: float = 0.0
 
     @property
     def drafting(self) -> float:
@@ -475,6 +483,7 @@ class Executor:
             on_device = self._send(packed)
             batch = tree_batch(on_device, self.link.send("context lengths", ctx), self.link.send("slots", slots),
                                max_tokens)
+            t_inputs = self.clock.now()
             with self.clock.forward("target", int(packed.total_nodes)):
                 logits, features = self._target_forward(batch)  # (N_tot, V) on the device
             t_verified = self.clock.now()
@@ -482,8 +491,10 @@ class Executor:
         except Exception:  # noqa: BLE001 - a failing target fails the requests of this step, the engine goes on
             self._contain("target forward", reqs)
             return StepReport(b, 0, 0, 0, reqs + failed, reqs + failed, positions=positions)
+        t_accepted = self.clock.now()
         draft_model = drafter.model_seconds if drafter is not None else 0.0
-        timings = StepTimings(0.0, draft_model, t_verify - t_step - draft_model, t_verified - t_verify)
+        timings = StepTimings(0.0, draft_model, t_verify - t_step - draft_model, t_verified - t_verify,
+                              forward=t_verified - t_inputs, accept=t_accepted - t_verified)
 
         finished, keep, emitted, kept_counts = list(failed), [], 0, []
         verified = drafted.selected.num_nodes.tolist()
@@ -501,6 +512,8 @@ class Executor:
             keep.append(not req.finished)
             if req.finished:
                 finished.append(req)
+        t_finished = self.clock.now()
+        timings.finish = t_finished - t_accepted
         try:
             self._commit(reqs, result, keep)
         except Exception:  # noqa: BLE001 - the target cache of these requests is no longer trustworthy
@@ -519,7 +532,8 @@ class Executor:
             if req in self.running:
                 self.running.remove(req)
             self._release(req)
-        timings.total = self.clock.now() - t_step
+        t_end = self.clock.now()
+        timings.commit, timings.total = t_end - t_finished, t_end - t_step
         produced = int(result.cu_accepted[-1])  # before stop conditions cut anything
         followed = decision if speculated == planned == wanted else None  # the controller's choice, as it ran
         sample, prediction = self._learn(b, packed, float(ctx.max()), drafter, drafted, result, timings, produced,

@@ -1,0 +1,193 @@
+"""Where a decode step's time goes, phase by phase (`echo-trtllm bench --profile-phases`).
+
+Per method and batch size, one engine (the same one `bench` builds) steps a closed batch of B greedy requests
+directly (the executor's own `step`, the path `LLM` and the servers run, on the calling thread): after the prefill
+step and a few warm steps, each of the next steps is recorded. The batch stays full (every request's max_tokens
+is far beyond the profiled steps), so no step admits or prefills.
+
+Two passes over the same prompts:
+
+- plain: the step's phases from its `StepTimings` (control, the draft's forwards, the tree's inputs, the target's
+  forward, acceptance, finishing, commit, and the rest of the step), no instrumentation;
+- layers: the same steps again with a timer on every module of the target (`LayerTimer`), which splits the target's
+  forward into linears, the LM head, attention (apart from its linears: RoPE, the KV write and gather, the kernel),
+  norms, the MLP's activation, embedding, the residual adds and the model's own code around the layers. The
+  hooks cost a few microseconds per module: the layers pass's forward is reported beside the plain pass's.
+
+Steps are split into plain and speculative ones (`StepReport.speculated`) and each phase's mean is reported in
+milliseconds per step, with tokens emitted and verified per step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from torch import nn
+
+from ..models.eagle3 import Eagle3Head
+from ..models.fp8 import Fp8Linear
+from ..models.llama import MLP, Attention, CausalLM, DecoderLayer, RMSNorm
+from ..runtime.request import SamplingParams
+
+__all__ = ["LAYER_KINDS", "STEP_PHASES", "LayerTimer", "profile_steps", "phase_table"]
+
+# the target forward's parts, in the order the tables show them
+LAYER_KINDS = ("linears", "lm_head", "attention", "norms", "activation", "embedding", "residual", "model code")
+# a step's phases (StepTimings fields; "inputs" = verify - forward, "rest" = total - the others)
+STEP_PHASES = ("control", "draft_model", "inputs", "forward", "accept", "finish", "commit", "rest")
+
+
+def _kind(name: str, module: nn.Module) -> str | None:
+    if isinstance(module, (nn.Linear, Fp8Linear)):
+        return "lm_head" if name == "lm_head" else "linears"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    kinds = ((RMSNorm, "norms"), (Attention, "attention"), (MLP, "activation"), (DecoderLayer, "residual"),
+             (CausalLM, "model code"))
+    return next((k for cls, k in kinds if isinstance(module, cls)), None)
+
+
+class LayerTimer:
+    """Seconds spent in each LAYER_KINDS part of a model's forwards, each module's own time only (a module's
+    time less its timed children's): hooks around every module of a known kind while attached."""
+
+    def __init__(self, model: nn.Module, clock=time.perf_counter) -> None:
+        if isinstance(model, Eagle3Head):
+            raise ValueError("LayerTimer splits a target CausalLM's forward; the draft is timed as a whole")
+        self.model, self.clock = model, clock
+        self.seconds = dict.fromkeys(LAYER_KINDS, 0.0)
+        self._stack: list[list] = []  # [kind, start, children's seconds]
+        self._handles: list = []
+
+    def _pre(self, kind: str):
+        def hook(module, args):
+            self._stack.append([kind, self.clock(), 0.0])
+        return hook
+
+    def _post(self, module, args, output):
+        kind, start, children = self._stack.pop()
+        spent = self.clock() - start
+        self.seconds[kind] += spent - children
+        if self._stack:
+            self._stack[-1][2] += spent
+
+    def __enter__(self) -> "LayerTimer":
+        for name, module in self.model.named_modules():
+            kind = _kind(name, module)
+            if kind is not None:
+                self._handles.append(module.register_forward_pre_hook(self._pre(kind)))
+                self._handles.append(module.register_forward_hook(self._post))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._stack.clear()
+
+    def take(self) -> dict[str, float]:
+        """The seconds since the last take (or since attached), by kind; resets them."""
+        out, self.seconds = self.seconds, dict.fromkeys(LAYER_KINDS, 0.0)
+        return out
+
+
+def _phases(timings) -> dict[str, float]:
+    t = timings
+    known = {"control": t.control, "draft_model": t.draft_model, "inputs": t.verify - t.forward,
+             "forward": t.forward, "accept": t.accept, "finish": t.finish, "commit": t.commit}
+    known["rest"] = t.total - sum(known.values())
+    return known
+
+
+def _steps(executor, prompts: list[str], batch_size: int, steps: int, warm: int, timer: LayerTimer | None):
+    """Closed batch stepped directly: (report, layer seconds or None) of each recorded full-batch step."""
+    limit = executor.max_seq_len
+    tok = executor.tokenizer
+    reqs = []
+    for i in range(batch_size):
+        prompt = prompts[i % len(prompts)]
+        room = limit - len(tok.encode(prompt)) - executor.policy.max_tree_nodes
+        if room < 8 * (steps + warm):
+            raise ValueError(f"profile: prompt {i % len(prompts)} leaves {room} tokens of max_seq_len {limit}; "
+                             f"{8 * (steps + warm)} are needed for {steps} + {warm} steps (raise --max-seq-len)")
+        reqs.append(executor.make_request(prompt, SamplingParams(max_tokens=room, temperature=0.0, ignore_eos=True)))
+    for r in reqs:
+        executor.submit(r)
+    out = []
+    try:
+        executor.step()  # admission and prefill
+        for k in range(warm + steps):
+            if timer is not None:
+                timer.take()
+            report = executor.step()
+            if report.batch_size != batch_size:
+                raise RuntimeError(f"profile: a step ran {report.batch_size} rows instead of {batch_size}")
+            if k >= warm:
+                out.append((report, timer.take() if timer is not None else None))
+    finally:
+        for r in reqs:
+            executor.abort(r)
+    return out
+
+
+def _mean_ms(values) -> float | None:
+    values = list(values)
+    return round(statistics.mean(values) * 1e3, 2) if values else None
+
+
+def _summary(plain, layers) -> dict:
+    """Means over one kind of step (plain or speculative) of both passes."""
+    out = {"steps": len(plain)}
+    if not plain:
+        return out
+    reports = [r for r, _ in plain]
+    out["total_ms"] = _mean_ms(r.timings.total for r in reports)
+    out["phases_ms"] = {p: _mean_ms(_phases(r.timings)[p] for r in reports) for p in STEP_PHASES}
+    out["emitted_per_step"] = round(statistics.mean(r.emitted_tokens for r in reports), 3)
+    out["verified_per_step"] = round(statistics.mean(r.verified_tokens for r in reports), 3)
+    seconds = sum(r.timings.total for r in reports)
+    out["tokens_per_s"] = round(sum(r.emitted_tokens for r in reports) / seconds, 3) if seconds else None
+    if layers:
+        out["layers_pass"] = {"steps": len(layers), "forward_ms": _mean_ms(r.timings.forward for r, _ in layers),
+                              "total_ms": _mean_ms(r.timings.total for r, _ in layers),
+                              "forward_by_kind_ms": {k: _mean_ms(s[k] for _, s in layers) for k in LAYER_KINDS}}
+    return out
+
+
+def profile_steps(llm, prompts: list[str], batch_size: int, steps: int = 16, warm: int = 3) -> dict:
+    """Profile `llm`'s decode steps at `batch_size` (module docstring). `llm` is stepped directly: its engine loop
+    is shut down first, so give it an engine of its own. Returns {"plain": ..., "speculative": ...} summaries."""
+    if steps < 1 or warm < 0:
+        raise ValueError(f"profile: steps must be >= 1 and warm >= 0, got steps={steps}, warm={warm}")
+    llm.shutdown()  # the executor is stepped on this thread
+    executor = llm.executor
+    plain = _steps(executor, prompts, batch_size, steps, warm, None)
+    with LayerTimer(executor.target) as timer:
+        layered = _steps(executor, prompts, batch_size, steps, warm, timer)
+    out = {}
+    for kind, speculated in (("plain", False), ("speculative", True)):
+        out[kind] = _summary([x for x in plain if x[0].speculated == speculated],
+                             [x for x in layered if x[0].speculated == speculated])
+    return out
+
+
+def phase_table(rows: list[dict]) -> str:
+    """Markdown: one line per (method, batch size, step kind) with steps recorded; ms per step by phase, then the
+    target forward by layer kind (from the layers pass)."""
+    head = ["method", "B", "step", "n", "tok/step", "total", *STEP_PHASES, "fwd (layers pass)", *LAYER_KINDS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        for kind in ("plain", "speculative"):
+            s = row[kind]
+            if not s["steps"]:
+                continue
+            lp = s.get("layers_pass") or {}
+            by_kind = lp.get("forward_by_kind_ms") or {}
+            cells = [row["method"], str(row["batch_size"]), kind, str(s["steps"]), f"{s['emitted_per_step']:.2f}",
+                     f"{s['total_ms']:.1f}", *(f"{s['phases_ms'][p]:.1f}" for p in STEP_PHASES),
+                     f"{lp['forward_ms']:.1f}" if lp else "-",
+                     *(f"{by_kind[k]:.1f}" if by_kind.get(k) is not None else "-" for k in LAYER_KINDS)]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\nms per step (means); phases from the plain pass, layer kinds from the layers pass " \
+                              "(hooks on every module: its forward is shown beside).\n"
