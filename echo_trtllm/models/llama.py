@@ -253,10 +253,15 @@ class Attention(nn.Module):
         values = cv[batch.slots, :, :l_max].to(q.dtype)
         qp = q.new_zeros(b, n_max, self.h, self.hd)
         qp[batch.token_request, batch.token_local] = q
-        out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), keys, values, attn_mask=batch.attn_mask[:, None], enable_gqa=self.h != self.h_kv
-        )
-        out = out.transpose(1, 2)[batch.token_request, batch.token_local]  # (T, H, hd)
+        # grouped-query attention as one query block per KV head: the g = H / H_kv query heads that share a KV
+        # head become g x N_max query rows of it, so the kernel reads each KV head once and needs no broadcast of
+        # K/V across heads (PyTorch's CPU kernel with enable_gqa takes its slow path at one query row: 6x slower
+        # at 16 rows of Qwen2.5-1.5B, 45 % of the step; docs/performance.md)
+        g = self.h // self.h_kv
+        qg = qp.transpose(1, 2).reshape(b, self.h_kv, g * n_max, self.hd)
+        mask = batch.attn_mask[:, None, None].expand(b, 1, g, n_max, l_max).reshape(b, 1, g * n_max, l_max)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)  # (B, H_kv, g * N_max, hd)
+        out = out.view(b, self.h, n_max, self.hd).transpose(1, 2)[batch.token_request, batch.token_local]  # (T, H, hd)
         return self.o_proj(out.reshape(t, self.h * self.hd))
 
 

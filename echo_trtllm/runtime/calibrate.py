@@ -33,6 +33,7 @@ from echo_trtllm.core.cost import CostModel, break_even_accept_prob, fit_draft_o
 from echo_trtllm.core.gating import GateCalibration, GateSamples, calibrate_gate
 from echo_trtllm.models.eagle3 import Eagle3Head
 from echo_trtllm.models.llama import CausalLM
+from echo_trtllm.models.packed import prepack_linears
 
 from .inputs import chain_batch
 
@@ -158,7 +159,13 @@ def measure_cost_model(target: CausalLM, draft: CausalLM | Eagle3Head | None, to
                        context: int = 64, repeats: int = 5, grid: bool = False) -> CostModel:
     """t_verify(T) (and t_draft(T) with a draft) at each T in `tokens`, made non-decreasing; with grid=True also
     the verification grid by tokens and context (`measure_grid`), and the draft's on the same axes. With
-    `repeats=LOAD_REPEATS` and no grid this is what an uncalibrated engine measures at load."""
+    `repeats=LOAD_REPEATS` and no grid this is what an uncalibrated engine measures at load.
+
+    The models are measured as the engine runs them: bfloat16 linears are prepacked first (models/packed.py; the
+    engine does it at start, and a curve of the unpacked forwards priced a one-token step at twice its cost)."""
+    for model in (target, draft):
+        if model is not None:
+            prepack_linears(model)
     tokens = tuple(sorted(set(tokens)))
     verify = nondecreasing(measure_forward_seconds(target, tokens, context, repeats))
     draft_times = nondecreasing(measure_forward_seconds(draft, tokens, context, repeats)) if draft else ()
