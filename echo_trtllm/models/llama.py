@@ -214,6 +214,31 @@ class ForwardBatch:
                               (self.input_ids, self.position_ids, self.slots, self.token_request, self.token_local,
                                self.write_pos, self.attn_mask, self.logits_index)))
 
+    def slot_block(self) -> tuple[int, Tensor | None, Tensor | None] | None:
+        """(first, rows, order) when the B slots are first .. first + B - 1 in some order and on the CPU: attention
+        then reads those cache rows in place instead of gathering a copy per layer (a full batch's slots are
+        always such a block). rows[i] = slots[i] - first, order = its inverse (the request at cache row r); both
+        None when the slots are already in order. None for a batch with gaps, or on a device, where reading the
+        slots would wait for it. Worked out once per batch."""
+        if "_slot_block" not in self.__dict__:
+            self._slot_block = _slot_block(self.slots)
+        return self._slot_block
+
+
+def _slot_block(slots: Tensor):
+    if slots.device.type != "cpu" or slots.numel() == 0:
+        return None
+    ids = slots.tolist()
+    first, b = min(ids), len(ids)
+    if max(ids) - first + 1 != b or len(set(ids)) != b:
+        return None
+    if ids == list(range(first, first + b)):
+        return first, None, None
+    rows = slots - first
+    order = torch.empty_like(rows)
+    order[rows] = torch.arange(b)
+    return first, rows, order
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -249,8 +274,15 @@ class Attention(nn.Module):
         ck[tok_slot, :, batch.write_pos] = k.to(ck.dtype)
         cv[tok_slot, :, batch.write_pos] = v.to(cv.dtype)
         b, n_max, l_max = batch.attn_mask.shape
-        keys = ck[batch.slots, :, :l_max].to(q.dtype)  # (B, H_kv, L_max, hd)
-        values = cv[batch.slots, :, :l_max].to(q.dtype)
+        block = batch.slot_block()
+        if block is None:  # a copy of each request's rows, in the batch's order
+            keys = ck[batch.slots, :, :l_max].to(q.dtype)  # (B, H_kv, L_max, hd)
+            values = cv[batch.slots, :, :l_max].to(q.dtype)
+            rows = order = None
+        else:  # the cache's own rows, in slot order
+            first, rows, order = block
+            keys = ck[first:first + b, :, :l_max].to(q.dtype)
+            values = cv[first:first + b, :, :l_max].to(q.dtype)
         qp = q.new_zeros(b, n_max, self.h, self.hd)
         qp[batch.token_request, batch.token_local] = q
         # grouped-query attention as one query block per KV head: the g = H / H_kv query heads that share a KV
@@ -260,7 +292,11 @@ class Attention(nn.Module):
         g = self.h // self.h_kv
         qg = qp.transpose(1, 2).reshape(b, self.h_kv, g * n_max, self.hd)
         mask = batch.attn_mask[:, None, None].expand(b, 1, g, n_max, l_max).reshape(b, 1, g * n_max, l_max)
+        if order is not None:
+            qg, mask = qg[order], mask[order]
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)  # (B, H_kv, g * N_max, hd)
+        if rows is not None:
+            out = out[rows]
         out = out.view(b, self.h, n_max, self.hd).transpose(1, 2)[batch.token_request, batch.token_local]  # (T, H, hd)
         return self.o_proj(out.reshape(t, self.h * self.hd))
 

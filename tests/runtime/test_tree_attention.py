@@ -117,3 +117,21 @@ def test_a_ragged_batch_equals_each_root_paths_causal_forward(default_pair):
     contexts = [torch.randint(0, vocab, (int(c),), generator=gen) for c in ctx]
     logits = _verify(target, pack(tree, ctx), ctx, _prefill(target, contexts))
     _assert_each_node_equals_its_root_path(target, logits, tree, parents, contexts)
+
+
+@pytest.mark.parametrize("slots", [[0, 1, 2, 3], [2, 0, 3, 1], [3, 4, 5, 6], [0, 2, 5, 7]],
+                         ids=["in order", "a permuted block", "an offset block", "slots with gaps"])
+def test_any_slot_layout_verifies_like_the_causal_forward(default_pair, slots):
+    """Attention reads a block of consecutive slots in place (in any order) and gathers slots with gaps
+    (ForwardBatch.slot_block): every layout gives each node its root path's causal logits."""
+    target = default_pair[0]
+    parents, tree, ctx, contexts, _ = _setup(target, 4, 31)
+    slot_ids = torch.tensor(slots)
+    cache = target.allocate_cache(8, 64)
+    target(chain_batch(contexts, torch.zeros(4, dtype=torch.long), slot_ids, "none"), cache)
+    batch = tree_batch(pack(tree, ctx), ctx, slot_ids)
+    block = batch.slot_block()
+    assert (block is None) == (slots == [0, 2, 5, 7])
+    assert block is None or (block[1] is None) == (slots in ([0, 1, 2, 3], [3, 4, 5, 6]))
+    logits = target(batch, cache)
+    _assert_each_node_equals_its_root_path(target, logits, tree, parents, contexts)
