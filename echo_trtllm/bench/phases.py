@@ -101,7 +101,8 @@ def _phases(timings) -> dict[str, float]:
 
 
 def _steps(executor, prompts: list[str], batch_size: int, steps: int, warm: int, timer: LayerTimer | None):
-    """Closed batch stepped directly: (report, layer seconds or None) of each recorded full-batch step."""
+    """Closed batch stepped directly: (report, layer seconds or None, the draft's forwards) of each recorded
+    full-batch step."""
     limit = executor.max_seq_len
     tok = executor.tokenizer
     reqs = []
@@ -124,7 +125,8 @@ def _steps(executor, prompts: list[str], batch_size: int, steps: int, warm: int,
             if report.batch_size != batch_size:
                 raise RuntimeError(f"profile: a step ran {report.batch_size} rows instead of {batch_size}")
             if k >= warm:
-                out.append((report, timer.take() if timer is not None else None))
+                forwards = len(executor.drafter.forward_tokens) if report.speculated else 0
+                out.append((report, timer.take() if timer is not None else None, forwards))
     finally:
         for r in reqs:
             executor.abort(r)
@@ -141,17 +143,21 @@ def _summary(plain, layers) -> dict:
     out = {"steps": len(plain)}
     if not plain:
         return out
-    reports = [r for r, _ in plain]
+    reports = [r for r, _, _ in plain]
     out["total_ms"] = _mean_ms(r.timings.total for r in reports)
     out["phases_ms"] = {p: _mean_ms(_phases(r.timings)[p] for r in reports) for p in STEP_PHASES}
     out["emitted_per_step"] = round(statistics.mean(r.emitted_tokens for r in reports), 3)
     out["verified_per_step"] = round(statistics.mean(r.verified_tokens for r in reports), 3)
+    forwards = statistics.mean(f for _, _, f in plain)
+    out["draft_forwards_per_step"] = round(forwards, 3)
+    if forwards:  # the draft's forwards (levels, and a separate re-read of accepted tokens where there is one)
+        out["draft_ms_per_forward"] = round(out["phases_ms"]["draft_model"] / forwards, 3)
     seconds = sum(r.timings.total for r in reports)
     out["tokens_per_s"] = round(sum(r.emitted_tokens for r in reports) / seconds, 3) if seconds else None
     if layers:
-        out["layers_pass"] = {"steps": len(layers), "forward_ms": _mean_ms(r.timings.forward for r, _ in layers),
-                              "total_ms": _mean_ms(r.timings.total for r, _ in layers),
-                              "forward_by_kind_ms": {k: _mean_ms(s[k] for _, s in layers) for k in LAYER_KINDS}}
+        out["layers_pass"] = {"steps": len(layers), "forward_ms": _mean_ms(r.timings.forward for r, _, _ in layers),
+                              "total_ms": _mean_ms(r.timings.total for r, _, _ in layers),
+                              "forward_by_kind_ms": {k: _mean_ms(s[k] for _, s, _ in layers) for k in LAYER_KINDS}}
     return out
 
 
@@ -175,7 +181,8 @@ def profile_steps(llm, prompts: list[str], batch_size: int, steps: int = 16, war
 def phase_table(rows: list[dict]) -> str:
     """Markdown: one line per (method, batch size, step kind) with steps recorded; ms per step by phase, then the
     target forward by layer kind (from the layers pass)."""
-    head = ["method", "B", "step", "n", "tok/step", "total", *STEP_PHASES, "fwd (layers pass)", *LAYER_KINDS]
+    head = ["method", "B", "step", "n", "tok/step", "draft fwds", "total", *STEP_PHASES, "fwd (layers pass)",
+            *LAYER_KINDS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         for kind in ("plain", "speculative"):
@@ -185,7 +192,7 @@ def phase_table(rows: list[dict]) -> str:
             lp = s.get("layers_pass") or {}
             by_kind = lp.get("forward_by_kind_ms") or {}
             cells = [row["method"], str(row["batch_size"]), kind, str(s["steps"]), f"{s['emitted_per_step']:.2f}",
-                     f"{s['total_ms']:.1f}", *(f"{s['phases_ms'][p]:.1f}" for p in STEP_PHASES),
+                     f"{s.get('draft_forwards_per_step', 0):.1f}", f"{s['total_ms']:.1f}", *(f"{s['phases_ms'][p]:.1f}" for p in STEP_PHASES),
                      f"{lp['forward_ms']:.1f}" if lp else "-",
                      *(f"{by_kind[k]:.1f}" if by_kind.get(k) is not None else "-" for k in LAYER_KINDS)]
             lines.append("| " + " | ".join(cells) + " |")

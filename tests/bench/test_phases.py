@@ -88,8 +88,13 @@ def test_profile_steps_through_the_bench_engine(default_pair, prompts, policy, f
     assert lp["steps"] == 4 and 0 < sum(lp["forward_by_kind_ms"].values()) <= lp["forward_ms"] + 0.05
     if policy == "ar":
         assert s["emitted_per_step"] == 2 and s["verified_per_step"] == 2 and s["phases_ms"]["draft_model"] == 0
+        assert s["draft_forwards_per_step"] == 0 and "draft_ms_per_forward" not in s
     else:
         assert s["verified_per_step"] > 2 and s["phases_ms"]["draft_model"] > 0
+        # a separate draft model: one forward per level of the tree it drafted (at least the root's)
+        assert s["draft_forwards_per_step"] >= 1
+        assert s["draft_ms_per_forward"] == pytest.approx(s["phases_ms"]["draft_model"] / s["draft_forwards_per_step"],
+                                                          abs=1e-3)
 
 
 def test_profile_steps_refuses_a_context_too_short_for_the_steps(default_pair, prompts):
