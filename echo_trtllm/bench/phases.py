@@ -8,14 +8,17 @@ is far beyond the profiled steps), so no step admits or prefills.
 Two passes over the same prompts:
 
 - plain: the step's phases from its `StepTimings` (control, the draft's forwards, the tree's inputs, the target's
-  forward, acceptance, finishing, commit, and the rest of the step), no instrumentation;
+  forward, acceptance, finishing, commit) and the rest of the call (its wall time outside those: admission, the
+  step's own tensors, learning from it, its report), no instrumentation;
 - layers: the same steps again with a timer on every module of the target (`LayerTimer`), which splits the target's
   forward into linears, the LM head, attention (apart from its linears: RoPE, the KV write and gather, the kernel),
   norms, the MLP's activation, embedding, the residual adds and the model's own code around the layers. The
   hooks cost a few microseconds per module: the layers pass's forward is reported beside the plain pass's.
 
 Steps are split into plain and speculative ones (`StepReport.speculated`) and each phase's mean is reported in
-milliseconds per step, with tokens emitted and verified per step.
+milliseconds per step, with tokens emitted and verified per step and the draft's forwards. The first step (the
+batch's prompts prefilled, then one decode step) is reported apart: its time per prompt token and, from the layers
+pass, by layer kind.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ __all__ = ["LAYER_KINDS", "STEP_PHASES", "LayerTimer", "profile_steps", "phase_t
 
 # the target forward's parts, in the order the tables show them
 LAYER_KINDS = ("linears", "lm_head", "attention", "norms", "activation", "embedding", "residual", "model code")
-# a step's phases (StepTimings fields; "inputs" = verify - forward, "rest" = total - the others)
+# a step's phases (StepTimings fields; "inputs" = verify - forward; "rest" = the step call's wall time outside
+# StepTimings.total: admission, building the step's tensors, learning from it, its report)
 STEP_PHASES = ("control", "draft_model", "inputs", "forward", "accept", "finish", "commit", "rest")
 
 
@@ -92,17 +96,15 @@ class LayerTimer:
         return out
 
 
-def _phases(timings) -> dict[str, float]:
+def _phases(timings, wall: float) -> dict[str, float]:
     t = timings
-    known = {"control": t.control, "draft_model": t.draft_model, "inputs": t.verify - t.forward,
-             "forward": t.forward, "accept": t.accept, "finish": t.finish, "commit": t.commit}
-    known["rest"] = t.total - sum(known.values())
-    return known
+    return {"control": t.control, "draft_model": t.draft_model, "inputs": t.verify - t.forward,
+            "forward": t.forward, "accept": t.accept, "finish": t.finish, "commit": t.commit, "rest": wall - t.total}
 
 
 def _steps(executor, prompts: list[str], batch_size: int, steps: int, warm: int, timer: LayerTimer | None):
-    """Closed batch stepped directly: (report, layer seconds or None, the draft's forwards) of each recorded
-    full-batch step."""
+    """Closed batch stepped directly: ([(report, layer seconds or None, the draft's forwards, the step call's wall
+    seconds) of each recorded full-batch step], the first step's prefill {tokens, seconds, layers})."""
     limit = executor.max_seq_len
     tok = executor.tokenizer
     reqs = []
@@ -117,20 +119,27 @@ def _steps(executor, prompts: list[str], batch_size: int, steps: int, warm: int,
         executor.submit(r)
     out = []
     try:
-        executor.step()  # admission and prefill
+        if timer is not None:
+            timer.take()
+        t0 = time.perf_counter()
+        executor.step()  # admission, prefill and the first decode step
+        prefill = {"tokens": sum(len(r.prompt_token_ids) - 1 for r in reqs), "seconds": time.perf_counter() - t0,
+                   "layers": timer.take() if timer is not None else None}
         for k in range(warm + steps):
             if timer is not None:
                 timer.take()
+            t0 = time.perf_counter()
             report = executor.step()
+            wall = time.perf_counter() - t0
             if report.batch_size != batch_size:
                 raise RuntimeError(f"profile: a step ran {report.batch_size} rows instead of {batch_size}")
             if k >= warm:
-                forwards = len(executor.drafter.forward_tokens) if report.speculated else 0
-                out.append((report, timer.take() if timer is not None else None, forwards))
+                forwards = sum(t > 0 for t in executor.drafter.forward_tokens) if report.speculated else 0
+                out.append((report, timer.take() if timer is not None else None, forwards, wall))
     finally:
         for r in reqs:
             executor.abort(r)
-    return out
+    return out, prefill
 
 
 def _mean_ms(values) -> float | None:
@@ -143,21 +152,21 @@ def _summary(plain, layers) -> dict:
     out = {"steps": len(plain)}
     if not plain:
         return out
-    reports = [r for r, _, _ in plain]
-    out["total_ms"] = _mean_ms(r.timings.total for r in reports)
-    out["phases_ms"] = {p: _mean_ms(_phases(r.timings)[p] for r in reports) for p in STEP_PHASES}
+    reports = [r for r, _, _, _ in plain]
+    out["total_ms"] = _mean_ms(w for _, _, _, w in plain)  # the step call's wall time: every phase and the rest
+    out["phases_ms"] = {p: _mean_ms(_phases(r.timings, w)[p] for r, _, _, w in plain) for p in STEP_PHASES}
     out["emitted_per_step"] = round(statistics.mean(r.emitted_tokens for r in reports), 3)
     out["verified_per_step"] = round(statistics.mean(r.verified_tokens for r in reports), 3)
-    forwards = statistics.mean(f for _, _, f in plain)
+    forwards = statistics.mean(f for _, _, f, _ in plain)
     out["draft_forwards_per_step"] = round(forwards, 3)
     if forwards:  # the draft's forwards (levels, and a separate re-read of accepted tokens where there is one)
         out["draft_ms_per_forward"] = round(out["phases_ms"]["draft_model"] / forwards, 3)
-    seconds = sum(r.timings.total for r in reports)
+    seconds = sum(w for _, _, _, w in plain)
     out["tokens_per_s"] = round(sum(r.emitted_tokens for r in reports) / seconds, 3) if seconds else None
     if layers:
-        out["layers_pass"] = {"steps": len(layers), "forward_ms": _mean_ms(r.timings.forward for r, _, _ in layers),
-                              "total_ms": _mean_ms(r.timings.total for r, _, _ in layers),
-                              "forward_by_kind_ms": {k: _mean_ms(s[k] for _, s, _ in layers) for k in LAYER_KINDS}}
+        out["layers_pass"] = {"steps": len(layers), "forward_ms": _mean_ms(r.timings.forward for r, _, _, _ in layers),
+                              "total_ms": _mean_ms(w for _, _, _, w in layers),
+                              "forward_by_kind_ms": {k: _mean_ms(s[k] for _, s, _, _ in layers) for k in LAYER_KINDS}}
     return out
 
 
@@ -168,10 +177,15 @@ def profile_steps(llm, prompts: list[str], batch_size: int, steps: int = 16, war
         raise ValueError(f"profile: steps must be >= 1 and warm >= 0, got steps={steps}, warm={warm}")
     llm.shutdown()  # the executor is stepped on this thread
     executor = llm.executor
-    plain = _steps(executor, prompts, batch_size, steps, warm, None)
+    plain, prefill = _steps(executor, prompts, batch_size, steps, warm, None)
     with LayerTimer(executor.target) as timer:
-        layered = _steps(executor, prompts, batch_size, steps, warm, timer)
-    out = {}
+        layered, prefill_layers = _steps(executor, prompts, batch_size, steps, warm, timer)
+    # the first step: the batch's prompts prefilled, then its first decode step (a closed batch's start)
+    out = {"prefill_step": {"prompt_tokens": prefill["tokens"], "ms": round(prefill["seconds"] * 1e3, 1),
+                            "ms_per_prompt_token": round(prefill["seconds"] * 1e3 / max(prefill["tokens"], 1), 3),
+                            "layers_pass_ms": round(prefill_layers["seconds"] * 1e3, 1),
+                            "layers_pass_by_kind_ms": {k: round(v * 1e3, 1)
+                                                       for k, v in prefill_layers["layers"].items()}}}
     for kind, speculated in (("plain", False), ("speculative", True)):
         out[kind] = _summary([x for x in plain if x[0].speculated == speculated],
                              [x for x in layered if x[0].speculated == speculated])
@@ -196,5 +210,14 @@ def phase_table(rows: list[dict]) -> str:
                      f"{lp['forward_ms']:.1f}" if lp else "-",
                      *(f"{by_kind[k]:.1f}" if by_kind.get(k) is not None else "-" for k in LAYER_KINDS)]
             lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\nms per step (means); phases from the plain pass, layer kinds from the layers pass " \
-                              "(hooks on every module: its forward is shown beside).\n"
+    lines += ["", "| method | B | first step: prompt tokens | ms | ms / prompt token | (layers pass) | "
+              + " | ".join(LAYER_KINDS) + " |", "|" + "---|" * (6 + len(LAYER_KINDS))]
+    for row in rows:
+        p = row.get("prefill_step")
+        if p:
+            lines.append(f"| {row['method']} | {row['batch_size']} | {p['prompt_tokens']} | {p['ms']:.0f} | "
+                         f"{p['ms_per_prompt_token']:.2f} | {p['layers_pass_ms']:.0f} | "
+                         + " | ".join(f"{p['layers_pass_by_kind_ms'][k]:.0f}" for k in LAYER_KINDS) + " |")
+    return "\n".join(lines) + "\n\nms per step (means); phases from the plain pass (rest: the step call's time " \
+                              "outside them), layer kinds from the layers pass (hooks on every module: its forward is " \
+                              "shown beside). The first step prefills the batch's prompts, then decodes once.\n"

@@ -131,7 +131,10 @@ def main(argv: list[str] | None = None) -> int:
               ", ".join(f"{t}:{s * 1e3:.1f}ms" for t, s in zip(cost_model.verify_tokens, cost_model.verify_seconds)),
               flush=True)
     if args.profile_phases:
-        return _profile(args, argv, cfg, target, draft, tok, prompts, calibration, cost_model)
+        try:
+            return _profile(args, argv, cfg, target, draft, tok, prompts, calibration, cost_model)
+        except (ValueError, RuntimeError) as e:  # e.g. a context too short for the steps asked
+            return options.fail(PROG, e)
     hf = None
     if cfg.hf_assisted and 1 in cfg.batch_sizes and 0.0 in cfg.temperatures and draft_kind(draft) == "model":
         hf = load_hf_pair(args.model or str(DEFAULT_TARGET), args.draft_model or str(DEFAULT_DRAFT),
@@ -189,14 +192,16 @@ def _profile(args, argv, cfg, target, draft, tok, prompts, calibration, cost_mod
                 rows.append({"method": label, "batch_size": b, **profile_steps(llm, prompts, b, args.profile_steps)})
             finally:
                 llm.shutdown()
-            print(phase_table(rows[-1:]).split("\n")[2], flush=True)
+            print("\n".join(x for x in phase_table(rows[-1:]).split("\n")[2:4] if x.startswith("| ")), flush=True)
     table = phase_table(rows)
     print(table)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"phases": rows, "machine": machine_info(), "date": time.strftime("%Y-%m-%d"),
                        "command": command_line(argv), "steps": args.profile_steps, "warm_steps": 3,
-                       "dtype": {"target": str(target.dtype), "draft": str(draft.dtype)}}, f, indent=2)
+                       "dtype": {"target": str(target.dtype), "draft": str(draft.dtype)},
+                       "cost_model": json.loads(cost_model.to_json()) if hasattr(cost_model, "to_json") else None},
+                      f, indent=2)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table)

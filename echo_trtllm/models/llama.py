@@ -297,7 +297,8 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)  # (B, H_kv, g * N_max, hd)
         if rows is not None:
             out = out[rows]
-        out = out.view(b, self.h, n_max, self.hd).transpose(1, 2)[batch.token_request, batch.token_local]  # (T, H, hd)
+        # reshape, not view: CUDA's memory-efficient kernel returns a transposed (non-contiguous) output
+        out = out.reshape(b, self.h, n_max, self.hd).transpose(1, 2)[batch.token_request, batch.token_local]  # (T, H, hd)
         return self.o_proj(out.reshape(t, self.h * self.hd))
 
 

@@ -79,8 +79,12 @@ def test_profile_steps_through_the_bench_engine(default_pair, prompts, policy, f
     finally:
         llm.shutdown()
     kind, other = ("plain", "speculative") if policy == "ar" else ("speculative", "plain")
+    pre = out["prefill_step"]
+    assert pre["prompt_tokens"] == sum(len(tok.encode(p)) - 1 for p in prompts[:2]) and pre["ms"] > 0
+    assert 0 < sum(pre["layers_pass_by_kind_ms"].values()) <= pre["layers_pass_ms"] + 0.1
     s = out[kind]
     assert s["steps"] == 4 and out[other] == {"steps": 0}
+    assert s["phases_ms"]["rest"] > 0  # the call's time outside its phases (admission, learning, the report)
     assert set(s["phases_ms"]) == set(STEP_PHASES)
     assert sum(s["phases_ms"].values()) == pytest.approx(s["total_ms"], abs=0.05)
     assert s["phases_ms"]["forward"] > 0
