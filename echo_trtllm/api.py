@@ -32,7 +32,11 @@ from echo_trtllm.runtime.engine import CompletionOutput, EngineLoop, GenerationH
 from echo_trtllm.runtime.executor import Executor, StepReport, check_limits
 from echo_trtllm.runtime.request import RequestStats, SamplingParams, _is_int
 
-__all__ = ["LLM", "SamplingParams", "EchoConfig", "RequestOutput", "CompletionOutput", "RequestStats", "FALLBACK_MODES"]
+__all__ = ["LLM", "SamplingParams", "EchoConfig", "RequestOutput", "CompletionOutput", "RequestStats", "FALLBACK_MODES",
+           "ENGINE_LOST"]
+
+# what the servers say when `LLM.is_alive` turns False (/health, refused requests, the exit message)
+ENGINE_LOST = "the engine cannot serve (it has stopped, or a tensor-parallel rank is gone)"
 
 # the command-line spelling of LLM(fallback=...): the AR fallback as the default has it, for every method, never
 FALLBACK_MODES = {"auto": "auto", "on": True, "off": False}

@@ -33,13 +33,15 @@ from ..models.fp8 import Fp8Linear
 from ..models.llama import MLP, Attention, CausalLM, DecoderLayer, RMSNorm
 from ..runtime.request import SamplingParams
 
-__all__ = ["LAYER_KINDS", "STEP_PHASES", "LayerTimer", "profile_steps", "phase_table"]
+__all__ = ["LAYER_KINDS", "STEP_PHASES", "WARM_STEPS", "LayerTimer", "profile_steps", "phase_table"]
 
 # the target forward's parts, in the order the tables show them
 LAYER_KINDS = ("linears", "lm_head", "attention", "norms", "activation", "embedding", "residual", "model code")
 # a step's phases (StepTimings fields; "inputs" = verify - forward; "rest" = the step call's wall time outside
 # StepTimings.total: admission, building the step's tensors, learning from it, its report)
 STEP_PHASES = ("control", "draft_model", "inputs", "forward", "accept", "finish", "commit", "rest")
+# steps run after the first one and before any is recorded
+WARM_STEPS = 3
 
 
 def _kind(name: str, module: nn.Module) -> str | None:
@@ -153,8 +155,9 @@ def _summary(plain, layers) -> dict:
     if not plain:
         return out
     reports = [r for r, _, _, _ in plain]
+    phases = [_phases(r.timings, w) for r, _, _, w in plain]
     out["total_ms"] = _mean_ms(w for _, _, _, w in plain)  # the step call's wall time: every phase and the rest
-    out["phases_ms"] = {p: _mean_ms(_phases(r.timings, w)[p] for r, _, _, w in plain) for p in STEP_PHASES}
+    out["phases_ms"] = {p: _mean_ms(x[p] for x in phases) for p in STEP_PHASES}
     out["emitted_per_step"] = round(statistics.mean(r.emitted_tokens for r in reports), 3)
     out["verified_per_step"] = round(statistics.mean(r.verified_tokens for r in reports), 3)
     forwards = statistics.mean(f for _, _, f, _ in plain)
@@ -170,7 +173,7 @@ def _summary(plain, layers) -> dict:
     return out
 
 
-def profile_steps(llm, prompts: list[str], batch_size: int, steps: int = 16, warm: int = 3) -> dict:
+def profile_steps(llm, prompts: list[str], batch_size: int, steps: int = 16, warm: int = WARM_STEPS) -> dict:
     """Profile `llm`'s decode steps at `batch_size` (module docstring). `llm` is stepped directly: its engine loop
     is shut down first, so give it an engine of its own. Returns {"plain": ..., "speculative": ...} summaries."""
     if steps < 1 or warm < 0:

@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "(control, the draft's forwards, the tree's inputs, the target's forward by layer kind, "
                          "acceptance, finishing, commit; plain and speculative steps apart; echo_trtllm.bench.phases)")
     ap.add_argument("--profile-steps", type=int, default=16,
-                    help="--profile-phases: steps recorded per method and batch size, after 3 warm ones")
+                    help="--profile-phases: steps recorded per method and batch size, after a few warm ones "
+                         "(echo_trtllm.bench.phases.WARM_STEPS)")
     return ap
 
 
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _profile(args, argv, cfg, target, draft, tok, prompts, calibration, cost_model) -> int:
     """--profile-phases: each method's engine at each batch size, stepped and timed phase by phase."""
-    from echo_trtllm.bench.phases import phase_table, profile_steps
+    from echo_trtllm.bench.phases import WARM_STEPS, phase_table, profile_steps
     from echo_trtllm.bench.run import machine_info, make_engine
 
     rows = []
@@ -198,7 +199,7 @@ def _profile(args, argv, cfg, target, draft, tok, prompts, calibration, cost_mod
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"phases": rows, "machine": machine_info(), "date": time.strftime("%Y-%m-%d"),
-                       "command": command_line(argv), "steps": args.profile_steps, "warm_steps": 3,
+                       "command": command_line(argv), "steps": args.profile_steps, "warm_steps": WARM_STEPS,
                        "dtype": {"target": str(target.dtype), "draft": str(draft.dtype)},
                        "cost_model": json.loads(cost_model.to_json()) if hasattr(cost_model, "to_json") else None},
                       f, indent=2)

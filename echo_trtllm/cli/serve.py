@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.triton:
         return _main_triton(args)
     try:
+        from echo_trtllm.api import ENGINE_LOST
         from echo_trtllm.serve.openai_server import (OpenAIServer, default_model_name, listen, uvicorn_server,
                                                      watch_engine)
     except ImportError as e:
@@ -90,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     watch_engine(server, userver)
     userver.run(sockets=[sock])
     if server.engine_lost:
-        options.fail(PROG, "the engine could no longer serve (it stopped, or a tensor-parallel rank is gone); the "
-                           "server drained and exited")
+        options.fail(PROG, f"{ENGINE_LOST}; the server drained and exited")
         return 1
     return 0
 

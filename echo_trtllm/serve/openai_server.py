@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from echo_trtllm.api import ENGINE_LOST
 from echo_trtllm.runtime.engine import GenerationHandle
 
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -122,8 +123,7 @@ class OpenAIServer:
         @app.get("/health")
         async def health():
             if not self.llm.is_alive:
-                return _error(503, "the engine cannot serve (it has stopped, or a tensor-parallel rank is gone)",
-                              kind="service_unavailable")
+                return _error(503, ENGINE_LOST, kind="service_unavailable")
             return {"status": "ok"}
 
         @app.get("/v1/models")
@@ -181,8 +181,7 @@ class OpenAIServer:
 
     def _submit(self, plan: GenerationPlan) -> list[GenerationHandle]:
         if not self.llm.is_alive:
-            raise RequestError(503, "the engine cannot serve (it has stopped, or a tensor-parallel rank is gone)",
-                               kind="service_unavailable")
+            raise RequestError(503, ENGINE_LOST, kind="service_unavailable")
         n = len(plan.prompts)
         if n > self.capacity:
             raise RequestError(400, f"prompt has {n} prompts; this server takes at most {self.capacity} requests in "
@@ -367,8 +366,7 @@ def watch_engine(server: OpenAIServer, userver, interval: float = 1.0) -> thread
         while not userver.should_exit:
             if not server.llm.is_alive:
                 if not userver.should_exit:
-                    log.error("the engine can no longer serve (it has stopped, or a tensor-parallel rank is gone): "
-                              "draining and exiting")
+                    log.error("%s: draining and exiting", ENGINE_LOST)
                     server.engine_lost = True
                     userver.should_exit = True
                 return

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 
 from echo_trtllm.runtime.request import (MAX_SEED, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_K, STOP_LIMITS,
-                                         SamplingParams, stop_strings_fit, stops_described)
+                                         SamplingParams, _is_int, stop_strings_fit, stops_described)
 
 __all__ = ["RequestError", "GenerationPlan", "parse_completion", "parse_chat", "chat_prompt_ids", "MAX_STOP_STRINGS",
            "MAX_PROMPTS", "max_token_chars"]
@@ -58,10 +58,6 @@ def max_token_chars(tokenizer) -> int:
     """The longest vocabulary entry in characters: a text longer than context x this cannot fit in the context,
     so a front end refuses it before tokenising it (default 64 for a tokenizer without a vocabulary listing)."""
     return max((len(t) for t in tokenizer.vocabulary()), default=64) or 64
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_number(v) -> bool:

@@ -34,6 +34,7 @@ import time
 
 import numpy as np
 
+from echo_trtllm.api import ENGINE_LOST
 from echo_trtllm.runtime.request import (MAX_SEED, MAX_TOP_K, STOP_LIMITS, SamplingParams, stop_strings_fit,
                                          stops_described)
 from echo_trtllm.serve.protocol import max_token_chars
@@ -262,7 +263,7 @@ class TritonServing:
         try:
             while lost is None:
                 if not self.llm.is_alive:
-                    lost = "the engine could no longer serve (it stopped, or a tensor-parallel rank is gone)"
+                    lost = ENGINE_LOST
                 elif not self.triton.is_alive():
                     lost = "tritonserver ended on its own"
                 else:
