@@ -32,11 +32,14 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit
 
 __all__ = ["RequestTiming", "CellResult", "run_load", "run_sustained", "scrape_metrics", "engine_stats", "summarise",
            "launch_server"]
+
+Clock = Callable[[], float]  # seconds
 
 
 @dataclass
@@ -77,7 +80,7 @@ def _pcts(values: list[float]) -> dict:
     return {"mean": 1e3 * statistics.fmean(s), "p50": 1e3 * pick(0.5), "p99": 1e3 * pick(0.99)}
 
 
-async def _post_stream(host: str, port: int, path: str, body: dict):
+async def _post_stream(host: str, port: int, path: str, body: dict, clock: Clock = time.perf_counter):
     """POST `body` as JSON over one fresh HTTP/1.1 connection (the request in one write, TCP_NODELAY) and yield
     (arrival time, event data) for each server-sent event. A plain socket client: the official openai client
     measured ~45 ms to the first text on this machine where this client sees ~13 ms (docs/serving.md), an
@@ -108,7 +111,7 @@ async def _post_stream(host: str, port: int, path: str, body: dict):
             if size == 0:
                 return
             chunk = await reader.readexactly(size + 2)
-            now = time.perf_counter()
+            now = clock()
             buf += chunk[:-2]
             while b"\n\n" in buf:
                 event, buf = buf.split(b"\n\n", 1)
@@ -119,18 +122,18 @@ async def _post_stream(host: str, port: int, path: str, body: dict):
         writer.close()
 
 
-async def _one(url: tuple[str, int], model: str, prompt: str, max_tokens: int, arrivals: list | None = None
-               ) -> RequestTiming:
+async def _one(url: tuple[str, int], model: str, prompt: str, max_tokens: int, arrivals: list | None = None,
+               clock: Clock = time.perf_counter) -> RequestTiming:
     """One streamed completion. arrivals: when given, (time, tokens so far) of every chunk is appended to it (the
     server's continuous usage)."""
-    t0 = time.perf_counter()
+    t0 = clock()
     last = None
     out = RequestTiming(ok=False)
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": arrivals is not None},
             "ignore_eos": True}
     try:
-        async for now, data in _post_stream(*url, "/v1/completions", body):
+        async for now, data in _post_stream(*url, "/v1/completions", body, clock):
             if data == "[DONE]":
                 break
             ch = json.loads(data)
@@ -147,7 +150,7 @@ async def _one(url: tuple[str, int], model: str, prompt: str, max_tokens: int, a
             else:
                 out.itl.append(now - last)
             last = now
-        out.latency = time.perf_counter() - t0
+        out.latency = clock() - t0
         out.ok = out.output_tokens > 0
     except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
         out.error = f"{type(e).__name__}: {e}"
@@ -233,12 +236,19 @@ def engine_stats(before: dict[str, float], after: dict[str, float]) -> dict:
             "step_seconds_mean": seconds / steps}
 
 
+async def _sleep_until(t: float, clock: Clock) -> None:
+    """Sleep until clock() reaches t, in slices of at most 50 ms (a clock that is not the wall's is read again)."""
+    while (left := t - clock()) > 0:
+        await asyncio.sleep(min(left, 0.05))
+
+
 async def run_sustained(base_url: str, model: str, prompts: list[str], duration: float, warmup: float,
                         max_tokens: int, concurrency: int | None = None, request_rate: float | None = None,
-                        seed: int = 0):
+                        seed: int = 0, clock: Clock = time.perf_counter):
     """Keep the load up for warmup + duration seconds (module docstring). Returns (timings of the requests that
     finished inside the window, tokens that arrived inside it, the window's seconds, the metrics scraped at its
-    two edges)."""
+    two edges). clock: the window's time (a test gives one that advances with the engine's work, so that what
+    falls inside the window does not depend on the machine's speed)."""
     parts = urlsplit(base_url)
     if parts.scheme != "http" or not parts.hostname:
         raise ValueError(f"--base-url must be http://HOST:PORT, got {base_url!r}")
@@ -247,22 +257,22 @@ async def run_sustained(base_url: str, model: str, prompts: list[str], duration:
     url = (parts.hostname, parts.port or 80)
     rng = random.Random(seed)
     loop = asyncio.get_running_loop()
-    await _one(url, model, prompts[0], min(max_tokens, 8))  # warm-up, not timed
-    t0 = time.perf_counter()
+    await _one(url, model, prompts[0], min(max_tokens, 8), clock=clock)  # warm-up, not timed
+    t0 = clock()
     start, end = t0 + warmup, t0 + warmup + duration
     streams: list[list] = []  # [timing (None until it ends), chunk arrivals, time sent] per request
     counter = iter(range(1 << 62))
 
     async def request() -> None:
         i = next(counter)
-        record = [None, [], time.perf_counter()]
+        record = [None, [], clock()]
         streams.append(record)  # before it streams: a request cut at the end still counts what arrived
-        record[0] = await _one(url, model, prompts[i % len(prompts)], max_tokens, record[1])
+        record[0] = await _one(url, model, prompts[i % len(prompts)], max_tokens, record[1], clock)
 
     before: dict = {}
 
     async def scrape_at(t: float) -> dict:
-        await asyncio.sleep(max(0.0, t - time.perf_counter()))
+        await _sleep_until(t, clock)
         return await loop.run_in_executor(None, scrape_metrics, base_url)
 
     first_scrape = asyncio.ensure_future(scrape_at(start))
@@ -270,7 +280,7 @@ async def run_sustained(base_url: str, model: str, prompts: list[str], duration:
     tasks: list[asyncio.Future] = []
     if request_rate is None:  # closed loop: C clients, back to back
         async def client() -> None:
-            while time.perf_counter() < end:
+            while clock() < end:
                 await request()
 
         tasks = [asyncio.ensure_future(client()) for _ in range(concurrency)]
@@ -279,13 +289,13 @@ async def run_sustained(base_url: str, model: str, prompts: list[str], duration:
             if gate is None:
                 return await request()
             async with gate:
-                if time.perf_counter() < end:
+                if clock() < end:
                     await request()
 
-        while time.perf_counter() < end:
+        while clock() < end:
             tasks.append(asyncio.ensure_future(limited()))
-            await asyncio.sleep(rng.expovariate(request_rate))
-    await asyncio.sleep(max(0.0, end - time.perf_counter()))
+            await _sleep_until(clock() + rng.expovariate(request_rate), clock)
+    await _sleep_until(end, clock)
     before = await first_scrape
     after = await loop.run_in_executor(None, scrape_metrics, base_url)
     for t in tasks:  # requests still streaming: closing their connections aborts them on the server
