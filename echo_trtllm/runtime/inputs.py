@@ -58,14 +58,15 @@ def chain_batch(chains: list[Tensor], starts: Tensor, slots: Tensor, logits: str
     logits: "last" (each chain's last token), "all" or "none".
     """
     dev = slots.device
-    lengths = torch.tensor([c.numel() for c in chains], device=dev)
-    if bool((lengths == 0).any()):
+    sizes = [c.numel() for c in chains]
+    if 0 in sizes:
         raise ValueError("chain_batch needs non-empty chains")
+    lengths = torch.tensor(sizes, device=dev)
     ids = torch.cat([c.to(dev) for c in chains]).long()
-    req = torch.repeat_interleave(torch.arange(len(chains), device=dev), lengths)
+    req = torch.repeat_interleave(torch.arange(len(chains), device=dev), lengths, output_size=sum(sizes))
     local = torch.arange(ids.numel(), device=dev) - (torch.cumsum(lengths, 0) - lengths)[req]
     pos = starts.to(dev).long()[req] + local
-    n_max = int(lengths.max())
+    n_max = max(sizes)
     # Chain predecessors and self: positions starts[b] .. pos[t].
     offs = torch.arange(n_max, device=dev)[None, :]
     visible = torch.where(offs <= local[:, None], starts.to(dev).long()[req][:, None] + offs, torch.full_like(offs, -1))
