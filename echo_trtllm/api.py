@@ -24,6 +24,7 @@ from echo_trtllm.models import DEFAULT_TARGET, default_drafter
 from echo_trtllm.models.draft import load_draft
 from echo_trtllm.models.eagle3 import Eagle3Head
 from echo_trtllm.models.llama import CausalLM
+from echo_trtllm.models.invariant import make_batch_invariant
 from echo_trtllm.models.packed import prepack_linears
 from echo_trtllm.models.loader import DTYPE_CHOICES, Tokenizer, check_model_path, check_same_vocabulary, load_model
 from echo_trtllm.runtime.calibrate import LOAD_REPEATS, Calibration, measure_cost_model
@@ -108,6 +109,11 @@ class LLM:
     embedding). This process is rank 0 and runs the one control plane; it spawns the other ranks itself, or, under
     `torchrun`, ranks > 0 serve rank 0 from inside `LLM(...)` and leave the process (exit status 0) when it shuts
     down. Needs model paths (each rank loads only its shard).
+
+    batch_invariant: every request's logits the same bits whatever else is in the batch and however many tokens a
+    step verifies (models/invariant.py: linears on fixed row tiles, attention over each token's own positions in a
+    fixed order), so greedy and seeded output is the same alone, in any batch and under any policy, in bfloat16 as
+    in float32; it costs speed (docs/performance.md). One device only.
     """
 
     def __init__(
@@ -130,6 +136,7 @@ class LLM:
         fallback: "bool | str" = "auto",
         tensor_parallel_size: int = 1,
         adapt: bool = True,
+        batch_invariant: bool = False,
     ) -> None:
         _positive_int("max_batch_size", max_batch_size)
         _positive_int("tensor_parallel_size", tensor_parallel_size)
@@ -142,6 +149,11 @@ class LLM:
             raise ValueError(f"fallback must be 'auto', True or False, got {fallback!r}")
         if adapt is not True and adapt is not False:
             raise ValueError(f"adapt must be True or False, got {adapt!r}")
+        if batch_invariant is not True and batch_invariant is not False:
+            raise ValueError(f"batch_invariant must be True or False, got {batch_invariant!r}")
+        if batch_invariant and tensor_parallel_size > 1:
+            raise ValueError("batch_invariant=True runs on one device: tensor_parallel_size must be 1")
+        self.batch_invariant = batch_invariant
         fallback = None if fallback == "auto" else fallback
         if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
             raise TypeError(f"tokenizer must be an echo_trtllm.models.loader.Tokenizer, got {type(tokenizer).__name__}")
@@ -209,6 +221,8 @@ class LLM:
         for model in (target, draft):  # bfloat16 linears run oneDNN's prepacked kernels (models/packed.py)
             if model is not None:
                 prepack_linears(model)
+        if self.batch_invariant:  # the target's logits; the draft only proposes (verification decides the tokens)
+            make_batch_invariant(target)
         self.dtype = {"target": str(target.dtype).removeprefix("torch."),
                       "draft": str(draft.dtype).removeprefix("torch.") if draft is not None else None}
         self.cost_model = self._cost_model(cost_model, calibration, policy, target, draft, fallback)

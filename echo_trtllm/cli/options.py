@@ -72,7 +72,8 @@ def add_model_options(ap: argparse.ArgumentParser, engine_dir: bool = True) -> N
         g.add_argument("--engine-dir", help="an engine directory built by `echo-trtllm build` (instead of --model)")
 
 
-def add_runtime_options(ap: argparse.ArgumentParser, batch: bool = True, parallel: bool = False) -> None:
+def add_runtime_options(ap: argparse.ArgumentParser, batch: bool = True, parallel: bool = False,
+                        invariant: bool = False) -> None:
     g = ap.add_argument_group("runtime")
     if parallel:
         g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
@@ -80,13 +81,18 @@ def add_runtime_options(ap: argparse.ArgumentParser, batch: bool = True, paralle
                             "whole on rank 0 (ranks spawned here, or one per process under torchrun; "
                             "docs/scale-out.md; default: 1)")
     g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="weights and activations; auto: bfloat16 on CUDA, on a CPU the faster of float32/bfloat16 "
-                        "for this model, measured at load (default: auto)")
+                   help="weights and activations; auto: bfloat16 on CUDA, on a CPU bfloat16 where it has bf16 matrix "
+                        "instructions and the model is large enough to gain, else float32: a rule, the same on every "
+                        "start (docs/dtype.md; default: auto)")
     g.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own)")
     if batch:
         g.add_argument("--max-batch-size", type=int, help="requests in flight at most (default: the number of prompts)")
     g.add_argument("--max-seq-len", type=int, default=1024, help="context per request, prompt included (default: 1024)")
+    if invariant:
+        g.add_argument("--batch-invariant", action="store_true",
+                       help="every request's output the same bits alone, in any batch and under any policy, bfloat16 "
+                            "included (slower; docs/performance.md)")
 
 
 def add_speculation_options(ap: argparse.ArgumentParser, policy: bool = True) -> None:
@@ -193,7 +199,8 @@ def make_llm(args: argparse.Namespace, config: EchoConfig, max_batch_size: int, 
                   dtype=args.dtype, device=args.device, calibration=getattr(args, "calibration", None),
                   cost_model=None if getattr(args, "no_cost_model", False) else "auto",
                   fallback=FALLBACK_MODES[fallback_modes(getattr(args, "fallback", "auto"))[0]],
-                  tensor_parallel_size=getattr(args, "tp_size", 1), **kwargs)
+                  tensor_parallel_size=getattr(args, "tp_size", 1),
+                  batch_invariant=getattr(args, "batch_invariant", False), **kwargs)
     if engine:
         return LLM(engine_dir=engine, **common)
     return LLM(args.model, args.draft_model, **common)

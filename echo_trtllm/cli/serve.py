@@ -20,7 +20,7 @@ PROG = "echo-trtllm serve"
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     options.add_model_options(ap)
-    options.add_runtime_options(ap, batch=False, parallel=True)
+    options.add_runtime_options(ap, batch=False, parallel=True, invariant=True)
     ap.add_argument("--max-batch-size", type=int, default=64, help="requests in the engine's batch (default: 64)")
     options.add_speculation_options(ap)
     options.add_calibration_options(ap)
@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         return options.fail(PROG, f"cannot listen on {args.host}:{args.port}: {e.strerror}")
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    dtypes = llm.dtype["target"] + (f", draft {llm.dtype['draft']}" if llm.dtype["draft"] else "")
+    dtypes = llm.dtype["target"] + (f", draft {llm.dtype['draft']}" if llm.dtype["draft"] else "") + \
+        (", batch-invariant" if llm.batch_invariant else "")
     print(f"{PROG}: listening on http://{shown}:{port} (model {name!r}, dtype {dtypes})", flush=True)
     userver = uvicorn_server(server, args.host, port, args.drain_timeout, args.log_level)
     watch_engine(server, userver)

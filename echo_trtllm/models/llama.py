@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .invariant import invariant_attention
+
 __all__ = ["ModelConfig", "KVCache", "ForwardBatch", "CausalLM", "eagle3_layers"]
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -263,6 +265,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d_in, self.h_kv * self.hd, bias=bias)
         self.v_proj = nn.Linear(d_in, self.h_kv * self.hd, bias=bias)
         self.o_proj = nn.Linear(self.h * self.hd, config.hidden_size, bias=False)
+        self.batch_invariant = False  # models/invariant.py switches it on
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, cache: KVCache) -> Tensor:
         t = x.shape[0]
@@ -273,6 +276,10 @@ class Attention(nn.Module):
         tok_slot = batch.slots[batch.token_request]  # (T,)
         ck[tok_slot, :, batch.write_pos] = k.to(ck.dtype)
         cv[tok_slot, :, batch.write_pos] = v.to(cv.dtype)
+        if self.batch_invariant:
+            visible = batch.attn_mask[batch.token_request, batch.token_local]  # (T, L_max)
+            out = invariant_attention(q, ck, cv, tok_slot, visible)
+            return self.o_proj(out.reshape(t, self.h * self.hd))
         b, n_max, l_max = batch.attn_mask.shape
         block = batch.slot_block()
         if block is None:  # a copy of each request's rows, in the batch's order

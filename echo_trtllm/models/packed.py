@@ -56,10 +56,16 @@ def prepack_linears(model: nn.Module) -> int:
     Does nothing where oneDNN's bfloat16 kernels are missing; a second call packs nothing again."""
     if not prepack_available():
         return 0
+    from .invariant import TiledForward  # a batch-invariant linear keeps its tiles around the packed kernel
+
     n = 0
     for m in model.modules():
-        if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu" \
-                and not isinstance(m.__dict__.get("forward"), _PackedForward):
-            m.forward = _PackedForward(m)
-            n += 1
+        if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu":
+            fwd = m.__dict__.get("forward")
+            if isinstance(fwd, TiledForward) and not isinstance(fwd.inner, _PackedForward):
+                fwd.inner = _PackedForward(m)
+                n += 1
+            elif not isinstance(fwd, (_PackedForward, TiledForward)):
+                m.forward = _PackedForward(m)
+                n += 1
     return n

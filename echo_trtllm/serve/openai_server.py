@@ -88,7 +88,8 @@ class OpenAIServer:
         self.engine_lost = False  # set by watch_engine when the engine could no longer serve
         self.metrics = ServerMetrics(self._load, speculation=llm.speculation_stats,
                                      info={"model": self.model_name, "dtype": llm.dtype["target"],
-                                           "draft_dtype": llm.dtype["draft"] or "none"})
+                                           "draft_dtype": llm.dtype["draft"] or "none",
+                                           "batch_invariant": str(llm.batch_invariant).lower()})
         llm.add_step_listener(self.metrics.on_step)
         self.app = self._build_app()
 
@@ -131,7 +132,8 @@ class OpenAIServer:
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                                 "owned_by": "echo-trtllm", "max_model_len": self.context,
                                                 "dtype": self.llm.dtype["target"],
-                                                "draft_dtype": self.llm.dtype["draft"]}]}
+                                                "draft_dtype": self.llm.dtype["draft"],
+                                                "batch_invariant": self.llm.batch_invariant}]}
 
         @app.get("/metrics")
         async def metrics():

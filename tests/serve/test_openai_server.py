@@ -104,11 +104,12 @@ def test_models_health_and_metrics(served):
     # the dtypes the engine runs ("auto" resolved), as LLM.dtype says, in /v1/models and /metrics
     dtypes = served.llm.dtype
     assert (models.data[0].dtype, models.data[0].draft_dtype) == (dtypes["target"], dtypes["draft"])
+    assert models.data[0].batch_invariant is False
     with urllib.request.urlopen(served.url + "/health") as r:
         assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
     before = _metrics(served.url)
     assert before["echo_trtllm_model_info"] == {_labels(dtype=dtypes["target"], draft_dtype=dtypes["draft"] or "none",
-                                                         model=MODEL): 1.0}
+                                                         model=MODEL, batch_invariant="false"): 1.0}
     r = c.completions.create(model=MODEL, prompt="O", max_tokens=8, temperature=0)
     after = _metrics(served.url)
     ended = {k: after["echo_trtllm_requests_total"].get(k, 0) - before.get("echo_trtllm_requests_total", {}).get(k, 0)
