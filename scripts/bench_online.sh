@@ -12,7 +12,7 @@
 #   serve    echo-trtllm bench-serve --duration: AR, ECHO, the tree +fallback at concurrency CONCURRENCY,
 #            DURATION seconds per cell after WARMUP, ROUNDS rounds alternating the order
 #   poisson  the same at RATES Poisson arrivals
-#   online   python -m echo_trtllm.bench.online: the prices' prediction error after 50 steps at B = 1, 16, 64 and
+#   online   echo-trtllm bench-online: the prices' prediction error after 50 steps at B = 1, 16, 64 and
 #            the controller's expected vs emitted tokens
 #   hf       (qwen-draft) B = 1 beside HF transformers' assisted generation (4 draft tokens) in the same process
 # Environment: ROUNDS (3), DURATION (120), WARMUP (15), BATCHES (closed: 1 4 16 64), CONCURRENCY (serve: 1,4,16,64),
@@ -85,7 +85,7 @@ if ! skip poisson; then
   serve --concurrency 64 --request-rate "$RATES" --json "$OUT/$NAME-serve-poisson.json"
 fi
 if ! skip online; then
-  $PY -m echo_trtllm.bench.online "${MODEL[@]}" --prompt-set "$PROMPTS" --batch-sizes 1,16,64 --steps 150 \
+  $PY -m echo_trtllm.cli bench-online "${MODEL[@]}" --prompt-set "$PROMPTS" --batch-sizes 1,16,64 --steps 150 \
     --max-seq-len "$MAXSEQ" --json "$OUT/$NAME-prices.json"
 fi
 if [ "$WHICH" = qwen-draft ] && ! skip hf; then

@@ -29,7 +29,8 @@ from echo_trtllm.bench.prompts import load_prompts
 from echo_trtllm.bench.run import report_meta
 from echo_trtllm.core.config import EchoConfig
 from echo_trtllm.models import DEFAULT_TARGET
-from echo_trtllm.models.fp8 import quantize_source, weight_bytes
+from echo_trtllm.models.fp8 import weight_bytes
+from echo_trtllm.quantize import quantize_source
 from echo_trtllm.models.loader import load_model
 from echo_trtllm.runtime.inputs import sequence_logits
 from echo_trtllm.runtime.request import SamplingParams

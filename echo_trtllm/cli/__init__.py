@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-control": ("echo_trtllm.cli.bench_control", "time ECHO's control plane (gate + schedule + pack) per step"),
     "bench-kernels": ("echo_trtllm.cli.bench_kernels", "time the plugin's control kernels per step, by backend"),
     "bench-dtype": ("echo_trtllm.cli.bench_dtype", "time a model's forward by tokens in each dtype; what auto picks"),
+    "bench-online": ("echo_trtllm.cli.bench_online", "the online prices' predicted vs measured steps under sustained load"),
 }
 
 

@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from echo_trtllm.engine_dir import build_engine
+    from echo_trtllm.engine_build import build_engine
     from echo_trtllm.models import DEFAULT_TARGET, default_drafter
 
     args = build_parser().parse_args(argv)

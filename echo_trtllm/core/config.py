@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["EchoConfig", "POLICY_NAMES", "DEFAULT_STATIC_CHOICES"]
+__all__ = ["EchoConfig", "GateConfig", "POLICY_NAMES", "DEFAULT_STATIC_CHOICES"]
 
 POLICY_NAMES = ("ar", "chain", "static", "eagle2", "ddd", "echo", "echo-dense", "echo-fixed", "echo-no-budget-stop")
 
@@ -73,8 +73,6 @@ class EchoConfig:
         if self.gate_depths is not None:
             if any(d > self.max_depth for d in self.gate_depths):
                 raise ValueError(f"EchoConfig.gate_depths {self.gate_depths} must not exceed max_depth={self.max_depth}")
-            from .gating import GateConfig  # validates order, range and lengths
-
             GateConfig(tuple(self.gate_depths), tuple(self.gate_thresholds or ()))
         if not self.static_choices:
             raise ValueError("EchoConfig.static_choices must hold at least one path")
@@ -87,3 +85,28 @@ class EchoConfig:
             if tuple(path) in seen:
                 raise ValueError(f"EchoConfig.static_choices: {path!r} appears twice")
             seen.add(tuple(path))
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    """Gate depths (ascending, >= 1) and the threshold tau_d at each."""
+
+    depths: tuple[int, ...]
+    thresholds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.depths) != len(self.thresholds):
+            raise ValueError(
+                f"GateConfig.depths ({len(self.depths)}) and thresholds ({len(self.thresholds)}) must have equal length"
+            )
+        if any(d < 1 for d in self.depths) or list(self.depths) != sorted(set(self.depths)):
+            raise ValueError(f"GateConfig.depths must be strictly increasing integers >= 1, got {self.depths}")
+        if any(not (0.0 <= t <= 1.0) or math.isnan(t) for t in self.thresholds):
+            raise ValueError(f"GateConfig.thresholds must lie in [0, 1], got {self.thresholds}")
+
+    def threshold_at(self, depth: int) -> float | None:
+        """tau_d, or None when depth is not a gate depth."""
+        try:
+            return self.thresholds[self.depths.index(depth)]
+        except ValueError:
+            return None

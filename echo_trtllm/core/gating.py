@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .config import EchoConfig
+from .config import EchoConfig, GateConfig
 from .cost import CostModel, break_even_accept_prob, level_cost_ratio
 from .tree import DraftLevel, per_request_max
 
@@ -76,31 +76,6 @@ __all__ = [
 GATE_VARIANTS = ("sparse", "dense", "fixed")
 # steps the online estimates and prices learn between two derivations of a batch size's gate
 GATE_REFRESH = 4
-
-
-@dataclass(frozen=True)
-class GateConfig:
-    """Gate depths (ascending, >= 1) and the threshold tau_d at each."""
-
-    depths: tuple[int, ...]
-    thresholds: tuple[float, ...]
-
-    def __post_init__(self) -> None:
-        if len(self.depths) != len(self.thresholds):
-            raise ValueError(
-                f"GateConfig.depths ({len(self.depths)}) and thresholds ({len(self.thresholds)}) must have equal length"
-            )
-        if any(d < 1 for d in self.depths) or list(self.depths) != sorted(set(self.depths)):
-            raise ValueError(f"GateConfig.depths must be strictly increasing integers >= 1, got {self.depths}")
-        if any(not (0.0 <= t <= 1.0) or math.isnan(t) for t in self.thresholds):
-            raise ValueError(f"GateConfig.thresholds must lie in [0, 1], got {self.thresholds}")
-
-    def threshold_at(self, depth: int) -> float | None:
-        """tau_d, or None when depth is not a gate depth."""
-        try:
-            return self.thresholds[self.depths.index(depth)]
-        except ValueError:
-            return None
 
 
 def default_gate(max_depth: int) -> GateConfig:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .llama import CausalLM
 
-__all__ = ["hf_config", "hf_state_dict", "save_hf", "tokenizer_saver", "write_hf_dir"]
+__all__ = ["hf_config", "hf_state_dict", "save_hf", "tokenizer_saver", "write_hf_dir", "write_fp8_checkpoint"]
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -103,3 +103,15 @@ def save_hf(model: CausalLM, tokenizer, out, dtype: str | torch.dtype | None = N
     tokenizer_saver(tokenizer)
     dt = dt or model.dtype
     return write_hf_dir(out, hf_config(model, dt), hf_state_dict(model, dt), tokenizer)
+
+
+def write_fp8_checkpoint(model: CausalLM, tokenizer, out, scheme: str) -> None:
+    """An FP8 model as an HF-style directory: config.json (with quantization_config), model.safetensors in the
+    checkpoint layout of models/fp8.py, and the tokenizer's files (also for a model that came from a .gguf file)."""
+    from .fp8 import ignored_layers, quant_config, quantized_state_dict
+
+    cfg = {**hf_config(model), "quantization_config": quant_config(scheme, ignored_layers(model))}
+    state = quantized_state_dict(model)
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    write_hf_dir(out, cfg, state, tokenizer)

@@ -1,4 +1,4 @@
-"""The prices' predicted-vs-measured report (`python -m echo_trtllm.bench.online`): its figures recomputed by hand on
+"""The prices' predicted-vs-measured report (`echo-trtllm bench-online`): its figures recomputed by hand on
 synthetic step reports, and one real run on the embedded pair."""
 
 import json
@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from echo_trtllm.bench.online import main, prediction_report
+from echo_trtllm.bench.online import prediction_report
+from echo_trtllm.cli.bench_online import main
 from echo_trtllm.core.controller import Decision
 from echo_trtllm.core.prices import StepPrediction
 from echo_trtllm.runtime.executor import StepTimings

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from echo_trtllm import LLM, EchoConfig, SamplingParams
-from echo_trtllm.models.fp8 import (FP8_MAX, Fp8Linear, calibrate_amax, fp8_layers, quantize_model,
-                                    weight_bytes, write_checkpoint)
+from echo_trtllm.models.fp8 import FP8_MAX, Fp8Linear, calibrate_amax, fp8_layers, quantize_model, weight_bytes
+from echo_trtllm.models.hf_export import write_fp8_checkpoint
 from echo_trtllm.models.loader import load_model
 from echo_trtllm.runtime.inputs import sequence_logits
 
@@ -82,7 +82,7 @@ def test_quantized_model_holds_e4m3_projections(fp8_target, default_pair):
 
 def test_checkpoint_round_trip_reproduces_the_logits(fp8_target, default_pair, tmp_path):
     _, _, tok = default_pair
-    write_checkpoint(fp8_target, tok, tmp_path / "fp8", "per_tensor")
+    write_fp8_checkpoint(fp8_target, tok, tmp_path / "fp8", "per_tensor")
     cfg = json.loads((tmp_path / "fp8" / "config.json").read_text())
     assert cfg["quantization_config"]["quant_method"] == "fp8"
     from safetensors import safe_open
@@ -105,7 +105,7 @@ def test_checkpoint_round_trip_reproduces_the_logits(fp8_target, default_pair, t
 
 def test_loader_refuses_other_quantizations(default_pair, fp8_target, tmp_path):
     _, _, tok = default_pair
-    write_checkpoint(fp8_target, tok, tmp_path / "q", "per_tensor")
+    write_fp8_checkpoint(fp8_target, tok, tmp_path / "q", "per_tensor")
     cfg_file = tmp_path / "q" / "config.json"
     cfg = json.loads(cfg_file.read_text())
     cfg["quantization_config"]["quant_method"] = "awq"
@@ -149,7 +149,7 @@ def test_speculation_on_an_fp8_target_equals_ar_on_it(fp8_target, default_pair, 
 
 
 def test_fp8_engine_directory_builds_and_generates(tmp_path, prompts):
-    from echo_trtllm.engine_dir import build_engine
+    from echo_trtllm.engine_build import build_engine
     from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
     out = build_engine(tmp_path / "e", DEFAULT_TARGET, DEFAULT_DRAFT, EchoConfig(), "float32", "fp8", "per_channel",
@@ -172,7 +172,7 @@ def test_fp8_eagle3_head_engine_is_lossless_and_drafts_like_the_float_head(tmp_p
     """`build --quantization fp8` with an EAGLE-3 head: the head's decoder projections become e4m3 (fc and its LM
     head stay float, by design), it loads from the engine directory, speculation with it on the FP8 target equals
     AR on that target, and it still drafts: acceptance close to the float head's on the same FP8 target."""
-    from echo_trtllm.engine_dir import build_engine
+    from echo_trtllm.engine_build import build_engine
     from echo_trtllm.models import DEFAULT_EAGLE3, DEFAULT_TARGET
     from echo_trtllm.models.eagle3 import Eagle3Head, load_eagle3
 

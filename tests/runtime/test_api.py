@@ -210,7 +210,8 @@ def test_chunked_prefill_equals_one_shot_prefill(default_pair, prompts):
 
 
 def test_engine_dir_round_trip(tmp_path, prompts):
-    from echo_trtllm.engine_dir import build_engine, read_engine
+    from echo_trtllm.engine_build import build_engine
+    from echo_trtllm.engine_dir import read_engine
     from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
     cfg = EchoConfig(k_max=48, max_depth=4)

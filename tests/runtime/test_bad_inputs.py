@@ -18,7 +18,7 @@ SP = SamplingParams(max_tokens=4)
 
 
 def corrupt_engine(tmp_path, mutate):
-    from echo_trtllm.engine_dir import build_engine
+    from echo_trtllm.engine_build import build_engine
 
     out = build_engine(tmp_path / "engine", DEFAULT_TARGET, DEFAULT_DRAFT, EchoConfig(k_max=32))
     meta = json.loads((out / "engine.json").read_text())

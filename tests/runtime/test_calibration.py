@@ -10,7 +10,8 @@ from echo_trtllm.api import LLM
 from echo_trtllm.core import EchoConfig, draft_tree, make_policy
 from echo_trtllm.core.cost import CostModel
 from echo_trtllm.core.verify import VerifyResult
-from echo_trtllm.engine_dir import attach_calibration, build_engine, read_engine
+from echo_trtllm.engine_build import build_engine
+from echo_trtllm.engine_dir import attach_calibration, read_engine
 from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
 from echo_trtllm.runtime.calibrate import Calibration, calibrate, gate_samples
 from echo_trtllm.runtime.request import SamplingParams

@@ -153,7 +153,7 @@ def test_the_heads_drafts_equal_a_dense_recomputation_every_step(fp32_pair, prom
 
 
 def test_the_llm_api_and_an_engine_directory_carry_the_head(tmp_path, prompts):
-    from echo_trtllm.engine_dir import build_engine
+    from echo_trtllm.engine_build import build_engine
 
     with LLM(DEFAULT_TARGET, DEFAULT_EAGLE3, dtype="float32", max_batch_size=4) as llm:
         assert isinstance(llm.draft, Eagle3Head)

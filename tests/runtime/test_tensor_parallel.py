@@ -134,7 +134,7 @@ def test_tp2_with_an_eagle3_head_equals_tp1_ar_and_drafts_as_tp1_does(tp_echo, t
 def test_tp2_with_an_fp8_eagle3_head_equals_tp1_ar(tmp_path, tp_echo, tp1_ar_reference, prompts):
     """FP8 checkpoints are refused for the sharded models, not for a head: rank 0 loads it as one process does (here
     the draft of `build --quantization fp8`, beside the float target)."""
-    from echo_trtllm.engine_dir import build_engine
+    from echo_trtllm.engine_build import build_engine
     from echo_trtllm.models.fp8 import Fp8Linear
 
     tp_echo.shutdown()  # one tensor-parallel LLM per process at a time
