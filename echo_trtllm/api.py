@@ -34,7 +34,7 @@ from echo_trtllm.runtime.executor import Executor, StepReport, check_limits
 from echo_trtllm.runtime.request import RequestStats, SamplingParams, _is_int
 
 __all__ = ["LLM", "SamplingParams", "EchoConfig", "RequestOutput", "CompletionOutput", "RequestStats", "FALLBACK_MODES",
-           "ENGINE_LOST"]
+           "ENGINE_LOST", "DEFAULT_MAX_BATCH_SIZE"]
 
 # what the servers say when `LLM.is_alive` turns False (/health, refused requests, the exit message)
 ENGINE_LOST = "the engine cannot serve (it has stopped, or a tensor-parallel rank is gone)"
@@ -72,6 +72,8 @@ def _check_source(name: str, source) -> None:
 # what the engine runs at load to price real steps (any text works: only the steps' costs are kept)
 WARM_UP_TEXT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
+
+DEFAULT_MAX_BATCH_SIZE = 64  # requests in the batch at most, unless told (the CLI's --max-batch-size too)
 
 class LLM:
     """Target + draft model pair behind an in-flight-batching executor running on a background thread.
@@ -124,7 +126,7 @@ class LLM:
         engine_dir: str | Path | None = None,
         speculative_config: EchoConfig | None = None,
         tokenizer: Tokenizer | None = None,
-        max_batch_size: int = 16,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         max_seq_len: int | None = 1024,
         max_num_tokens: int | None = None,
         dtype: str = "auto",

@@ -78,7 +78,7 @@ if [ ! -f "$TRACE" ]; then
 fi
 # one simulation file per set of batch sizes: a later run for other batch sizes keeps the earlier one
 SIM=$OUT/$NAME${TAG:-}-tune-sim$( [ "$BS" = "1 4 16 64" ] || echo "-b$(echo $BS | tr ' ' -)" )
-$PY -m echo_trtllm.cli simulate --trace "$TRACE" --calibration "$CAL" --tree-source "$SRC" \
+$PY -m echo_trtllm.cli simulate --k-max 1073741824 --trace "$TRACE" --calibration "$CAL" --tree-source "$SRC" \
   --methods "$($PY -m echo_trtllm.bench.tune --grid)" --batch-sizes "$(echo $BS | tr ' ' ,)" --steps 40 \
   --context "$CONTEXT" \
   --json "$SIM.json" > "$SIM.md"

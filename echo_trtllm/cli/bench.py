@@ -22,7 +22,6 @@ PROG = "echo-trtllm bench"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from echo_trtllm.bench.prompts import PROMPT_SETS
     from echo_trtllm.bench.run import SHAPE_OPTIONS
     from echo_trtllm.core.config import POLICY_NAMES
 
@@ -35,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(e.g. echo:fallback=on beside --fallback off)")
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--temperatures", default="0", help="comma-separated; 0 = greedy (e.g. 0,0.8)")
-    ap.add_argument("--prompt-set", default="mixed", choices=list(PROMPT_SETS))
+    options.add_prompt_set_option(ap)
     ap.add_argument("--prompt-split", default="eval", choices=["eval", "calibration", "all"],
                     help="evaluate on the set's eval side (default; --calibration in-process warms up on the "
                          "calibration side, so the two never share a prompt), on the calibration side (tuning tree "

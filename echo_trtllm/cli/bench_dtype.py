@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated, timed in this order")
     ap.add_argument("--tokens", default="1,4,16,64,128", help="tokens per forward to time")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per point (fastest kept)")
-    ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own)")
+    options.add_threads_option(ap)
     ap.add_argument("--json", help="write the curves (and the machine) here")
     return ap
 

@@ -21,17 +21,18 @@ PROG = "echo-trtllm bench-online"
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=str(DEFAULT_TARGET))
-    ap.add_argument("--draft-model", default=str(DEFAULT_DRAFT))
-    ap.add_argument("--dtype", default="auto")
+    options.add_model_options(ap, engine_dir=False)  # default: the embedded target and its separate draft model
+    options.add_dtype_option(ap)
     ap.add_argument("--batch-sizes", default="1,16,64")
     ap.add_argument("--steps", type=int, default=150, help="full-batch steps per batch size at least (default: 150)")
-    ap.add_argument("--fallback", default="auto", help="the AR fallback: auto, on, off (default: auto)")
-    ap.add_argument("--prompt-set", default="mixed")
+    options.add_fallback_option(ap)
+    options.add_prompt_set_option(ap)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--max-seq-len", type=int, default=1024)
+    options.add_max_seq_len_option(ap)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.model is None:
+        args.model, args.draft_model = DEFAULT_TARGET, args.draft_model or DEFAULT_DRAFT
     try:
         batch_sizes = options.int_list(args.batch_sizes, "--batch-sizes")
         fallback = options.fallback_modes(args.fallback)[0]

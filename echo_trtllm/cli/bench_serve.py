@@ -38,9 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "as bench takes them (e.g. ar,echo,chain:num_draft_tokens=2,echo:fallback=off)")
     options.add_model_options(ap)
     g = ap.add_argument_group("launched servers")
-    g.add_argument("--max-batch-size", type=int, default=64, help="each launched server's batch (default: 64)")
-    g.add_argument("--max-seq-len", type=int, default=1024)
-    g.add_argument("--threads", type=int, help="torch threads of each launched server")
+    options.add_max_batch_size_option(g, " of each launched server")
+    options.add_max_seq_len_option(g)
+    options.add_threads_option(g, " of each launched server")
     g.add_argument("--serve-arg", action="append", default=[],
                    help="one more flag for every launched server (repeat), e.g. --serve-arg=--fallback=off")
     g = ap.add_argument_group("load")

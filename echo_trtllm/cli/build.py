@@ -16,8 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     options.add_model_options(ap, engine_dir=False)
     ap.add_argument("--output", required=True, help="engine directory to create, e.g. engines/tiny")
-    ap.add_argument("--dtype", default="auto", choices=options.DTYPE_CHOICES,
-                    help="recorded in engine.json; auto is resolved when the engine is loaded (default: auto)")
+    options.add_dtype_option(ap, "recorded in engine.json and resolved when the engine is loaded")
     g = ap.add_argument_group("quantization")
     g.add_argument("--quantization", default="none", choices=["none", "fp8"],
                    help="fp8: e4m3 weights + calibrated activation scales for every decoder projection (default: none)")

@@ -17,12 +17,10 @@ PROG = "echo-trtllm calibrate"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from echo_trtllm.bench.prompts import PROMPT_SETS
-
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     options.add_model_options(ap)
     ap.add_argument("--output", help="calibration JSON to write (required without --engine-dir)")
-    ap.add_argument("--prompt-set", default="mixed", choices=list(PROMPT_SETS), help="warm-up prompts")
+    options.add_prompt_set_option(ap, "warm-up prompts")
     ap.add_argument("--num-prompts", type=int, default=16, help="warm-up prompts taken from the set's calibration side")
     ap.add_argument("--batch-size", type=int, default=4, help="warm-up batch size (the record's operating point)")
     ap.add_argument("--cost-tokens", default="1,2,4,8,16,32,64,128", help="tokens per forward to time")

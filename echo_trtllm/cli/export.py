@@ -20,13 +20,15 @@ has no GGUF loader). Float models only (an FP8 engine's checkpoint already is an
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from . import options
 
 PROG = "echo-trtllm export"
-TRTLLM_DEFAULTS = {"plugin_lib": "plugins/build/libecho_plugin.so", "max_batch_size": 64, "tp_size": 1}
-TRTLLM_ONLY = {"plugin_lib": "--plugin-lib", "max_batch_size": "--max-batch-size", "tp_size": "--tp-size"}
+TRTLLM_DEFAULTS = {"plugin_lib": "plugins/build/libecho_plugin.so"}
+TRTLLM_ONLY = {"--plugin-lib": ("--plugin-lib",), "--max-batch-size": ("--max-batch-size",),
+               "--tp-size": ("--tp-size", "--tensor-parallel-size")}  # flag -> its spellings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,16 +38,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "(for vLLM and transformers; a .gguf source dequantised)")
     options.add_model_options(ap)
     ap.add_argument("--output", required=True, help="directory to create, new or empty (target/ and draft/ inside)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                    help="the weights' dtype (trtllm: everything not FP8; default: bfloat16)")
+    options.add_dtype_option(ap, "the written weights' dtype (trtllm: everything not FP8); auto: bfloat16, as the "
+                                 "GPU engine it is for would run")
     g = ap.add_argument_group("--format trtllm only")
     g.add_argument("--plugin-lib",
                    help="the ECHO plugin library the generated trtllm_build.sh loads "
                         f"(default: {TRTLLM_DEFAULTS['plugin_lib']})")
-    g.add_argument("--max-batch-size", type=int, help="for trtllm_build.sh (default: 64)")
-    g.add_argument("--tp-size", type=int,
-                   help="tensor-parallel ranks: rank{N}.safetensors per rank, split as TensorRT-LLM splits them "
-                        "(default: 1)")
+    options.add_max_batch_size_option(g, " for trtllm_build.sh")
+    options.add_tp_size_option(g, "of the TensorRT-LLM checkpoint: rank{N}.safetensors per rank, split as "
+                                  "TensorRT-LLM splits them")
     return ap
 
 
@@ -72,7 +73,12 @@ def _sources(args) -> tuple[dict, object]:
     return sources, config
 
 
+def _given(argv: list[str], spellings: tuple[str, ...]) -> bool:
+    return any(a == s or a.startswith(s + "=") for a in argv for s in spellings)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     from echo_trtllm.models.eagle3 import is_eagle3_dir
     from echo_trtllm.models.fp8 import fp8_layers
@@ -83,12 +89,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.format == "hf":
-            given = [flag for key, flag in TRTLLM_ONLY.items() if getattr(args, key) is not None]
+            given = [flag for flag, spellings in TRTLLM_ONLY.items() if _given(argv, spellings)]
             if given:
                 raise ValueError(f"{', '.join(given)}: only for --format trtllm")
         for key, default in TRTLLM_DEFAULTS.items():
             if getattr(args, key) is None:
                 setattr(args, key, default)
+        if args.dtype == "auto":
+            args.dtype = "bfloat16"
         out = Path(args.output)
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise FileExistsError(f"--output {out} exists and is not an empty directory; choose a new directory")

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         options.apply_threads(args)
         config = options.echo_config(args)
         params = options.sampling_params(args)
-        llm = options.make_llm(args, config, args.max_batch_size or len(prompts))
+        llm = options.make_llm(args, config, min(args.max_batch_size, len(prompts)))  # no slot for nobody
     except options.USAGE_ERRORS as e:
         return options.fail(PROG, e)
     with llm:

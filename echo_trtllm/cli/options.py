@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from echo_trtllm.api import DEFAULT_MAX_BATCH_SIZE
 from echo_trtllm.core.config import POLICY_NAMES, EchoConfig
 from echo_trtllm.models.loader import DTYPE_CHOICES
 from echo_trtllm.models.tp import TensorParallelError
@@ -25,8 +26,9 @@ __all__ = [
     "add_model_options", "add_runtime_options", "add_speculation_options", "add_sampling_options",
     "add_calibration_options", "add_fallback_option", "fallback_modes", "echo_config", "sampling_params",
     "apply_threads", "int_list", "float_list", "fail",
-    "make_llm", "add_microbench_options", "microbench_grid",
-    "USAGE_ERRORS",
+    "make_llm", "add_microbench_options", "microbench_grid", "add_dtype_option", "add_threads_option",
+    "add_max_batch_size_option", "add_max_seq_len_option", "add_tree_shape_options", "add_tp_size_option",
+    "add_prompt_set_option", "USAGE_ERRORS",
 ]  # fmt: skip
 
 _DEFAULT = EchoConfig()
@@ -72,23 +74,49 @@ def add_model_options(ap: argparse.ArgumentParser, engine_dir: bool = True) -> N
         g.add_argument("--engine-dir", help="an engine directory built by `echo-trtllm build` (instead of --model)")
 
 
+def add_tp_size_option(g, what: str) -> None:
+    g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
+                   help=f"tensor-parallel ranks {what} (default: 1)")
+
+
+def add_prompt_set_option(g, what: str = "the prompts") -> None:
+    from echo_trtllm.bench.prompts import PROMPT_SETS
+
+    g.add_argument("--prompt-set", default="mixed", choices=list(PROMPT_SETS), help=f"{what} (default: mixed)")
+
+
+def add_dtype_option(g, what: str = "weights and activations") -> None:
+    g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help=f"{what}; auto: bfloat16 on CUDA, on a CPU bfloat16 where it has bf16 matrix instructions and "
+                        "the model is large enough to gain, else float32: a rule, the same on every start "
+                        "(docs/dtype.md; default: auto)")
+
+
+def add_threads_option(g, whose: str = "") -> None:
+    g.add_argument("--threads", type=int, help=f"torch CPU threads{whose} (default: torch's own)")
+
+
+def add_max_batch_size_option(g, note: str = "") -> None:
+    g.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE,
+                   help=f"requests in the engine's batch at most{note} (default: {DEFAULT_MAX_BATCH_SIZE}, as LLM's)")
+
+
+def add_max_seq_len_option(g) -> None:
+    g.add_argument("--max-seq-len", type=int, default=1024, help="context per request, prompt included (default: 1024)")
+
+
 def add_runtime_options(ap: argparse.ArgumentParser, batch: bool = True, parallel: bool = False,
                         invariant: bool = False) -> None:
     g = ap.add_argument_group("runtime")
     if parallel:
-        g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
-                       help="tensor-parallel ranks for the target and a separate draft model; an EAGLE-3 head runs "
-                            "whole on rank 0 (ranks spawned here, or one per process under torchrun; "
-                            "docs/scale-out.md; default: 1)")
-    g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="weights and activations; auto: bfloat16 on CUDA, on a CPU bfloat16 where it has bf16 matrix "
-                        "instructions and the model is large enough to gain, else float32: a rule, the same on every "
-                        "start (docs/dtype.md; default: auto)")
+        add_tp_size_option(g, "for the target and a separate draft model; an EAGLE-3 head runs whole on rank 0 "
+                              "(ranks spawned here, or one per process under torchrun; docs/scale-out.md)")
+    add_dtype_option(g)
     g.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
-    g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own)")
+    add_threads_option(g)
     if batch:
-        g.add_argument("--max-batch-size", type=int, help="requests in flight at most (default: the number of prompts)")
-    g.add_argument("--max-seq-len", type=int, default=1024, help="context per request, prompt included (default: 1024)")
+        add_max_batch_size_option(g)
+    add_max_seq_len_option(g)
     if invariant:
         g.add_argument("--batch-invariant", action="store_true",
                        help="every request's output the same bits alone, in any batch and under any policy, bfloat16 "
@@ -99,6 +127,18 @@ def add_speculation_options(ap: argparse.ArgumentParser, policy: bool = True) ->
     g = ap.add_argument_group("speculation (defaults: EchoConfig's; with --engine-dir the engine's EchoConfig)")
     if policy:
         g.add_argument("--policy", default=_DEFAULT.policy, choices=POLICY_NAMES)
+    add_tree_shape_options(g)
+    g.add_argument("--total-tokens", type=int, default=_DEFAULT.total_tokens,
+                   help="eagle2/ddd nodes verified per request, root included")
+    g.add_argument("--num-draft-tokens", type=int, default=_DEFAULT.num_draft_tokens, help="chain length")
+    g.add_argument("--static-nodes", type=int,
+                   help="static: the first N - 1 paths of the default static tree, root included (default: all "
+                        f"{len(_DEFAULT.static_choices) + 1})")
+
+
+def add_tree_shape_options(g) -> None:
+    """The echo family's tree shape and budget (EchoConfig's defaults): --k-max --max-depth --max-nodes-per-request
+    --tree-top-k --beam-width."""
     g.add_argument("--k-max", type=int, default=_DEFAULT.k_max,
                    help="global verification budget per step, tokens (echo family; upper bound of the budget rule)")
     g.add_argument("--max-depth", type=int, default=_DEFAULT.max_depth, help="deepest draft level")
@@ -107,12 +147,6 @@ def add_speculation_options(ap: argparse.ArgumentParser, policy: bool = True) ->
     g.add_argument("--tree-top-k", type=int, default=_DEFAULT.top_k, help="children drafted per expanded node")
     g.add_argument("--beam-width", type=int, default=_DEFAULT.beam_width,
                    help="nodes expanded per request and level (echo family)")
-    g.add_argument("--total-tokens", type=int, default=_DEFAULT.total_tokens,
-                   help="eagle2/ddd nodes verified per request, root included")
-    g.add_argument("--num-draft-tokens", type=int, default=_DEFAULT.num_draft_tokens, help="chain length")
-    g.add_argument("--static-nodes", type=int,
-                   help="static: the first N - 1 paths of the default static tree, root included (default: all "
-                        f"{len(_DEFAULT.static_choices) + 1})")
 
 
 def add_sampling_options(ap: argparse.ArgumentParser, temperature: bool = True) -> None:
@@ -213,7 +247,7 @@ def add_microbench_options(ap: argparse.ArgumentParser, batch_sizes: str, k_max_
     g.add_argument("--k-max-values", default=k_max_values,
                    help=f"global budgets to time, comma-separated (default: {k_max_values})")
     g.add_argument("--warmup", type=int, default=5, help="untimed steps first")
-    g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own; the docs use 1)")
+    add_threads_option(g, " (the docs use 1)")
     g.add_argument("--json", help="also write the results here")
 
 

@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     options.add_model_options(ap)
     options.add_runtime_options(ap, batch=False, parallel=True, invariant=True)
-    ap.add_argument("--max-batch-size", type=int, default=64, help="requests in the engine's batch (default: 64)")
+    options.add_max_batch_size_option(ap)
     options.add_speculation_options(ap)
     options.add_calibration_options(ap)
     options.add_fallback_option(ap)

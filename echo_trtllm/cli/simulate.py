@@ -13,7 +13,6 @@ from echo_trtllm.core.config import EchoConfig
 
 from . import options
 
-_DEFAULT = EchoConfig()
 PROG = "echo-trtllm simulate"
 
 
@@ -33,7 +32,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mfu", type=float, default=0.5)
     ap.add_argument("--batch-sizes", default="1,4,16,64,128,256")
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--k-max", type=int, default=1 << 30, help="global verification budget per step, tokens")
     ap.add_argument("--control-us", type=float, default=0.0, help="ECHO control per speculative step (µs)")
     ap.add_argument("--methods", help="comma-separated bench --methods entries to simulate, shape options included "
                                       "(default: the traced methods); 'oracle' adds the hindsight ceiling of any "
@@ -42,11 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                                           "eagle2 run; tunes shapes no run drafted)")
     g = ap.add_argument_group("the replay (recorded trees through the runtime's drafting loop, gate and budget; "
                               "a --methods entry's own shape options win)")
-    g.add_argument("--max-depth", type=int, default=_DEFAULT.max_depth, help="deepest draft level")
-    g.add_argument("--max-nodes-per-request", type=int, default=_DEFAULT.max_nodes_per_request,
-                   help="cap on each request's verified tree, root included")
-    g.add_argument("--tree-top-k", type=int, default=_DEFAULT.top_k, help="children drafted per expanded node")
-    g.add_argument("--beam-width", type=int, default=_DEFAULT.beam_width, help="nodes expanded per request and level")
+    options.add_tree_shape_options(g)
     g.add_argument("--confidence-shift", type=float, default=None,
                    help="WHAT-IF: move every drafted node's confidence toward its hindsight outcome by this much in "
                         "logit space (inf: perfect knowledge) before the replay; the echo family's gate and "

@@ -22,8 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
                                          "target with its EAGLE-3 head, as LLM())")
     ap.add_argument("--output", required=True, help="the model repository to write (created if missing)")
     ap.add_argument("--model-name", default="ensemble", help="the Triton model's name (default: ensemble)")
-    ap.add_argument("--max-batch-size", type=int, default=64, help="requests in the engine's batch (default: 64)")
-    ap.add_argument("--max-seq-len", type=int, default=1024, help="context per request (default: 1024)")
+    options.add_max_batch_size_option(ap)
+    options.add_max_seq_len_option(ap)
     ap.add_argument("--python-path", action="append",
                     help="a directory the model puts on sys.path (repeat; Triton's Python stub ignores PYTHONPATH). "
                          "Default: this environment's echo-trtllm and site-packages; 'none' for none (echo-trtllm "
