@@ -115,7 +115,7 @@ class ServerMetrics:
             return sum(n for _, n in self._recent) / self._window
 
     def on_step(self, report) -> None:
-        """The engine thread's listener: one call per step (runtime.executor.StepReport)."""
+        """The engine thread's listener: one call per step (a StepReport of the runtime's executor)."""
         self.steps.inc()
         self.request_steps.inc(report.batch_size)
         self.verified_tokens.inc(report.verified_tokens)
