@@ -75,6 +75,66 @@ WARM_UP_TEXT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n
 
 DEFAULT_MAX_BATCH_SIZE = 64  # requests in the batch at most, unless told (the CLI's --max-batch-size too)
 
+
+def _check_options(*, max_batch_size, tensor_parallel_size, max_seq_len, max_num_tokens, iter_stats_max_iterations,
+                   cost_model, fallback, adapt, batch_invariant, tokenizer, device) -> None:
+    """LLM's scalar arguments, each refused by name before anything loads."""
+    _positive_int("max_batch_size", max_batch_size)
+    _positive_int("tensor_parallel_size", tensor_parallel_size)
+    _positive_int("max_seq_len", max_seq_len, minimum=2, allow_none=True)
+    _positive_int("max_num_tokens", max_num_tokens, allow_none=True)
+    _positive_int("iter_stats_max_iterations", iter_stats_max_iterations, minimum=0)
+    if not (isinstance(cost_model, CostModel) or cost_model is None or cost_model == "auto"):
+        raise ValueError(f"cost_model must be 'auto', a CostModel or None, got {cost_model!r}")
+    if not (fallback is True or fallback is False or fallback == "auto"):
+        raise ValueError(f"fallback must be 'auto', True or False, got {fallback!r}")
+    if adapt is not True and adapt is not False:
+        raise ValueError(f"adapt must be True or False, got {adapt!r}")
+    if batch_invariant is not True and batch_invariant is not False:
+        raise ValueError(f"batch_invariant must be True or False, got {batch_invariant!r}")
+    if batch_invariant and tensor_parallel_size > 1:
+        raise ValueError("batch_invariant=True runs on one device: tensor_parallel_size must be 1")
+    if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+        raise TypeError(f"tokenizer must be an echo_trtllm.models.loader.Tokenizer, got {type(tokenizer).__name__}")
+    if device is not None:
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device must be a torch device string such as 'cpu' or 'cuda:0', got {device!r}") from None
+        if dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
+            raise ValueError(f"device {device!r}: no such CUDA device here ({torch.cuda.device_count()} visible)")
+
+
+def _resolve_sources(model, draft_model, engine_dir, dtype, speculative_config, calibration):
+    """(model, draft_model, dtype, EchoConfig, Calibration or None): an engine directory's own, or the arguments',
+    with the embedded pair as the default; each checked by name."""
+    if engine_dir is not None:
+        if model is not None or draft_model is not None:
+            raise ValueError("give either engine_dir or model/draft_model, not both")
+        spec = read_engine(engine_dir)
+        model, draft_model, engine_dtype = spec.target, spec.draft, spec.dtype
+        dtype = engine_dtype if dtype == "auto" else dtype
+        speculative_config = speculative_config or spec.config
+        calibration = calibration if calibration is not None else spec.calibration
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+    if model is None:
+        model = DEFAULT_TARGET
+        if draft_model is None:
+            draft_model = default_drafter()
+    _check_source("model", model)
+    if draft_model is not None:
+        _check_source("draft_model", draft_model)
+    config = speculative_config or EchoConfig()
+    if not isinstance(config, EchoConfig):
+        raise TypeError(f"speculative_config must be an EchoConfig, got {type(config).__name__}")
+    if calibration is not None and not isinstance(calibration, Calibration):
+        if not isinstance(calibration, (str, Path)):
+            raise TypeError(f"calibration must be a path or a Calibration, got {type(calibration).__name__}")
+        calibration = Calibration.load(calibration)
+    return model, draft_model, dtype, config, calibration
+
+
 class LLM:
     """Target + draft model pair behind an in-flight-batching executor running on a background thread.
 
@@ -140,56 +200,14 @@ class LLM:
         adapt: bool = True,
         batch_invariant: bool = False,
     ) -> None:
-        _positive_int("max_batch_size", max_batch_size)
-        _positive_int("tensor_parallel_size", tensor_parallel_size)
-        _positive_int("max_seq_len", max_seq_len, minimum=2, allow_none=True)
-        _positive_int("max_num_tokens", max_num_tokens, allow_none=True)
-        _positive_int("iter_stats_max_iterations", iter_stats_max_iterations, minimum=0)
-        if not (isinstance(cost_model, CostModel) or cost_model is None or cost_model == "auto"):
-            raise ValueError(f"cost_model must be 'auto', a CostModel or None, got {cost_model!r}")
-        if not (fallback is True or fallback is False or fallback == "auto"):
-            raise ValueError(f"fallback must be 'auto', True or False, got {fallback!r}")
-        if adapt is not True and adapt is not False:
-            raise ValueError(f"adapt must be True or False, got {adapt!r}")
-        if batch_invariant is not True and batch_invariant is not False:
-            raise ValueError(f"batch_invariant must be True or False, got {batch_invariant!r}")
-        if batch_invariant and tensor_parallel_size > 1:
-            raise ValueError("batch_invariant=True runs on one device: tensor_parallel_size must be 1")
+        _check_options(max_batch_size=max_batch_size, tensor_parallel_size=tensor_parallel_size,
+                       max_seq_len=max_seq_len, max_num_tokens=max_num_tokens,
+                       iter_stats_max_iterations=iter_stats_max_iterations, cost_model=cost_model, fallback=fallback,
+                       adapt=adapt, batch_invariant=batch_invariant, tokenizer=tokenizer, device=device)
         self.batch_invariant = batch_invariant
         fallback = None if fallback == "auto" else fallback
-        if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
-            raise TypeError(f"tokenizer must be an echo_trtllm.models.loader.Tokenizer, got {type(tokenizer).__name__}")
-        if device is not None:
-            try:
-                dev = torch.device(device)
-            except (RuntimeError, TypeError):
-                raise ValueError(f"device must be a torch device string such as 'cpu' or 'cuda:0', got {device!r}") from None
-            if dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
-                raise ValueError(f"device {device!r}: no such CUDA device here ({torch.cuda.device_count()} visible)")
-        if engine_dir is not None:
-            if model is not None or draft_model is not None:
-                raise ValueError("give either engine_dir or model/draft_model, not both")
-            spec = read_engine(engine_dir)
-            model, draft_model, engine_dtype = spec.target, spec.draft, spec.dtype
-            dtype = engine_dtype if dtype == "auto" else dtype
-            speculative_config = speculative_config or spec.config
-            calibration = calibration if calibration is not None else spec.calibration
-        if dtype not in DTYPE_CHOICES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
-        if model is None:
-            model = DEFAULT_TARGET
-            if draft_model is None:
-                draft_model = default_drafter()
-        _check_source("model", model)
-        if draft_model is not None:
-            _check_source("draft_model", draft_model)
-        config = speculative_config or EchoConfig()
-        if not isinstance(config, EchoConfig):
-            raise TypeError(f"speculative_config must be an EchoConfig, got {type(config).__name__}")
-        if calibration is not None and not isinstance(calibration, Calibration):
-            if not isinstance(calibration, (str, Path)):
-                raise TypeError(f"calibration must be a path or a Calibration, got {type(calibration).__name__}")
-            calibration = Calibration.load(calibration)
+        model, draft_model, dtype, config, calibration = _resolve_sources(
+            model, draft_model, engine_dir, dtype, speculative_config, calibration)
         self.calibration = calibration
         policy = make_policy(config)
         check_limits(config, max_batch_size, has_draft=draft_model is not None or not policy.needs_draft_model)
@@ -200,21 +218,27 @@ class LLM:
         self._tp_group = None
         if draft_model is not None and not policy.needs_draft_model:
             draft_model = None
-        if tensor_parallel_size > 1:
-            target, target_tok, draft = self._load_parallel(model, draft_model, dtype, device, tensor_parallel_size)
-            self.tokenizer = tokenizer or target_tok
-        else:
-            target, target_tok = self._load(model, dtype, device)
-            self.tokenizer = tokenizer or target_tok
-            if self.tokenizer is None:
-                raise ValueError("a loaded CausalLM needs tokenizer=... (a Tokenizer from echo_trtllm.models.loader)")
-            draft = None if draft_model is None else load_draft(draft_model, target, dtype, device, self.tokenizer)
+        target, draft = self._load_pair(model, draft_model, tokenizer, dtype, device, tensor_parallel_size)
         try:
             self._start(target, draft, config, calibration, policy, cost_model, fallback, max_batch_size,
                         max_seq_len, max_num_tokens, gate_samples, clock, iter_stats_max_iterations, adapt)
         except BaseException:
             self._close_group()
             raise
+
+    def _load_pair(self, model, draft_model, tokenizer, dtype, device, tensor_parallel_size):
+        """The target and the draft (or None) on `device`, sharded over the ranks when tensor_parallel_size > 1;
+        sets self.tokenizer."""
+        if tensor_parallel_size > 1:
+            target, target_tok, draft = self._load_parallel(model, draft_model, dtype, device, tensor_parallel_size)
+            self.tokenizer = tokenizer or target_tok
+            return target, draft
+        target, target_tok = self._load(model, dtype, device)
+        self.tokenizer = tokenizer or target_tok
+        if self.tokenizer is None:
+            raise ValueError("a loaded CausalLM needs tokenizer=... (a Tokenizer from echo_trtllm.models.loader)")
+        draft = None if draft_model is None else load_draft(draft_model, target, dtype, device, self.tokenizer)
+        return target, draft
 
     def _start(self, target, draft, config, calibration, policy, cost_model, fallback, max_batch_size, max_seq_len,
                max_num_tokens, gate_samples, clock, iter_stats_max_iterations, adapt) -> None:

@@ -458,6 +458,7 @@ class Executor:
 
     @torch.inference_mode()
     def step(self) -> StepReport:
+        """One engine step: admit, decide, draft, verify, finish, commit, learn (one method per phase)."""
         self.link.take()  # this step's traffic starts here (admission and prefill included)
         _, failed = self.admit()
         reqs = list(self.running)
@@ -477,17 +478,7 @@ class Executor:
         drafter = self.drafter if speculated else None
         t_verify = self.clock.now()
         try:
-            # the contract tensors go to the model's device, the mask is built there and the logits stay there:
-            # verification runs beside them and only the accepted path comes back
-            max_tokens = int((ctx + drafted.selected.num_nodes.cpu()).max())  # host values: no device read
-            on_device = self._send(packed)
-            batch = tree_batch(on_device, self.link.send("context lengths", ctx), self.link.send("slots", slots),
-                               max_tokens)
-            t_inputs = self.clock.now()
-            with self.clock.forward("target", int(packed.total_nodes)):
-                logits, features = self._target_forward(batch)  # (N_tot, V) on the device
-            t_verified = self.clock.now()
-            result = self._verify(reqs, on_device, logits, int(drafted.selected.depths.max()) + 1)
+            result, features, t_inputs, t_verified = self._verify_step(reqs, drafted, packed, ctx, slots)
         except Exception:  # noqa: BLE001 - a failing target fails the requests of this step, the engine goes on
             self._contain("target forward", reqs)
             return StepReport(b, 0, 0, 0, reqs + failed, reqs + failed, positions=positions)
@@ -495,16 +486,48 @@ class Executor:
         draft_model = drafter.model_seconds if drafter is not None else 0.0
         timings = StepTimings(0.0, draft_model, t_verify - t_step - draft_model, t_verified - t_verify,
                               forward=t_verified - t_inputs, accept=t_accepted - t_verified)
+        finished, keep, kept_counts = self._finish_step(reqs, result, drafted.selected.num_nodes.tolist(), failed)
+        t_finished = self.clock.now()
+        timings.finish = t_finished - t_accepted
+        keep = self._commit_step(reqs, ctx, result, keep, features, drafter, drafted, finished)
+        t_end = self.clock.now()
+        timings.commit, timings.total = t_end - t_finished, t_end - t_step
+        produced = int(result.cu_accepted[-1])  # before stop conditions cut anything
+        followed = decision if speculated == planned == wanted else None  # the controller's choice, as it ran
+        sample, prediction = self._learn(b, packed, float(ctx.max()), drafter, drafted, result, timings, produced,
+                                         followed)
+        return StepReport(
+            batch_size=b, verified_tokens=int(packed.total_nodes), emitted_tokens=sum(kept_counts),
+            drafted_tokens=int(drafted.candidates.total_nodes) - b, finished=finished, updated=reqs + failed,
+            speculated=speculated, timings=timings, draft=drafted, result=result,
+            request_ids=[r.request_id for r in reqs], positions=positions, emitted=kept_counts,
+            draft_failed=planned and not speculated and self.drafter is not None, context=float(ctx.max()),
+            traffic=self.link.take(), sample=sample, prediction=prediction, decision=followed)
 
-        finished, keep, emitted, kept_counts = list(failed), [], 0, []
-        verified = drafted.selected.num_nodes.tolist()
+    def _verify_step(self, reqs, drafted, packed, ctx, slots):
+        """The target's forward over the packed trees and the acceptance: (result, features, t_inputs, t_verified).
+        The contract tensors go to the model's device, the mask is built there and the logits stay there:
+        verification runs beside them and only the accepted path comes back."""
+        max_tokens = int((ctx + drafted.selected.num_nodes.cpu()).max())  # host values: no device read
+        on_device = self._send(packed)
+        batch = tree_batch(on_device, self.link.send("context lengths", ctx), self.link.send("slots", slots),
+                           max_tokens)
+        t_inputs = self.clock.now()
+        with self.clock.forward("target", int(packed.total_nodes)):
+            logits, features = self._target_forward(batch)  # (N_tot, V) on the device
+        t_verified = self.clock.now()
+        result = self._verify(reqs, on_device, logits, int(drafted.selected.depths.max()) + 1)
+        return result, features, t_inputs, t_verified
+
+    def _finish_step(self, reqs, result, verified: list[int], failed: list[Request]):
+        """Each request's accepted tokens through its stop conditions: (finished, keep, tokens kept per request)."""
+        finished, keep, kept_counts = list(failed), [], []
         for i, (req, tokens) in enumerate(zip(reqs, result.token_lists())):
             try:
                 kept = self._finish(req, tokens)
             except Exception:  # noqa: BLE001 - e.g. detokenising: only this request fails
                 self._contain("finishing a request", [req])
                 kept = 0
-            emitted += kept
             kept_counts.append(kept)
             req.stats.steps += 1
             req.stats.emitted_per_step.append(kept)
@@ -512,8 +535,12 @@ class Executor:
             keep.append(not req.finished)
             if req.finished:
                 finished.append(req)
-        t_finished = self.clock.now()
-        timings.finish = t_finished - t_accepted
+        return finished, keep, kept_counts
+
+    def _commit_step(self, reqs, ctx, result, keep, features, drafter, drafted, finished) -> list[bool]:
+        """The accepted tokens into the target's (and the draft's) KV, the finished requests' slots released;
+        returns keep (all False where the target's commit failed: those requests end)."""
+        b = len(reqs)
         try:
             self._commit(reqs, result, keep)
         except Exception:  # noqa: BLE001 - the target cache of these requests is no longer trustworthy
@@ -532,17 +559,7 @@ class Executor:
             if req in self.running:
                 self.running.remove(req)
             self._release(req)
-        t_end = self.clock.now()
-        timings.commit, timings.total = t_end - t_finished, t_end - t_step
-        produced = int(result.cu_accepted[-1])  # before stop conditions cut anything
-        followed = decision if speculated == planned == wanted else None  # the controller's choice, as it ran
-        sample, prediction = self._learn(b, packed, float(ctx.max()), drafter, drafted, result, timings, produced,
-                                         followed)
-        return StepReport(b, int(packed.total_nodes), emitted, int(drafted.candidates.total_nodes) - b, finished,
-                          reqs + failed, speculated, timings, drafted, result, [r.request_id for r in reqs],
-                          positions, kept_counts, draft_failed=planned and not speculated and self.drafter is not None,
-                          context=float(ctx.max()), traffic=self.link.take(), sample=sample, prediction=prediction,
-                          decision=followed)
+        return keep
 
     def _decide(self, reqs: list[Request], context: float) -> Decision | None:
         """The controller's choice for this step (None without one, or during warm-up); a "forced" plain step where
