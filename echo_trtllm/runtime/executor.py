@@ -159,6 +159,21 @@ class StepReport:
     decision: Decision | None = None
 
 
+
+def _check_pair(target: CausalLM, draft) -> None:
+    """A draft that can speculate for this target: one vocabulary; an EAGLE-3 head trained on its features."""
+    draft_vocab = None if draft is None else (
+        draft.config.layer.vocab_size if isinstance(draft, Eagle3Head) else draft.config.vocab_size)
+    if draft is not None and draft_vocab != target.config.vocab_size:
+        raise ValueError(
+            f"the draft's vocabulary size ({draft_vocab}) differs from the target's "
+            f"({target.config.vocab_size}): speculative decoding needs one tokenizer"
+        )
+    if isinstance(draft, Eagle3Head) and draft.config.target_hidden_size != target.config.hidden_size:
+        raise ValueError(f"the EAGLE-3 head reads features of width {draft.config.target_hidden_size} but the "
+                         f"target's hidden size is {target.config.hidden_size}: the head belongs to another target")
+
+
 class Executor:
     def __init__(
         self,
@@ -191,16 +206,30 @@ class Executor:
         check_limits(config, max_batch_size, has_draft=draft is not None)
         if fallback not in (None, True, False):
             raise ValueError(f"fallback must be True, False or None, got {fallback!r}")
-        self.cost_model = cost_model
         if adapt not in (True, False):
             raise ValueError(f"adapt must be True or False, got {adapt!r}")
+        _check_pair(target, draft)
+        self.target, self.tokenizer, self.config = target, tokenizer, config
+        self.clock = clock or WallClock(target.device)
+        self.link = HostLink(target.device)  # every tensor crossing host <-> model device, counted per step
+        self._init_pricing(config, cost_model, gate_samples, fallback, adapt)
+        self._init_memory(target, draft, config, max_batch_size, max_seq_len, max_num_tokens)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_slots = list(range(max_batch_size))
+        self._ids = itertools.count()
+        # the last contained failure (traceback text) and how many of each phase (for logs and stats)
+        self.last_error: str | None = None
+        self.failures: dict[str, int] = {}
+
+    def _init_pricing(self, config, cost_model, gate_samples, fallback, adapt) -> None:
+        """The policy, the prices its rules read and the speculation controller (the AR fallback)."""
+        self.cost_model = cost_model
         self.adapt = adapt
         self.step_cost = StepCostModel.from_cost_model(cost_model) if cost_model is not None else None
         # what the rules read: the learned prices, or (adapt=False) the load-time cost model itself
         self.prices = self.step_cost.prices if self.step_cost is not None and adapt else cost_model
         self.policy = make_policy(config, self.prices, gate_samples)
-        self.clock = clock or WallClock(target.device)
-        self.link = HostLink(target.device)  # every tensor crossing host <-> model device, counted per step
         self.controller = None
         if fallback is True and cost_model is None and self.policy.needs_draft_model:
             raise ValueError("fallback=True needs a cost model (cost_model=...): the AR fallback weighs measured steps "
@@ -211,17 +240,9 @@ class Executor:
         self._forced: bool | None = None  # warm_up's choice for the next steps (None: the controller's)
         self._cold = False  # warm_up's first steps: run, not learnt from
         self._ar_policy = make_policy(EchoConfig(policy="ar"))  # plain AR steps (the controller's, a draft failure)
-        draft_vocab = None if draft is None else (
-            draft.config.layer.vocab_size if isinstance(draft, Eagle3Head) else draft.config.vocab_size)
-        if draft is not None and draft_vocab != target.config.vocab_size:
-            raise ValueError(
-                f"the draft's vocabulary size ({draft_vocab}) differs from the target's "
-                f"({target.config.vocab_size}): speculative decoding needs one tokenizer"
-            )
-        if isinstance(draft, Eagle3Head) and draft.config.target_hidden_size != target.config.hidden_size:
-            raise ValueError(f"the EAGLE-3 head reads features of width {draft.config.target_hidden_size} but the "
-                             f"target's hidden size is {target.config.hidden_size}: the head belongs to another target")
-        self.target, self.tokenizer, self.config = target, tokenizer, config
+
+    def _init_memory(self, target, draft, config, max_batch_size, max_seq_len, max_num_tokens) -> None:
+        """The limits, the target's KV cache and the drafter with its own."""
         self.max_batch_size = max_batch_size
         self.max_seq_len = min(max_seq_len or target.config.max_position_embeddings, target.config.max_position_embeddings)
         tree_room = self.policy.max_tree_nodes
@@ -242,13 +263,6 @@ class Executor:
         # a level drafted for requests the policy has already stopped is a whole draft forward wasted there);
         # on an accelerator it reads at the policy's sync depths only
         self.sync_every_level = target.device.type == "cpu"
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.free_slots = list(range(max_batch_size))
-        self._ids = itertools.count()
-        # the last contained failure (traceback text) and how many of each phase (for logs and stats)
-        self.last_error: str | None = None
-        self.failures: dict[str, int] = {}
 
     # ---------------------------------------------------------------- requests
 
