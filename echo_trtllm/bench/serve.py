@@ -301,6 +301,12 @@ async def run_sustained(base_url: str, model: str, prompts: list[str], duration:
     for t in tasks:  # requests still streaming: closing their connections aborts them on the server
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    return (*_inside_window(streams, start, end), duration, before, after)
+
+
+def _inside_window(streams: list[list], start: float, end: float) -> tuple[list[RequestTiming], int]:
+    """(the requests sent and finished inside [start, end], the tokens that arrived inside it) of the streams'
+    records [timing or None, [(time, tokens so far)], time sent]."""
     tokens = 0
     for _, arrivals, _ in streams:
         prev = 0
@@ -310,7 +316,7 @@ async def run_sustained(base_url: str, model: str, prompts: list[str], duration:
             prev = so_far
     done = [timing for timing, arrivals, sent in streams
             if timing is not None and sent >= start and arrivals and arrivals[-1][0] <= end]
-    return done, tokens, duration, before, after
+    return done, tokens
 
 
 def summarise(method: str, timings: list[RequestTiming], wall: float, concurrency: int | None,
