@@ -18,7 +18,7 @@ import torch
 
 from echo_trtllm.core.config import EchoConfig
 from echo_trtllm.core.cost import CostModel
-from echo_trtllm.core.policies import make_policy
+from echo_trtllm.core.policies import make_policy, policy_class
 from echo_trtllm.engine_dir import read_engine
 from echo_trtllm.models import DEFAULT_TARGET, default_drafter
 from echo_trtllm.models.draft import load_draft
@@ -209,7 +209,7 @@ class LLM:
         model, draft_model, dtype, config, calibration = _resolve_sources(
             model, draft_model, engine_dir, dtype, speculative_config, calibration)
         self.calibration = calibration
-        policy = make_policy(config)
+        policy = policy_class(config)
         check_limits(config, max_batch_size, has_draft=draft_model is not None or not policy.needs_draft_model)
         gate_samples = calibration.gate_samples() if calibration is not None and policy.shares_budget else None
         make_policy(config, None, gate_samples)  # a calibration for another max_depth is refused here, before loading

@@ -44,7 +44,7 @@ __all__ = [
     "DraftResult",
     "TreePolicy",
     "POLICIES",
-    "make_policy",
+    "make_policy", "policy_class",
     "draft_tree",
     "DraftLoop",
     "draft_tree_batched",
@@ -213,6 +213,12 @@ POLICIES: dict[str, type[TreePolicy]] = {}
 def register(cls: type[TreePolicy]) -> type[TreePolicy]:
     POLICIES[cls.name] = cls
     return cls
+
+
+def policy_class(config: EchoConfig) -> type[TreePolicy]:
+    """The class of `config.policy`: its capability flags (`needs_draft_model`, `shares_budget`, ...) without building
+    one."""
+    return POLICIES[config.policy]
 
 
 def make_policy(config: EchoConfig, cost_model: CostModel | None = None,
@@ -665,7 +671,9 @@ def draft_tree_batched(
     depth_cap = policy.max_depth if max_levels is None else min(policy.max_depth, max_levels)
     syncs = frozenset(range(1, depth_cap + 1)) if sync_every_level else policy.sync_depths(state)
     rows = torch.nonzero(state.active, as_tuple=True)[0]
-    pending: list[tuple[int, Tensor, Tensor, Tensor, Tensor, Tensor]] = []
+    # levels drafted on the device since the last replay: (depth, rows, slots per row of the previous level,
+    # frontier slots, frontier valid, probabilities, tokens)
+    pending: list[tuple[int, Tensor, int, Tensor, Tensor, Tensor, Tensor]] = []
     replaying = True  # False once the replay met an empty frontier (draft_tree's break)
     score = tokens = None  # the previous level on the device: path probabilities (padding: -1) and tokens
     width, children = policy.expand_width, 1

@@ -52,7 +52,7 @@ from echo_trtllm.core import EchoConfig, SamplingTensors, draft_tree, make_polic
 from echo_trtllm.core.controller import Decision, SpeculationController
 from echo_trtllm.core.cost import CostModel
 from echo_trtllm.core.gating import GateSamples
-from echo_trtllm.core.policies import DraftResult, draft_tree_batched
+from echo_trtllm.core.policies import DraftResult, draft_tree_batched, policy_class
 from echo_trtllm.core.prices import StepCostModel, StepPrediction
 from echo_trtllm.core.steps import StepSample
 from echo_trtllm.core.verify import VerifyResult
@@ -75,7 +75,7 @@ MIN_PENDING = 8
 
 def check_limits(config: EchoConfig, max_batch_size: int, has_draft: bool) -> None:
     """Reject configurations that cannot run, before anything heavy is loaded."""
-    policy = make_policy(config)
+    policy = policy_class(config)
     if policy.needs_draft_model and not has_draft:
         raise ValueError(
             f"policy {config.policy!r} needs a draft model: pass draft_model=..., or use EchoConfig(policy='ar')"
