@@ -85,13 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from echo_trtllm.bench.prompts import load_prompts
-    from echo_trtllm.bench.run import (BenchConfig, bench, load_hf_pair, machine_info, markdown_table, parse_method, plot,
-                                       profile_table)
-    from echo_trtllm.core.policies import POLICIES
+    from echo_trtllm.bench.run import BenchConfig, bench, load_hf_pair, markdown_table, plot, profile_table
     from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
     from echo_trtllm.models.draft import draft_kind, load_draft
     from echo_trtllm.models.loader import load_model
-    from echo_trtllm.runtime.calibrate import LOAD_REPEATS, Calibration, calibrate, measure_cost_model
+    from echo_trtllm.runtime.calibrate import Calibration
 
     try:
         options.apply_threads(args)
@@ -118,18 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     target, tok = load_model(args.model or DEFAULT_TARGET, dtype=args.dtype, device=device)
     draft = load_draft(args.draft_model or DEFAULT_DRAFT, target, dtype=args.dtype, device=device)
     print(f"loaded target + draft in {time.perf_counter() - t0:.0f} s ({target.dtype} / {draft.dtype})", flush=True)
-    # methods that use a cost curve: the echo family, and every drafting method when its fallback is on
-    uses_cost_curve = any(POLICIES[parse_method(m)[0]].uses_cost_curve(mode == "on") for _, m, mode in cfg.runs())
-    cost_model = None if args.no_cost_model else "auto"
-    if in_process and uses_cost_curve:
-        calibration = calibrate(target, draft, tok, cfg.speculation, calibration_prompts[:8], batch_size=8,
-                                max_tokens=min(args.max_tokens, 32))
-        print(f"calibrated in-process: {calibration.warmup['samples']} gate samples", flush=True)
-    elif calibration is None and uses_cost_curve and not args.no_cost_model:
-        cost_model = measure_cost_model(target, draft, repeats=LOAD_REPEATS)
-        print("cost curve measured at load (out of the box, no calibration): t_verify " +
-              ", ".join(f"{t}:{s * 1e3:.1f}ms" for t, s in zip(cost_model.verify_tokens, cost_model.verify_seconds)),
-              flush=True)
+    calibration, cost_model = _prices(args, cfg, target, draft, tok, calibration, calibration_prompts, in_process)
     if args.profile_phases:
         try:
             return _profile(args, argv, cfg, target, draft, tok, prompts, calibration, cost_model)
@@ -153,16 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         table += "\nHost <-> device traffic per speculative step (runtime.transfer):\n\n" + profile_table(
             rows, target.config.vocab_size)
     print(table)
-    source = ("file" if args.calibration and not in_process else "in-process" if in_process else
-              "none (no cost model)" if args.no_cost_model else "none (cost curve measured at load)")
-    meta = {"machine": machine_info(), "date": time.strftime("%Y-%m-%d"), "command": command_line(argv),
-            "dtype": {"target": str(target.dtype), "draft": str(draft.dtype)}, "draft_kind": draft_kind(draft),
-            "calibration_source": source, "waves": cfg.waves, "ar_both_ends": cfg.ar_both_ends,
-            "prompts": {"set": args.prompt_set, "split": args.prompt_split, "eval": len(prompts),
-                        "calibration": len(calibration_prompts) if in_process else 0,
-                        "rule": "calibration = prompts 0, 4, 8, ... of the set; eval = all others"},
-            "calibration": json.loads(calibration.to_json()) if calibration else None,
-            "cost_model": json.loads(cost_model.to_json()) if hasattr(cost_model, "to_json") else None}
+    meta = _meta(args, argv, cfg, target, draft, prompts, calibration_prompts, in_process, calibration, cost_model)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"results": rows, **meta}, f, indent=2)
@@ -176,6 +154,45 @@ def main(argv: list[str] | None = None) -> int:
         for name in plot(rows, args.plot, os.path.basename(args.model or "default pair")):
             print(name)
     return 0
+
+
+def _prices(args, cfg, target, draft, tok, calibration, calibration_prompts, in_process):
+    """(calibration, cost model) the engines start from: the file's, one calibrated here, or a cost curve measured
+    at load ("auto": each engine's own; None with --no-cost-model)."""
+    from echo_trtllm.bench.run import parse_method
+    from echo_trtllm.core.policies import POLICIES
+    from echo_trtllm.runtime.calibrate import LOAD_REPEATS, calibrate, measure_cost_model
+
+    # methods that use a cost curve: the echo family, and every drafting method when its fallback is on
+    uses_cost_curve = any(POLICIES[parse_method(m)[0]].uses_cost_curve(mode == "on") for _, m, mode in cfg.runs())
+    cost_model = None if args.no_cost_model else "auto"
+    if in_process and uses_cost_curve:
+        calibration = calibrate(target, draft, tok, cfg.speculation, calibration_prompts[:8], batch_size=8,
+                                max_tokens=min(args.max_tokens, 32))
+        print(f"calibrated in-process: {calibration.warmup['samples']} gate samples", flush=True)
+    elif calibration is None and uses_cost_curve and not args.no_cost_model:
+        cost_model = measure_cost_model(target, draft, repeats=LOAD_REPEATS)
+        print("cost curve measured at load (out of the box, no calibration): t_verify " +
+              ", ".join(f"{t}:{s * 1e3:.1f}ms" for t, s in zip(cost_model.verify_tokens, cost_model.verify_seconds)),
+              flush=True)
+    return calibration, cost_model
+
+
+def _meta(args, argv, cfg, target, draft, prompts, calibration_prompts, in_process, calibration, cost_model) -> dict:
+    """What the JSON and the trace record beside the rows: machine, date, command, dtypes, prompts, prices."""
+    from echo_trtllm.bench.run import machine_info
+    from echo_trtllm.models.draft import draft_kind
+
+    source = ("file" if args.calibration and not in_process else "in-process" if in_process else
+              "none (no cost model)" if args.no_cost_model else "none (cost curve measured at load)")
+    return {"machine": machine_info(), "date": time.strftime("%Y-%m-%d"), "command": command_line(argv),
+            "dtype": {"target": str(target.dtype), "draft": str(draft.dtype)}, "draft_kind": draft_kind(draft),
+            "calibration_source": source, "waves": cfg.waves, "ar_both_ends": cfg.ar_both_ends,
+            "prompts": {"set": args.prompt_set, "split": args.prompt_split, "eval": len(prompts),
+                        "calibration": len(calibration_prompts) if in_process else 0,
+                        "rule": "calibration = prompts 0, 4, 8, ... of the set; eval = all others"},
+            "calibration": json.loads(calibration.to_json()) if calibration else None,
+            "cost_model": json.loads(cost_model.to_json()) if hasattr(cost_model, "to_json") else None}
 
 
 def _profile(args, argv, cfg, target, draft, tok, prompts, calibration, cost_model) -> int:
