@@ -228,6 +228,28 @@ def _percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
+def _step_totals(reports, batch_size: int, recorder) -> tuple:
+    """Over a cell's step reports: steps, verified tokens, steps that verified a draft, steps that drafted, tokens
+    and seconds of full-batch steps, decode / control / draft-model seconds (in the order run_cell reads them);
+    each report also goes to the trace recorder."""
+    steps = verified = speculated = drafted = full_tokens = 0
+    decode = control = draft_model = full_seconds = 0.0
+    for rep in reports:
+        steps += 1
+        verified += rep.verified_tokens
+        speculated += rep.verified_tokens > rep.batch_size
+        drafted += rep.speculated
+        decode += rep.timings.total
+        control += rep.timings.control
+        draft_model += rep.timings.draft_model
+        if rep.batch_size == batch_size:
+            full_tokens += rep.emitted_tokens
+            full_seconds += rep.timings.total
+        if recorder is not None:
+            recorder.record(rep)
+    return steps, verified, speculated, drafted, full_tokens, decode, control, draft_model, full_seconds
+
+
 def run_cell(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int, temperature: float,
              seed: int = 0, waves: int = 1) -> dict:
     """One method at one batch size: waves x batch_size requests submitted at once to `llm` (whose batch holds
@@ -244,23 +266,10 @@ def run_cell(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int, tem
     wall = time.perf_counter() - t0
     reports = llm.get_stats()
     midpoint = t0 + wall / 2
-    steps = verified = speculated = drafted = full_tokens = 0
-    decode = control = draft_model = full_seconds = 0.0
     policy = llm.executor.policy
     recorder = TraceRecorder(policy.max_tree_nodes - 1, policy.max_depth) if temperature == 0 else None
-    for rep in reports:
-        steps += 1
-        verified += rep.verified_tokens
-        speculated += rep.verified_tokens > rep.batch_size
-        drafted += rep.speculated
-        decode += rep.timings.total
-        control += rep.timings.control
-        draft_model += rep.timings.draft_model
-        if rep.batch_size == batch_size:
-            full_tokens += rep.emitted_tokens
-            full_seconds += rep.timings.total
-        if recorder is not None:
-            recorder.record(rep)
+    steps, verified, speculated, drafted, full_tokens, decode, control, draft_model, full_seconds = \
+        _step_totals(reports, batch_size, recorder)
     traffic = traffic_profile(reports)
     tokens = sum(len(o.token_ids) for o in outputs)
     req_steps = sum(o.stats.steps for o in outputs)
@@ -367,77 +376,89 @@ def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibr
     method_of = {label: (m, mode) for label, m, mode in runs}
     for b in cfg.batch_sizes:
         for temp in cfg.temperatures:
-            samples: dict[str, list[dict]] = {m: [] for m in order}
             engines = {label: make_engine(target, draft, tokenizer, cfg.config_for(m, b), b, cfg.max_seq_len,
                                           calibration, cost_model, mode) for label, m, mode in runs}
             hf_methods = [f"hf-assisted-{n}" for n in cfg.hf_assisted] if hf is not None and b == 1 and temp == 0 else []
             extra = ["hf-ar", *hf_methods] if hf_methods else []
-            samples.update({m: [] for m in extra})
             try:
-                for rnd in range(cfg.warmup_rounds + cfg.rounds):
-                    round_cells: dict[str, dict] = {}
-                    # AR first in even rounds, last in odd ones: a drift of the machine's speed within a round
-                    # then favours neither side of a ratio; with ar_both_ends AR also runs at the other end
-                    sequence = (order if rnd % 2 == 0 else order[::-1]) + extra
-                    if cfg.ar_both_ends:
-                        sequence = ["ar", *[m for m in sequence if m != "ar"], AR_END]
-                    for m in sequence:
-                        if m.startswith("hf-"):
-                            n = m.rsplit("-", 1)[1]
-                            cell = hf_assisted_cell(hf[0], hf[1] if m != "hf-ar" else None, tokenizer, prompts,
-                                                    cfg.max_tokens, n, seed=rnd * b)
-                        else:
-                            cell = run_cell(engines["ar" if m == AR_END else m], prompts, b, cfg.max_tokens, temp,
-                                            seed=rnd * b * cfg.waves, waves=cfg.waves)
-                        if m == AR_END:
-                            ar_at_end(round_cells, cell)
-                        else:
-                            round_cells[m] = cell
-                            if rnd >= cfg.warmup_rounds:
-                                samples[m].append(cell)
-                        if progress is not None:
-                            progress(m, b, temp, cell)
-                    if temp == 0:
-                        widen_oracles({m: round_cells[m] for m in order}, depth_keyed=draft_kind(draft) == "eagle3")
-                    for cell in round_cells.values():
-                        cell.pop("_oracle", None)
+                samples = _rounds(engines, order, extra, prompts, cfg, b, temp, draft, tokenizer, progress, hf)
             finally:
                 for engine in engines.values():
                     engine.shutdown()
-            ar_rounds = [s["tokens_per_s"] for s in samples["ar"]]
             for m in order + extra:
                 if m == "ar" and "ar" not in cfg.methods:
                     continue
-                cells = samples[m]
-                for cell, ar_cell in zip(cells, samples["ar"]):
-                    ref = cell.get("ar_reference", ar_cell)  # AR at the cell's time (ar_both_ends), or AR's cell
-                    cell["speedup_vs_ar"] = cell["tokens_per_s"] / ref["tokens_per_s"]
-                    base = ref["full_batch_tokens_per_s"]
-                    cell["full_batch_speedup_vs_ar"] = cell["full_batch_tokens_per_s"] / base if base else float("nan")
-                    if "token_ids" in cell:  # the same prompts and seeds as AR's cell of that round
-                        cell["ar_agreement"], cell["ar_prefix_agreement"] = agreement(cell["token_ids"],
-                                                                                      ar_cell["token_ids"])
                 method, mode = method_of.get(m, (m, "auto"))
-                row = {"method": m, "policy": parse_method(method)[0] if m in method_of else method,
-                       "shape": method, "fallback": mode, "batch_size": b, "temperature": temp,
-                       "rounds": len(cells), "speedup_vs_ar_by_round": [c["speedup_vs_ar"] for c in cells]}
-                # per-step host <-> device traffic does not depend on the machine's speed: the last round's
-                row["traffic"] = cells[-1].get("traffic")
-                if cfg.ar_both_ends:  # on every row: AR's own row is left out when "ar" is not in methods
-                    row["ar_drift_by_round"] = [c["ar_drift"] for c in samples["ar"]]
-                for key in (*METRICS, "speedup_vs_ar"):
-                    vals = [c[key] for c in cells if key in c and c[key] == c[key]]  # drop absent and NaN
-                    row[key] = statistics.median(vals) if vals else None
-                    if key in SPREAD:
-                        row[f"{key}_min"] = min(vals) if vals else None
-                        row[f"{key}_max"] = max(vals) if vals else None
-                rows.append(row)
+                rows.append(_row(m, method, mode, m in method_of, samples, cfg, b, temp))
                 # traces are keyed by policy (what `simulate` replays): the pure run's when there is one; every
                 # timed round's records
+                cells = samples[m]
                 pure_or_only = method == "ar" or mode == "off" or (mode == "auto" and "off" not in cfg.fallback)
                 if temp == 0 and pure_or_only and any(c.get("trace") for c in cells):
                     traces[f"{method}/{b}"] = [rec for c in cells for rec in (c.get("trace") or [])]
     return rows, traces
+
+
+def _rounds(engines, order, extra, prompts, cfg: BenchConfig, b: int, temp: float, draft, tokenizer, progress,
+            hf) -> dict[str, list[dict]]:
+    """The warm-up and timed rounds of one (batch size, temperature): every method's timed cells, by label."""
+    samples: dict[str, list[dict]] = {m: [] for m in order + extra}
+    for rnd in range(cfg.warmup_rounds + cfg.rounds):
+        round_cells: dict[str, dict] = {}
+        # AR first in even rounds, last in odd ones: a drift of the machine's speed within a round
+        # then favours neither side of a ratio; with ar_both_ends AR also runs at the other end
+        sequence = (order if rnd % 2 == 0 else order[::-1]) + extra
+        if cfg.ar_both_ends:
+            sequence = ["ar", *[m for m in sequence if m != "ar"], AR_END]
+        for m in sequence:
+            if m.startswith("hf-"):
+                n = m.rsplit("-", 1)[1]
+                cell = hf_assisted_cell(hf[0], hf[1] if m != "hf-ar" else None, tokenizer, prompts,
+                                        cfg.max_tokens, n, seed=rnd * b)
+            else:
+                cell = run_cell(engines["ar" if m == AR_END else m], prompts, b, cfg.max_tokens, temp,
+                                seed=rnd * b * cfg.waves, waves=cfg.waves)
+            if m == AR_END:
+                ar_at_end(round_cells, cell)
+            else:
+                round_cells[m] = cell
+                if rnd >= cfg.warmup_rounds:
+                    samples[m].append(cell)
+            if progress is not None:
+                progress(m, b, temp, cell)
+        if temp == 0:
+            widen_oracles({m: round_cells[m] for m in order}, depth_keyed=draft_kind(draft) == "eagle3")
+        for cell in round_cells.values():
+            cell.pop("_oracle", None)
+    return samples
+
+
+def _row(m: str, method: str, mode: str, is_run: bool, samples: dict[str, list[dict]], cfg: BenchConfig, b: int,
+         temp: float) -> dict:
+    """One method's row: its cells' ratios to AR (AR at the cell's time under ar_both_ends), agreement with AR,
+    medians with min-max of the metrics."""
+    cells = samples[m]
+    for cell, ar_cell in zip(cells, samples["ar"]):
+        ref = cell.get("ar_reference", ar_cell)  # AR at the cell's time (ar_both_ends), or AR's cell
+        cell["speedup_vs_ar"] = cell["tokens_per_s"] / ref["tokens_per_s"]
+        base = ref["full_batch_tokens_per_s"]
+        cell["full_batch_speedup_vs_ar"] = cell["full_batch_tokens_per_s"] / base if base else float("nan")
+        if "token_ids" in cell:  # the same prompts and seeds as AR's cell of that round
+            cell["ar_agreement"], cell["ar_prefix_agreement"] = agreement(cell["token_ids"], ar_cell["token_ids"])
+    row = {"method": m, "policy": parse_method(method)[0] if is_run else method,
+           "shape": method, "fallback": mode, "batch_size": b, "temperature": temp,
+           "rounds": len(cells), "speedup_vs_ar_by_round": [c["speedup_vs_ar"] for c in cells]}
+    # per-step host <-> device traffic does not depend on the machine's speed: the last round's
+    row["traffic"] = cells[-1].get("traffic")
+    if cfg.ar_both_ends:  # on every row: AR's own row is left out when "ar" is not in methods
+        row["ar_drift_by_round"] = [c["ar_drift"] for c in samples["ar"]]
+    for key in (*METRICS, "speedup_vs_ar"):
+        vals = [c[key] for c in cells if key in c and c[key] == c[key]]  # drop absent and NaN
+        row[key] = statistics.median(vals) if vals else None
+        if key in SPREAD:
+            row[f"{key}_min"] = min(vals) if vals else None
+            row[f"{key}_max"] = max(vals) if vals else None
+    return row
 
 
 AR_END = "ar (end of round)"  # the second AR cell of a round under ar_both_ends
