@@ -86,15 +86,8 @@ def compare_steps(reports, cost: CostModel) -> dict:
             "speculative_steps": len(meas_d), "draft": _errors(pred_d, meas_d) if meas_d else None}
 
 
-def main(argv=None) -> int:
-    from echo_trtllm.api import LLM
-    from echo_trtllm.bench.prompts import load_prompts
-    from echo_trtllm.bench.run import report_meta
+def _parser() -> argparse.ArgumentParser:
     from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
-    from echo_trtllm.models.draft import load_draft
-    from echo_trtllm.models.loader import load_model
-    from echo_trtllm.runtime.calibrate import measure_cost_model
-    from echo_trtllm.runtime.request import SamplingParams
 
     ap = argparse.ArgumentParser(prog="python -m echo_trtllm.bench.costmodel", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(DEFAULT_TARGET))
@@ -111,9 +104,44 @@ def main(argv=None) -> int:
                          "measuring a cost model here")
     ap.add_argument("--methods", default="echo", help="bench entries run pure, each at every batch size")
     ap.add_argument("--max-seq-len", type=int, default=1024)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _cost_model(args, calibration, target, draft, engine, cal_prompts, params) -> CostModel:
+    """The calibration's cost model, or one measured here with its grid and the step overhead fitted as
+    `calibrate` fits it (on calibration prompts at one batch size)."""
+    from echo_trtllm.runtime.calibrate import fit_overheads, measure_cost_model
+
+    if calibration is not None:
+        cost = calibration.cost_model
+        print(f"cost model of {args.calibration} (step overhead {cost.step_overhead_seconds * 1e3:.2f} ms, per "
+              f"draft level {cost.draft_level_overhead_seconds * 1e3:.2f} ms)", flush=True)
+        return cost
+    t0 = time.perf_counter()
+    cost = measure_cost_model(target, draft, repeats=args.repeats, grid=True)
+    print(f"cost model with grid measured in {time.perf_counter() - t0:.0f} s", flush=True)
+    fb = args.fit_batch_size
+    with engine(fb, cost) as llm:
+        llm.generate([cal_prompts[i % len(cal_prompts)] for i in range(fb)], params, use_tqdm=False)  # warm-up
+        llm.get_stats()
+        llm.generate([cal_prompts[(fb + i) % len(cal_prompts)] for i in range(fb)], params, use_tqdm=False)
+        cost = fit_overheads(cost, llm.get_stats())
+    print(f"fitted at B={fb} on calibration prompts: step overhead {cost.step_overhead_seconds * 1e3:.2f} ms, "
+          f"per draft level {cost.draft_level_overhead_seconds * 1e3:.2f} ms", flush=True)
+    return cost
+
+
+def main(argv=None) -> int:
+    from echo_trtllm.api import LLM
+    from echo_trtllm.bench.prompts import load_prompts
+    from echo_trtllm.bench.run import report_meta
+    from echo_trtllm.models.draft import load_draft
+    from echo_trtllm.models.loader import load_model
+    from echo_trtllm.runtime.request import SamplingParams
+
+    args = _parser().parse_args(argv)
     from echo_trtllm.bench.run import make_engine, parse_method
-    from echo_trtllm.runtime.calibrate import Calibration, fit_overheads
+    from echo_trtllm.runtime.calibrate import Calibration
 
     methods = [(m, *parse_method(m)) for m in args.methods.split(",")]  # refused by name before loading
     target, tok = load_model(args.model, dtype=args.dtype)
@@ -127,23 +155,7 @@ def main(argv=None) -> int:
         return make_engine(target, draft, tok, config, b, args.max_seq_len, calibration=calibration,
                            cost_model=cost_model, fallback="off")
 
-    if calibration is not None:
-        cost = calibration.cost_model
-        print(f"cost model of {args.calibration} (step overhead {cost.step_overhead_seconds * 1e3:.2f} ms, per "
-              f"draft level {cost.draft_level_overhead_seconds * 1e3:.2f} ms)", flush=True)
-    else:
-        t0 = time.perf_counter()
-        cost = measure_cost_model(target, draft, repeats=args.repeats, grid=True)
-        print(f"cost model with grid measured in {time.perf_counter() - t0:.0f} s", flush=True)
-        # the step overhead, fitted as `calibrate` fits it: on calibration prompts at one batch size
-        fb = args.fit_batch_size
-        with engine(fb, cost) as llm:
-            llm.generate([cal_prompts[i % len(cal_prompts)] for i in range(fb)], params, use_tqdm=False)  # warm-up
-            llm.get_stats()
-            llm.generate([cal_prompts[(fb + i) % len(cal_prompts)] for i in range(fb)], params, use_tqdm=False)
-            cost = fit_overheads(cost, llm.get_stats())
-        print(f"fitted at B={fb} on calibration prompts: step overhead {cost.step_overhead_seconds * 1e3:.2f} ms, "
-              f"per draft level {cost.draft_level_overhead_seconds * 1e3:.2f} ms", flush=True)
+    cost = _cost_model(args, calibration, target, draft, engine, cal_prompts, params)
     rows = []
     for b in (int(x) for x in args.batch_sizes.split(",")):
         for spec, name, shape in methods:
