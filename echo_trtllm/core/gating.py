@@ -231,6 +231,23 @@ class GateCalibration:
         return cls.from_json(Path(path).read_text())
 
 
+def _check_samples(depths: Tensor, confidences: Tensor, accepted: Tensor, max_depth: int, min_accept_prob: float,
+                   num_sweet_spots: int) -> None:
+    if not (depths.shape == confidences.shape == accepted.shape) or depths.ndim != 1:
+        raise ValueError(
+            "depths, confidences and accepted must be 1-D of equal length, got "
+            f"{tuple(depths.shape)}, {tuple(confidences.shape)}, {tuple(accepted.shape)}"
+        )
+    if max_depth < 1:
+        raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+    if not 0.0 < min_accept_prob < 1.0:
+        raise ValueError(f"min_accept_prob must be in (0, 1), got {min_accept_prob}")
+    if num_sweet_spots < 0:
+        raise ValueError(f"num_sweet_spots must be >= 0, got {num_sweet_spots}")
+    if depths.numel() and (int(depths.min()) < 1 or int(depths.max()) > max_depth):
+        raise ValueError(f"sample depths must lie in [1, {max_depth}]")
+
+
 def calibrate_gate(
     depths: Tensor,
     confidences: Tensor,
@@ -246,21 +263,9 @@ def calibrate_gate(
     depths (S,) int in [1, D]; confidences (S,) float; accepted (S,) bool. evidence: also compute the AUC
     intervals and log unranked depths (a calibration run does; re-deriving the gate per batch size does not:
     ranking does not depend on the batch size)."""
-    if not (depths.shape == confidences.shape == accepted.shape) or depths.ndim != 1:
-        raise ValueError(
-            "depths, confidences and accepted must be 1-D of equal length, got "
-            f"{tuple(depths.shape)}, {tuple(confidences.shape)}, {tuple(accepted.shape)}"
-        )
-    if max_depth < 1:
-        raise ValueError(f"max_depth must be >= 1, got {max_depth}")
-    if not 0.0 < min_accept_prob < 1.0:
-        raise ValueError(f"min_accept_prob must be in (0, 1), got {min_accept_prob}")
-    if num_sweet_spots < 0:
-        raise ValueError(f"num_sweet_spots must be >= 0, got {num_sweet_spots}")
-    if depths.numel() and (int(depths.min()) < 1 or int(depths.max()) > max_depth):
-        raise ValueError(f"sample depths must lie in [1, {max_depth}]")
+    _check_samples(depths, confidences, accepted, max_depth, min_accept_prob, num_sweet_spots)
     auc: dict[int, float] = {}
-    count: dict[int, int] = {}
+    count: dict[int, int] = {}  # samples per depth, and how many of them were rejected
     rejected: dict[int, int] = {}
     rate: dict[int, float] = {}
     interval: dict[int, tuple[float, float]] = {}
@@ -300,9 +305,7 @@ def calibrate_gate(
         max_depth=max_depth,
         min_accept_prob=min_accept_prob,
         num_sweet_spots=num_sweet_spots,
-        num_rejected=rejected,
-        auc_interval=interval,
-        unranked=unranked,
+        num_rejected=rejected, auc_interval=interval, unranked=unranked,
     )
 
 
