@@ -226,35 +226,12 @@ def _uniforms(batch: PackedVerifyBatch, generators: Sequence[torch.Generator | N
     return torch.cat(draws).to(batch.input_ids.device)
 
 
-def verify_sampling(
-    batch: PackedVerifyBatch,
-    target_logits: Tensor,
-    sampling: SamplingTensors,
-    generators: Sequence[torch.Generator | None] | None = None,
-    draft_probs: Tensor | None = None,
-    position_uniforms: Tensor | None = None,
-) -> VerifyResult:
-    """Lossless tree speculative sampling (module docstring).
-
-    target_logits (N_tot, V); draft_probs (N_tot, V) or None: the processed draft distribution each node's
-    children were sampled from (without replacement), None for deterministic top-k drafts. position_uniforms
-    (B, >= D+1): request i's uniforms for its next positions (deterministic drafts; default `depth_uniforms`).
-    """
-    _check_logits(batch, target_logits, "target_logits")
-    b = batch.batch_size
-    req = batch.request_ids
-    p_all = process_logits(target_logits, sampling.temperature[req.cpu()], sampling.top_k[req.cpu()], sampling.top_p[req.cpu()])
-    if draft_probs is None:
-        u_pos = depth_uniforms(batch, generators) if position_uniforms is None else position_uniforms
-        depth = batch.node_depths.long()
-        if u_pos.ndim != 2 or u_pos.shape[0] != b or u_pos.shape[1] <= int(depth.max()):
-            raise ValueError(f"position_uniforms must be (B={b}, >= {int(depth.max()) + 1}), got {tuple(u_pos.shape)}")
-        u = u_pos.to(p_all.device)[req, depth]  # (N_tot,) node n's uniform is its position's
-        return _accept_predicted(batch, _sample(p_all, u))
-    _check_logits(batch, draft_probs, "draft_probs")
-    u = _uniforms(batch, generators)  # (N_tot,)
+def _residual_walk(batch: PackedVerifyBatch, p_all: Tensor, draft_probs: Tensor, u: Tensor, roots: Tensor):
+    """Each request's walk down its tree (module docstring): at each node its children are tested in order
+    against the residual target distribution; an accepted child moves the walk, a rejected one leaves the
+    residuals p - q (renormalised). Returns (the node each walk ended at (B,), the residual there (B, V))."""
     table = _children_table(batch)  # (N_tot, C)
-    roots = batch.cu_num_nodes[:-1].long()  # (B,)
+    b = batch.batch_size
     cur = roots.clone()
     p_res = p_all[cur].clone()  # (B, V)
     q_res = None if draft_probs is None else draft_probs[cur].float().clone()
@@ -292,6 +269,38 @@ def verify_sampling(
         done |= ~moved
         if bool(done.all()):
             break
+    return cur, p_res
+
+
+def verify_sampling(
+    batch: PackedVerifyBatch,
+    target_logits: Tensor,
+    sampling: SamplingTensors,
+    generators: Sequence[torch.Generator | None] | None = None,
+    draft_probs: Tensor | None = None,
+    position_uniforms: Tensor | None = None,
+) -> VerifyResult:
+    """Lossless tree speculative sampling (module docstring).
+
+    target_logits (N_tot, V); draft_probs (N_tot, V) or None: the processed draft distribution each node's
+    children were sampled from (without replacement), None for deterministic top-k drafts. position_uniforms
+    (B, >= D+1): request i's uniforms for its next positions (deterministic drafts; default `depth_uniforms`).
+    """
+    _check_logits(batch, target_logits, "target_logits")
+    b = batch.batch_size
+    req = batch.request_ids
+    p_all = process_logits(target_logits, sampling.temperature[req.cpu()], sampling.top_k[req.cpu()], sampling.top_p[req.cpu()])
+    if draft_probs is None:
+        u_pos = depth_uniforms(batch, generators) if position_uniforms is None else position_uniforms
+        depth = batch.node_depths.long()
+        if u_pos.ndim != 2 or u_pos.shape[0] != b or u_pos.shape[1] <= int(depth.max()):
+            raise ValueError(f"position_uniforms must be (B={b}, >= {int(depth.max()) + 1}), got {tuple(u_pos.shape)}")
+        u = u_pos.to(p_all.device)[req, depth]  # (N_tot,) node n's uniform is its position's
+        return _accept_predicted(batch, _sample(p_all, u))
+    _check_logits(batch, draft_probs, "draft_probs")
+    u = _uniforms(batch, generators)  # (N_tot,)
+    roots = batch.cu_num_nodes[:-1].long()  # (B,)
+    cur, p_res = _residual_walk(batch, p_all, draft_probs, u, roots)
     # A residual can lose all its mass to rounding (the drafts covered p up to float error, e.g. a draft equal to
     # the target); sampling from nothing would return an arbitrary id, so those rows fall back to the target's
     # distribution at the node.
