@@ -140,33 +140,10 @@ class LevelSpeculator:
         starts, lengths = [int(s) for s in starts], [int(q) for q in lengths]
         self.last_interval = None if self.last is None else start - self.last.end
         self._learn(start, requests, lengths, rejected, live)
-        for r in list(self.lag):
-            if r not in requests:
-                del self.lag[r]
-        self.known.intersection_update(requests)
-        for r, s in zip(requests, starts):
-            if r not in self.known:
-                self.known.add(r)
-                if s > 0:
-                    self.lag[r] = 0
+        self._track(requests, starts)
         context = float(sum(s + q for s, q in zip(starts, lengths)) / max(n, 1))
-        decision = None
         lagging = [i for i, r in enumerate(requests) if r in self.lag]
-        warm = -1
-        if self.cycle is not None:
-            speculate = self.steps % (self.cycle[0] + self.cycle[1]) < self.cycle[0]
-        elif self._warm < self.warm_up and n > 0 and self.prefill_tokens(lengths, live) == 0:
-            speculate = self._warm % 2 == 0
-            decision = Decision(speculate, "forced", n)
-            warm, self._warm = self._warm, self._warm + 1
-        elif self.controller is not None and n > 0:
-            # beyond steady speculation the draft's first forward reads what lagging rows missed and the step's
-            # prefill (rows still prefilling, or finishing their prompt: more tokens than a chain verifies)
-            extra = sum(starts[i] - self.lag[requests[i]] for i in lagging) + self.prefill_tokens(lengths, live)
-            decision = self.controller.decide(n, context, extra)
-            speculate = decision.speculate
-        else:
-            speculate = n > 0
+        speculate, decision, warm = self._decide(requests, starts, lengths, live, lagging, context)
         self.steps += 1
         self.stats["steps"] += 1
         step = {"start": start, "requests": list(requests), "context": context, "decision": decision, "warm": warm}
@@ -196,6 +173,36 @@ class LevelSpeculator:
         self._loop = DraftLoop(self.policy, torch.zeros(len(rows), dtype=torch.long), budget=budget, context=context)
         self._step = {**step, "forwards": [sum(lengths) + catch_up + n], "catch_up": catch_up}
         return StepPlan(True, prepend, drafting, decision, catch_up)
+
+    def _track(self, requests: Sequence[Hashable], starts: Sequence[int]) -> None:
+        """Forget requests that left; a new request that arrives past its first position lags from position 0."""
+        for r in list(self.lag):
+            if r not in requests:
+                del self.lag[r]
+        self.known.intersection_update(requests)
+        for r, s in zip(requests, starts):
+            if r not in self.known:
+                self.known.add(r)
+                if s > 0:
+                    self.lag[r] = 0
+
+    def _decide(self, requests, starts, lengths, live, lagging, context) -> tuple[bool, Decision | None, int]:
+        """(speculate, the controller's decision or None, the warm-up step's index or -1): a fixed cycle, the
+        warm-up's alternation, the controller, or always."""
+        n = len(requests)
+        if self.cycle is not None:
+            return self.steps % (self.cycle[0] + self.cycle[1]) < self.cycle[0], None, -1
+        if self._warm < self.warm_up and n > 0 and self.prefill_tokens(lengths, live) == 0:
+            speculate = self._warm % 2 == 0
+            warm, self._warm = self._warm, self._warm + 1
+            return speculate, Decision(speculate, "forced", n), warm
+        if self.controller is not None and n > 0:
+            # beyond steady speculation the draft's first forward reads what lagging rows missed and the step's
+            # prefill (rows still prefilling, or finishing their prompt: more tokens than a chain verifies)
+            extra = sum(starts[i] - self.lag[requests[i]] for i in lagging) + self.prefill_tokens(lengths, live)
+            decision = self.controller.decide(n, context, extra)
+            return decision.speculate, decision, -1
+        return n > 0, None, -1
 
     def prefill_tokens(self, lengths: Sequence[int], live: Sequence[bool]) -> int:
         """Tokens of a step's rows that prefill (not yet sampling, or more tokens than a chain's 1 + max_draft_len):
