@@ -678,46 +678,16 @@ def draft_tree_batched(
     score = tokens = None  # the previous level on the device: path probabilities (padding: -1) and tokens
     width, children = policy.expand_width, 1
     for depth in range(1, depth_cap + 1 if rows.numel() else 1):
-        k = policy.num_children(depth)
         width_prev = 1 if depth == 1 else score.shape[1]  # slots per row of the previous level
-        if depth == 1:
-            top = drafter.expand_roots(rows)  # (R, k')
-            probs, toks = top.probs[:, None], top.tokens[:, None]  # (R, 1, k')
-            dev = probs.device
-            front = torch.zeros(rows.numel(), 1, dtype=torch.long, device=dev)  # the root: slot 0 of level 0
-            fvalid = torch.ones(rows.numel(), 1, dtype=torch.bool, device=dev)
-        else:
-            if width >= score.shape[1]:  # every slot is expanded: no choice to make
-                front = torch.arange(score.shape[1], device=score.device).expand(rows.numel(), -1)
-            else:
-                # padding (-1) sorts after every probability; ties: lowest slot (stable)
-                best = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :width]
-                front = torch.sort(best, dim=1).values  # (R, w) ascending: the frontier in level order
-            parent_path = score.gather(1, front)
-            fvalid = parent_path >= 0
-            top = drafter.expand_level(depth, tokens.gather(1, front), torch.div(front, children, rounding_mode="floor"))
-            probs, toks = top.probs, top.tokens  # (R, w, k')
-        if probs.shape[-1] != k:
-            probs, toks = probs[..., :k], toks[..., :k]
-        if depth == 1:
-            score = probs.float().reshape(rows.numel(), -1)
-        else:
-            score = torch.where(fvalid[..., None], parent_path[..., None] * probs.float(), -1.0).reshape(rows.numel(), -1)
-        tokens = toks.reshape(rows.numel(), -1)
-        children = k
+        front, fvalid, probs, toks, score, tokens, children = _level_on_device(
+            policy, drafter, depth, rows, score, tokens, width, children)
         pending.append((depth, rows, width_prev, front, fvalid, probs, toks))
         if depth in syncs and depth < depth_cap:
             replaying = _replay(policy, state, levels, slots, pending, read)
             pending = []
             if not replaying or not bool(state.active.any()):
                 break
-            keep = state.active[rows]
-            if not bool(keep.all()):  # stopped requests leave the device's batch
-                index = torch.nonzero(keep, as_tuple=True)[0]
-                drafter.keep_rows(index)
-                on_dev = send(index) if send is not None else index.to(score.device)
-                rows = rows[index]
-                score, tokens = score[on_dev], tokens[on_dev]
+            rows, score, tokens = _keep_active(state, drafter, send, rows, score, tokens)
     if pending and replaying:
         _replay(policy, state, levels, slots, pending, read)
     state.frontier_slots += [torch.full((lv.num_nodes,), -1, dtype=torch.long)
@@ -725,6 +695,50 @@ def draft_tree_batched(
     candidates = SuperTree.from_levels(levels)
     mask = policy.select(candidates, state)
     return DraftResult(candidates, mask, candidates.select(mask), state)
+
+
+def _keep_active(state: DraftState, drafter: LevelDrafter, send, rows: Tensor, score: Tensor, tokens: Tensor):
+    """Requests the replay stopped leave the device's batch: (rows, score, tokens) of those still drafting."""
+    keep = state.active[rows]
+    if bool(keep.all()):
+        return rows, score, tokens
+    index = torch.nonzero(keep, as_tuple=True)[0]
+    drafter.keep_rows(index)
+    on_dev = send(index) if send is not None else index.to(score.device)
+    return rows[index], score[on_dev], tokens[on_dev]
+
+
+def _level_on_device(policy: TreePolicy, drafter: LevelDrafter, depth: int, rows: Tensor, score: Tensor | None,
+                     tokens: Tensor | None, width: int, children: int):
+    """One level drafted on the device for the drafting rows: the frontier (the `width` most likely slots of the
+    previous level, in level order; every slot when there are no more), their children's probabilities and tokens,
+    and the new level's path probabilities (padding: -1) and tokens. Returns (front, fvalid, probs, toks, score,
+    tokens, children per node)."""
+    k = policy.num_children(depth)
+    if depth == 1:
+        top = drafter.expand_roots(rows)  # (R, k')
+        probs, toks = top.probs[:, None], top.tokens[:, None]  # (R, 1, k')
+        dev = probs.device
+        front = torch.zeros(rows.numel(), 1, dtype=torch.long, device=dev)  # the root: slot 0 of level 0
+        fvalid = torch.ones(rows.numel(), 1, dtype=torch.bool, device=dev)
+    else:
+        if width >= score.shape[1]:  # every slot is expanded: no choice to make
+            front = torch.arange(score.shape[1], device=score.device).expand(rows.numel(), -1)
+        else:
+            # padding (-1) sorts after every probability; ties: lowest slot (stable)
+            best = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :width]
+            front = torch.sort(best, dim=1).values  # (R, w) ascending: the frontier in level order
+        parent_path = score.gather(1, front)
+        fvalid = parent_path >= 0
+        top = drafter.expand_level(depth, tokens.gather(1, front), torch.div(front, children, rounding_mode="floor"))
+        probs, toks = top.probs, top.tokens  # (R, w, k')
+    if probs.shape[-1] != k:
+        probs, toks = probs[..., :k], toks[..., :k]
+    if depth == 1:
+        score = probs.float().reshape(rows.numel(), -1)
+    else:
+        score = torch.where(fvalid[..., None], parent_path[..., None] * probs.float(), -1.0).reshape(rows.numel(), -1)
+    return front, fvalid, probs, toks, score, toks.reshape(rows.numel(), -1), k
 
 
 def _replay(policy: TreePolicy, state: DraftState, levels: list[DraftLevel], slots: list[Tensor],
