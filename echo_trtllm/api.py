@@ -24,7 +24,7 @@ from echo_trtllm.models import DEFAULT_TARGET, default_drafter
 from echo_trtllm.models.draft import load_draft
 from echo_trtllm.models.eagle3 import Eagle3Head
 from echo_trtllm.models.llama import CausalLM
-from echo_trtllm.models.invariant import make_batch_invariant
+from echo_trtllm.models.invariant import is_batch_invariant, make_batch_invariant
 from echo_trtllm.models.packed import prepack_linears
 from echo_trtllm.models.loader import DTYPE_CHOICES, Tokenizer, check_model_path, check_same_vocabulary, load_model
 from echo_trtllm.runtime.calibrate import LOAD_REPEATS, Calibration, measure_cost_model
@@ -76,10 +76,19 @@ WARM_UP_TEXT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n
 DEFAULT_MAX_BATCH_SIZE = 64  # requests in the batch at most, unless told (the CLI's --max-batch-size too)
 
 
+def default_max_batch_size(config: EchoConfig, shares_budget: bool, tree_room: int, max_num_tokens: int | None) -> int:
+    """LLM's max_batch_size when none is given: DEFAULT_MAX_BATCH_SIZE, or fewer where the speculation config could
+    not run that many (the echo family's K_max must hold every request's root; a fixed-shape tree policy's step of
+    full trees must fit max_num_tokens, default max(K_max, 2048))."""
+    tokens = max_num_tokens or max(config.k_max, 2048)
+    limit = config.k_max if shares_budget else tokens // tree_room
+    return max(1, min(DEFAULT_MAX_BATCH_SIZE, limit, tokens))
+
+
 def _check_options(*, max_batch_size, tensor_parallel_size, max_seq_len, max_num_tokens, iter_stats_max_iterations,
                    cost_model, fallback, adapt, batch_invariant, tokenizer, device) -> None:
     """LLM's scalar arguments, each refused by name before anything loads."""
-    _positive_int("max_batch_size", max_batch_size)
+    _positive_int("max_batch_size", max_batch_size, allow_none=True)
     _positive_int("tensor_parallel_size", tensor_parallel_size)
     _positive_int("max_seq_len", max_seq_len, minimum=2, allow_none=True)
     _positive_int("max_num_tokens", max_num_tokens, allow_none=True)
@@ -148,6 +157,9 @@ class LLM:
     dtype: "auto" (bfloat16 on CUDA; on a CPU bfloat16 where it has bf16 matrix instructions, AMX-BF16 or
     AVX512-BF16, else float32: a rule, the same on every start; docs/dtype.md), "float32", "bfloat16", "float16".
 
+    max_batch_size: requests in the batch at most (their KV is allocated up front); None: 64, or fewer where the
+    speculation config cannot run 64 (`default_max_batch_size`). The CLI's --max-batch-size has the same default.
+
     Speculation under load (echo family): each step's budget K and the gate's break-even probability come from
     prices learned online from the engine's own steps (`core.prices.StepCostModel`, warm-started by a cost curve
     and a few real steps at load), and a controller runs plain AR steps where measured speculation does not pay
@@ -175,7 +187,8 @@ class LLM:
     batch_invariant: every request's logits the same bits whatever else is in the batch and however many tokens a
     step verifies (models/invariant.py: linears on fixed row tiles, attention over each token's own positions in a
     fixed order), so greedy and seeded output is the same alone, in any batch and under any policy, in bfloat16 as
-    in float32; it costs speed (docs/performance.md). One device only.
+    in float32; it costs speed (docs/performance.md). One device only. A loaded model passed in is switched in place
+    and stays so (`batch_invariant` then reads True for every LLM built on it).
     """
 
     def __init__(
@@ -186,7 +199,7 @@ class LLM:
         engine_dir: str | Path | None = None,
         speculative_config: EchoConfig | None = None,
         tokenizer: Tokenizer | None = None,
-        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        max_batch_size: int | None = None,
         max_seq_len: int | None = 1024,
         max_num_tokens: int | None = None,
         dtype: str = "auto",
@@ -210,9 +223,12 @@ class LLM:
             model, draft_model, engine_dir, dtype, speculative_config, calibration)
         self.calibration = calibration
         policy = policy_class(config)
-        check_limits(config, max_batch_size, has_draft=draft_model is not None or not policy.needs_draft_model)
         gate_samples = calibration.gate_samples() if calibration is not None and policy.shares_budget else None
-        make_policy(config, None, gate_samples)  # a calibration for another max_depth is refused here, before loading
+        # a calibration for another max_depth is refused here, before loading
+        tree_room = make_policy(config, None, gate_samples).max_tree_nodes
+        if max_batch_size is None:
+            max_batch_size = default_max_batch_size(config, policy.shares_budget, tree_room, max_num_tokens)
+        check_limits(config, max_batch_size, has_draft=draft_model is not None or not policy.needs_draft_model)
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self._tp_group = None
@@ -249,6 +265,7 @@ class LLM:
                 prepack_linears(model)
         if self.batch_invariant:  # the target's logits; the draft only proposes (verification decides the tokens)
             make_batch_invariant(target)
+        self.batch_invariant = is_batch_invariant(target)  # a model switched earlier, in place, stays so
         self.dtype = {"target": str(target.dtype).removeprefix("torch."),
                       "draft": str(draft.dtype).removeprefix("torch.") if draft is not None else None}
         self.cost_model = self._cost_model(cost_model, calibration, policy, target, draft, fallback)

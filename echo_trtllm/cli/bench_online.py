@@ -41,6 +41,18 @@ def main(argv=None) -> int:
     except options.USAGE_ERRORS as e:
         return options.fail(PROG, e)
 
+    try:
+        rows = _run(args, batch_sizes, fallback)
+    except options.USAGE_ERRORS as e:  # e.g. a draft that does not fit the target
+        return options.fail(PROG, e)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, **report_meta("echo_trtllm.cli bench-online", argv)}, f, indent=2)
+    return 0
+
+
+def _run(args, batch_sizes: list[int], fallback: str) -> list[dict]:
+    """One engine per batch size, kept full for --steps steps; a row of the prices' report each."""
     prompts = load_prompts(args.prompt_set, "eval") if args.prompt_set == "humaneval" else load_prompts(args.prompt_set)
     rows = []
     for b in batch_sizes:
@@ -70,7 +82,4 @@ def main(argv=None) -> int:
               f"{row['plain']['median_abs_rel_error']}, speculative {row['speculative']['median_abs_rel_error']}; "
               + ", ".join(f"{k} {v['steps']} steps expected/emitted {v['expected_over_emitted']}"
                           for k, v in row["decisions"].items()), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows, **report_meta("echo_trtllm.cli bench-online", argv)}, f, indent=2)
-    return 0
+    return rows

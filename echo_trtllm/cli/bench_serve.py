@@ -128,7 +128,8 @@ def _measure(args, method, rnd, concurrency, prompts, launch_server, run_load, s
     proc, url = None, args.base_url
     if args.methods:
         serve = [*method_flags(method), "--served-model-name", args.served_model_name, "--log-level", "warning",
-                 "--max-batch-size", str(args.max_batch_size), "--max-seq-len", str(args.max_seq_len),
+                 *(["--max-batch-size", str(args.max_batch_size)] if args.max_batch_size else []),
+                 "--max-seq-len", str(args.max_seq_len),
                  *(["--model", args.model] if args.model else []),
                  # the benchmarks' default draft is the separate tiny draft (a server's own default is the head:
                  # models.default_drafter)

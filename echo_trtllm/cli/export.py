@@ -26,20 +26,21 @@ from pathlib import Path
 from . import options
 
 PROG = "echo-trtllm export"
-TRTLLM_DEFAULTS = {"plugin_lib": "plugins/build/libecho_plugin.so"}
+TRTLLM_DEFAULTS = {"plugin_lib": "plugins/build/libecho_plugin.so", "max_batch_size": 64}
 TRTLLM_ONLY = {"--plugin-lib": ("--plugin-lib",), "--max-batch-size": ("--max-batch-size",),
                "--tp-size": ("--tp-size", "--tensor-parallel-size")}  # flag -> its spellings
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    # no abbreviations: the --format trtllm only flags are recognised by their spellings
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--format", required=True, choices=["trtllm", "hf"],
                     help="trtllm: a TensorRT-LLM checkpoint (for trtllm-build); hf: a Hugging Face model directory "
                          "(for vLLM and transformers; a .gguf source dequantised)")
     options.add_model_options(ap)
     ap.add_argument("--output", required=True, help="directory to create, new or empty (target/ and draft/ inside)")
-    options.add_dtype_option(ap, "the written weights' dtype (trtllm: everything not FP8); auto: bfloat16, as the "
-                                 "GPU engine it is for would run")
+    options.add_dtype_option(ap, "the written weights' dtype (trtllm: everything not FP8; float32, bfloat16 or "
+                                 "float16); auto here writes bfloat16, what the GPU engine it is for runs")
     g = ap.add_argument_group("--format trtllm only")
     g.add_argument("--plugin-lib",
                    help="the ECHO plugin library the generated trtllm_build.sh loads "
@@ -97,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
                 setattr(args, key, default)
         if args.dtype == "auto":
             args.dtype = "bfloat16"
+        if args.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype {args.dtype}: a checkpoint is written in float32, bfloat16 or float16")
         out = Path(args.output)
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise FileExistsError(f"--output {out} exists and is not an empty directory; choose a new directory")

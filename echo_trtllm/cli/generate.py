@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from echo_trtllm.api import DEFAULT_MAX_BATCH_SIZE
+
 from . import options
 
 PROG = "echo-trtllm generate"
@@ -35,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         options.apply_threads(args)
         config = options.echo_config(args)
         params = options.sampling_params(args)
-        llm = options.make_llm(args, config, min(args.max_batch_size, len(prompts)))  # no slot for nobody
+        llm = options.make_llm(args, config, min(args.max_batch_size or DEFAULT_MAX_BATCH_SIZE, len(prompts)))
     except options.USAGE_ERRORS as e:
         return options.fail(PROG, e)
     with llm:

@@ -97,8 +97,9 @@ def add_threads_option(g, whose: str = "") -> None:
 
 
 def add_max_batch_size_option(g, note: str = "") -> None:
-    g.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE,
-                   help=f"requests in the engine's batch at most{note} (default: {DEFAULT_MAX_BATCH_SIZE}, as LLM's)")
+    g.add_argument("--max-batch-size", type=int,
+                   help=f"requests in the engine's batch at most{note} (default: LLM's, {DEFAULT_MAX_BATCH_SIZE} or fewer "
+                        "where the speculation config cannot run that many)")
 
 
 def add_max_seq_len_option(g) -> None:

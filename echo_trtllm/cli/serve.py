@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         return _missing_extra(e, "serve")
     try:
         _check_ports(args)
-        if args.max_batch_size < 1:
+        if args.max_batch_size is not None and args.max_batch_size < 1:
             raise ValueError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
         if args.drain_timeout < 0:
             raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     from echo_trtllm.serve.triton_repo import write_model_repository
 
     try:
-        if args.max_batch_size < 1 or args.max_seq_len < 2:
+        if (args.max_batch_size is not None and args.max_batch_size < 1) or args.max_seq_len < 2:
             raise ValueError("--max-batch-size must be >= 1 and --max-seq-len >= 2")
         if not args.model_name.replace("-", "").replace("_", "").replace(".", "").isalnum():
             raise ValueError(f"--model-name may hold letters, digits, '-', '_' and '.', got {args.model_name!r}")

@@ -59,6 +59,8 @@ class Fp8Linear(nn.Module):
     The e4m3 weight is kept as its bytes (uint8) and the scales as float32 whatever `.to(dtype)` the model gets,
     so casting the model for the rest of its layers never re-rounds them."""
 
+    row_wise = True  # each row on its own (models/invariant.py tiles it)
+
     def __init__(self, in_features: int, out_features: int, bias: bool, scheme: str) -> None:
         super().__init__()
         if scheme not in SCHEMES:

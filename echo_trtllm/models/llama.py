@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .invariant import invariant_attention
+from .invariant import invariant_attention, visible_keys
 
 __all__ = ["ModelConfig", "KVCache", "ForwardBatch", "CausalLM", "eagle3_layers"]
 
@@ -216,6 +216,12 @@ class ForwardBatch:
                               (self.input_ids, self.position_ids, self.slots, self.token_request, self.token_local,
                                self.write_pos, self.attn_mask, self.logits_index)))
 
+    def visible_keys(self) -> tuple[Tensor, Tensor]:
+        """Each token's visible cache positions in order, padded (models/invariant.visible_keys); once per batch."""
+        if "_visible_keys" not in self.__dict__:
+            self._visible_keys = visible_keys(self.attn_mask[self.token_request, self.token_local])
+        return self._visible_keys
+
     def slot_block(self) -> tuple[int, Tensor | None, Tensor | None] | None:
         """(first, rows, order) when the B slots are first .. first + B - 1 in some order and on the CPU: attention
         then reads those cache rows in place instead of gathering a copy per layer (a full batch's slots are
@@ -243,6 +249,8 @@ def _slot_block(slots: Tensor):
 
 
 class RMSNorm(nn.Module):
+    row_wise = True  # each row on its own (models/invariant.py tiles it)
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -277,8 +285,7 @@ class Attention(nn.Module):
         ck[tok_slot, :, batch.write_pos] = k.to(ck.dtype)
         cv[tok_slot, :, batch.write_pos] = v.to(cv.dtype)
         if self.batch_invariant:
-            visible = batch.attn_mask[batch.token_request, batch.token_local]  # (T, L_max)
-            out = invariant_attention(q, ck, cv, tok_slot, visible)
+            out = invariant_attention(q, ck, cv, tok_slot, *batch.visible_keys())
             return self.o_proj(out.reshape(t, self.h * self.hd))
         b, n_max, l_max = batch.attn_mask.shape
         block = batch.slot_block()

@@ -30,8 +30,8 @@ class TritonPythonModel:
         engine_dir = params.get("engine_dir") or None
         if engine_dir and not Path(engine_dir).is_absolute():
             engine_dir = str(Path(args["model_repository"]) / engine_dir)
-        kwargs = dict(max_batch_size=int(params.get("max_batch_size", "64")),
-                      max_seq_len=int(params.get("max_seq_len", "1024")))
+        batch = params.get("max_batch_size")  # "" or absent: LLM's default
+        kwargs = dict(max_batch_size=int(batch) if batch else None, max_seq_len=int(params.get("max_seq_len", "1024")))
         self.llm = LLM(engine_dir=engine_dir, **kwargs) if engine_dir else LLM(**kwargs)
         self.context = self.llm.max_seq_len
         self.vocab_size = self.llm.vocab_size

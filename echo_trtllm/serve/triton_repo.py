@@ -57,7 +57,7 @@ def config_pbtxt(model_name: str, parameters: dict[str, str], instance_count: in
 
 
 def write_model_repository(output, engine_dir: str | None, model_name: str = DEFAULT_TRITON_MODEL,
-                           max_batch_size: int = 64, max_seq_len: int = 1024,
+                           max_batch_size: int | None = None, max_seq_len: int = 1024,
                            python_path: list[str] | None = None) -> Path:
     """OUTPUT/<model_name>/{config.pbtxt, 1/model.py}: a model repository for a standalone tritonserver. The engine
     directory is recorded as an absolute path (empty: what `LLM()` loads, the embedded target with its EAGLE-3
@@ -71,7 +71,7 @@ def write_model_repository(output, engine_dir: str | None, model_name: str = DEF
         raise FileNotFoundError(f"--engine-dir {engine_dir}: no engine.json there (build one with echo-trtllm build)")
     (model / "1").mkdir(parents=True)
     params = {"engine_dir": str(Path(engine_dir).resolve()) if engine_dir else "",
-              "max_batch_size": str(max_batch_size), "max_seq_len": str(max_seq_len)}
+              "max_batch_size": "" if max_batch_size is None else str(max_batch_size), "max_seq_len": str(max_seq_len)}
     (model / "config.pbtxt").write_text(config_pbtxt(model_name, params))
     paths = default_python_path() if python_path is None else list(python_path)
     (model / "1" / "model.py").write_text(MODEL_PY.format(paths=paths))

@@ -7,7 +7,8 @@ import importlib
 
 import pytest
 
-from echo_trtllm.api import DEFAULT_MAX_BATCH_SIZE, LLM
+from echo_trtllm.api import DEFAULT_MAX_BATCH_SIZE, LLM, default_max_batch_size
+from echo_trtllm.core import EchoConfig
 from echo_trtllm.cli import COMMANDS
 
 
@@ -62,7 +63,7 @@ def test_the_shared_defaults_are_the_python_apis():
 
     flags = _definitions()
     api = inspect.signature(LLM.__init__).parameters
-    assert api["max_batch_size"].default == DEFAULT_MAX_BATCH_SIZE
+    assert api["max_batch_size"].default is None  # LLM's own: DEFAULT_MAX_BATCH_SIZE or fewer (default_max_batch_size)
     for flag, param in (("--max-batch-size", "max_batch_size"), ("--dtype", "dtype"), ("--max-seq-len", "max_seq_len")):
         defaults = {d[0] for d in flags[flag].values()}
         assert defaults == {api[param].default}, (flag, defaults)
@@ -85,3 +86,16 @@ def test_the_check_sees_a_flag_defined_twice(monkeypatch):
     monkeypatch.setattr(options, "add_max_seq_len_option", odd)
     with pytest.raises(AssertionError):
         test_every_shared_flag_has_one_meaning()
+
+
+def test_the_default_batch_is_64_where_the_config_can_run_it():
+    assert default_max_batch_size(EchoConfig(), True, 65, None) == DEFAULT_MAX_BATCH_SIZE
+    assert default_max_batch_size(EchoConfig(k_max=32), True, 65, None) == 32  # every root within K_max
+    assert default_max_batch_size(EchoConfig(policy="eagle2"), False, 60, None) == 2048 // 60  # full trees fit
+    assert default_max_batch_size(EchoConfig(policy="ar"), False, 1, 16) == 16
+    # through LLM: a K_max below 64 runs out of the box (it was refused when the default was a fixed 64)
+    llm = LLM(speculative_config=EchoConfig(k_max=32), max_seq_len=64)
+    try:
+        assert llm.max_batch_size == 32
+    finally:
+        llm.shutdown()
