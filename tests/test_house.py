@@ -76,7 +76,7 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_circle_between_modules():
-    """(At the session before this check, it found the two circles the layering work removed: 14 files through
+    """(On the tree before the layering work it finds the two circles that work removed: 14 files through
     api / engine_dir / models / runtime, and core.config with core.gating.)"""
     graph = _graph()
     # packages' __init__ files re-export their modules; an edge into a package from inside it is not a circle
