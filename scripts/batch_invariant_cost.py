@@ -11,6 +11,7 @@ every policy's greedy output in the mode equals the first policy's (AR's) at eac
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -78,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for llm in engines.values():
                 llm.shutdown()
+            del engines, llm  # two engines of a 1.5B pair at a time: the next policy's must not meet these
+            gc.collect()
     first = args.policies.split(",")[0]
     agree = {b: {p: out == by_policy[first] for p, out in by_policy.items()} for b, by_policy in invariant_out.items()}
     print(f"in the mode, greedy output equal to {first}'s: {agree}")
