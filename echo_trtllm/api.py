@@ -30,7 +30,7 @@ from echo_trtllm.models.loader import DTYPE_CHOICES, Tokenizer, check_model_path
 from echo_trtllm.runtime.calibrate import LOAD_REPEATS, Calibration, measure_cost_model
 from echo_trtllm.runtime.clock import Clock
 from echo_trtllm.runtime.engine import CompletionOutput, EngineLoop, GenerationHandle, RequestOutput
-from echo_trtllm.runtime.executor import Executor, StepReport, check_limits
+from echo_trtllm.runtime.executor import Executor, StepReport, check_limits, default_max_num_tokens
 from echo_trtllm.runtime.request import RequestStats, SamplingParams, _is_int
 
 __all__ = ["LLM", "SamplingParams", "EchoConfig", "RequestOutput", "CompletionOutput", "RequestStats", "FALLBACK_MODES",
@@ -79,8 +79,8 @@ DEFAULT_MAX_BATCH_SIZE = 64  # requests in the batch at most, unless told (the C
 def default_max_batch_size(config: EchoConfig, shares_budget: bool, tree_room: int, max_num_tokens: int | None) -> int:
     """LLM's max_batch_size when none is given: DEFAULT_MAX_BATCH_SIZE, or fewer where the speculation config could
     not run that many (the echo family's K_max must hold every request's root; a fixed-shape tree policy's step of
-    full trees must fit max_num_tokens, default max(K_max, 2048))."""
-    tokens = max_num_tokens or max(config.k_max, 2048)
+    full trees must fit max_num_tokens, by default the executor's)."""
+    tokens = max_num_tokens or default_max_num_tokens(config)
     limit = config.k_max if shares_budget else tokens // tree_room
     return max(1, min(DEFAULT_MAX_BATCH_SIZE, limit, tokens))
 

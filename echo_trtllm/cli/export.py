@@ -23,10 +23,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from echo_trtllm.api import DEFAULT_MAX_BATCH_SIZE
+
 from . import options
 
 PROG = "echo-trtllm export"
-TRTLLM_DEFAULTS = {"plugin_lib": "plugins/build/libecho_plugin.so", "max_batch_size": 64}
+TRTLLM_DEFAULTS = {"plugin_lib": "plugins/build/libecho_plugin.so", "max_batch_size": DEFAULT_MAX_BATCH_SIZE}
 TRTLLM_ONLY = {"--plugin-lib": ("--plugin-lib",), "--max-batch-size": ("--max-batch-size",),
                "--tp-size": ("--tp-size", "--tensor-parallel-size")}  # flag -> its spellings
 

@@ -67,11 +67,16 @@ from .inputs import chain_batch, tree_batch
 from .request import Request, SamplingParams, check_prompt
 from .stops import StopMatcher
 
-__all__ = ["Executor", "StepReport", "StepTimings", "check_limits"]
+__all__ = ["Executor", "StepReport", "StepTimings", "check_limits", "default_max_num_tokens"]
 
 log = logging.getLogger("echo_trtllm.executor")
 # the shortest pending chain a re-primed draft starts from (tokens of context it keeps)
 MIN_PENDING = 8
+
+def default_max_num_tokens(config: EchoConfig) -> int:
+    """Tokens a step verifies at most when the caller sets no max_num_tokens."""
+    return max(config.k_max, 2048)
+
 
 def check_limits(config: EchoConfig, max_batch_size: int, has_draft: bool) -> None:
     """Reject configurations that cannot run, before anything heavy is loaded."""
@@ -246,7 +251,7 @@ class Executor:
         self.max_batch_size = max_batch_size
         self.max_seq_len = min(max_seq_len or target.config.max_position_embeddings, target.config.max_position_embeddings)
         tree_room = self.policy.max_tree_nodes
-        self.max_num_tokens = max_num_tokens or max(config.k_max, 2048)
+        self.max_num_tokens = max_num_tokens or default_max_num_tokens(config)
         if self.max_num_tokens < max_batch_size * (1 if self.policy.shares_budget else tree_room):
             raise ValueError(
                 f"max_num_tokens ({self.max_num_tokens}) cannot hold a step of {max_batch_size} requests with "
