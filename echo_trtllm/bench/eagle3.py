@@ -7,7 +7,9 @@ share of a target AR step at the same batch size.
 Acceptance: greedy, chain policy of `--depth` draft tokens (the head's top-1 at every level), one request at a time.
 For each speculative step the number of accepted drafts a is recorded (before stop conditions cut anything);
 alpha_d = P(a >= d | a >= d - 1) is the acceptance of depth d given its parent was accepted, and the mean accepted
-length is 1 + E[a] tokens per step.
+length is 1 + E[a] tokens per step. Calibration, what ECHO's gate and budget read: per depth, the ROC-AUC of each
+drafted node's path probability (the head's probabilities multiplied along its chain) against whether the target
+accepted it (`core.gating.roc_auc`), and the mean path probability beside the rate accepted.
 
 Cost: B requests, each with `--context` tokens cached; the target's AR step (B new tokens, logits of all) against
 one head level over B frontier nodes, the head's forward alone and with what the drafter does after it (the
@@ -18,10 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import torch
+from torch import Tensor
 
 from echo_trtllm.core import DraftTopK, EchoConfig
+from echo_trtllm.core.gating import roc_auc
 from echo_trtllm.models.eagle3 import Eagle3Head
 from echo_trtllm.models.llama import CausalLM
 from echo_trtllm.runtime.calibrate import fastest_seconds
@@ -29,7 +34,7 @@ from echo_trtllm.runtime.executor import Executor
 from echo_trtllm.runtime.inputs import chain_batch
 from echo_trtllm.runtime.request import SamplingParams
 
-__all__ = ["acceptance_by_depth", "level_cost"]
+__all__ = ["acceptance_by_depth", "calibration_by_depth", "level_cost"]
 
 
 def acceptance_by_depth(target: CausalLM, head: Eagle3Head, tokenizer, prompts: list[str], depth: int = 6,
@@ -37,12 +42,16 @@ def acceptance_by_depth(target: CausalLM, head: Eagle3Head, tokenizer, prompts: 
     ex = Executor(target, head, tokenizer, EchoConfig(policy="chain", num_draft_tokens=depth), max_batch_size=1,
                   max_seq_len=max_seq_len)
     accepted: list[int] = []
+    nodes: list[tuple[Tensor, Tensor, Tensor]] = []  # per step: depths, path probabilities, accepted
     for p in prompts:
         ex.submit(ex.make_request(p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)))
         while ex.has_work:
             report = ex.step()
             if report.speculated and report.result is not None:
-                accepted += (torch.diff(report.result.cu_accepted) - 1).tolist()
+                a = torch.diff(report.result.cu_accepted) - 1
+                accepted += a.tolist()
+                tree = report.draft.selected  # one request: its chain
+                nodes.append((tree.depths.cpu(), tree.path_probs.cpu(), tree.depths.cpu() <= int(a[0])))
     if ex.failures:
         raise RuntimeError(f"the run had failures: {ex.last_error}")
     a = torch.tensor(accepted)
@@ -50,7 +59,25 @@ def acceptance_by_depth(target: CausalLM, head: Eagle3Head, tokenizer, prompts: 
     alpha = [reach[d] / reach[d - 1] if reach[d - 1] else 0.0 for d in range(1, depth + 1)]
     return {"steps": len(accepted), "prompts": len(prompts), "depth": depth, "max_tokens": max_tokens,
             "alpha_by_depth": [round(x, 4) for x in alpha], "reach_by_depth": reach,
-            "mean_accepted_length": round(1 + float(a.float().mean()), 4) if accepted else 1.0}
+            "mean_accepted_length": round(1 + float(a.float().mean()), 4) if accepted else 1.0,
+            **calibration_by_depth(nodes, depth)}
+
+
+def calibration_by_depth(nodes: list[tuple[Tensor, Tensor, Tensor]], depth: int) -> dict:
+    """Per depth 1..depth: ROC-AUC of the drafted nodes' path probabilities against acceptance (None with one class
+    only), their mean path probability and the share accepted (None without nodes)."""
+    if not nodes:
+        return {"auc_by_depth": [None] * depth, "mean_path_prob_by_depth": [None] * depth,
+                "accepted_share_by_depth": [None] * depth}
+    d, c, ok = (torch.cat(x) for x in zip(*nodes))
+    auc, mean_c, share = [], [], []
+    for k in range(1, depth + 1):
+        at = d == k
+        value = roc_auc(c[at], ok[at]) if bool(at.any()) else float("nan")
+        auc.append(None if math.isnan(value) else round(value, 4))
+        mean_c.append(round(float(c[at].double().mean()), 4) if bool(at.any()) else None)
+        share.append(round(float(ok[at].double().mean()), 4) if bool(at.any()) else None)
+    return {"auc_by_depth": auc, "mean_path_prob_by_depth": mean_c, "accepted_share_by_depth": share}
 
 
 @torch.inference_mode()
@@ -117,6 +144,7 @@ def main(argv=None) -> int:
     acc = acceptance_by_depth(target, head, tok, prompts, args.depth, args.max_tokens)
     print(f"acceptance per depth (alpha_d, {acc['steps']} steps over {len(prompts)} prompts): "
           + " ".join(f"{a:.3f}" for a in acc["alpha_by_depth"]) + f"; mean accepted length {acc['mean_accepted_length']}")
+    print("path probability AUC per depth: " + " ".join("-" if x is None else f"{x:.3f}" for x in acc["auc_by_depth"]))
     costs = [level_cost(target, head, int(b), args.context, args.repeats) for b in args.batch_sizes.split(",")]
     for c in costs:
         print(f"B={c['batch_size']}: target step {c['target_step_ms']} ms, head level {c['head_level_ms']} ms "
