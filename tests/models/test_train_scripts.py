@@ -29,7 +29,7 @@ def test_a_head_of_this_recipe_is_reused_without_fetching_or_training(qwen_scrip
     (out / "training.json").write_text(json.dumps({"recipe": qwen_script.RECIPE}))
     monkeypatch.setattr(qwen_script, "fetch", lambda *a, **k: pytest.fail("fetched"))
     monkeypatch.setattr(qwen_script.train_eagle3, "main", lambda *a, **k: pytest.fail("trained"))
-    assert qwen_script.main() == 0
+    assert qwen_script.main([]) == 0
     assert capsys.readouterr().out.strip() == str(out)
 
 
@@ -40,6 +40,23 @@ def test_a_head_of_another_recipe_is_not_taken(qwen_script):
         (out / name).write_text("x")
     (out / "training.json").write_text(json.dumps({"recipe": ["--steps", "1"]}))
     assert not qwen_script.is_done(out)
+
+
+def test_a_v2_run_that_leaves_shards_to_make_asks_for_another_and_keeps_its_minutes(qwen_script, monkeypatch, tmp_path):
+    import eagle3_data
+
+    monkeypatch.setattr(qwen_script, "fetch", lambda *a, **k: tmp_path / "target.gguf")
+    asked = []
+    monkeypatch.setattr(eagle3_data, "main", lambda argv: asked.append(argv) or 0)  # made nothing in its minutes
+    monkeypatch.setattr(eagle3_data, "read_manifest", lambda data: {"shards": {}})
+    monkeypatch.setattr(qwen_script.train_eagle3, "main", lambda *a, **k: pytest.fail("trained without the data"))
+    assert qwen_script.main(["--recipe", "v2", "--minutes", "30"]) == 3
+    argv = asked[0]
+    assert argv[argv.index("--time-limit") + 1].startswith("29.") or argv[argv.index("--time-limit") + 1] == "30.00"
+    ledger = json.loads((qwen_script.head_dir("v2").with_name(qwen_script.V2_HEAD_DIR + ".work") / "budget.json")
+                        .read_text())
+    assert [r["stage"] for r in ledger["runs"]] == ["data"]
+    assert not qwen_script.head_dir("v2").exists()
 
 
 def test_training_refuses_fewer_than_three_ttt_steps(monkeypatch):
