@@ -99,24 +99,28 @@ def greedy_path(global_parents: Tensor, ranks: Tensor) -> Tensor:
     return on
 
 
-def ancestor_paths(nodes: Tensor, global_parents: Tensor, depths: Tensor) -> Tensor:
+def ancestor_paths(nodes: Tensor, global_parents: Tensor, depths: Tensor, max_depth: int | None = None) -> Tensor:
     """path[r, d] = flat index of the ancestor at depth d of node nodes[r] (path[r, depth] = nodes[r]), -1 past
-    the node's depth. One vectorised step up the tree per level.
+    the node's depth. One vectorised step up the tree per level, without reading the device: max_depth, the
+    deepest depth in `depths` where the caller knows it from the host (None: read here; a larger value adds -1
+    columns).
 
     Parents [-1, 0, 0, 1] (depths [0, 1, 1, 2]), nodes [3, 2] -> [[0, 1, 3], [0, 2, -1]].
     """
     # nodes: (S,) flat indices; global_parents, depths: (N_tot,)
-    max_depth = int(depths.max()) if depths.numel() else 0
-    path = torch.full((nodes.numel(), max_depth + 1), -1, dtype=torch.long, device=nodes.device)  # (S, D+1)
+    if max_depth is None:
+        max_depth = int(depths.max()) if depths.numel() else 0
+    dev = nodes.device
+    path = torch.full((nodes.numel(), max_depth + 2), -1, dtype=torch.long, device=dev)  # last column: a sink
     cur = nodes.long()
     col = depths[cur]
-    rows = torch.arange(nodes.numel(), device=nodes.device)
-    for _ in range(int(col.max()) + 1 if nodes.numel() else 0):
+    rows = torch.arange(nodes.numel(), device=dev)
+    for _ in range(max_depth + 1):
         live = col >= 0
-        path[rows[live], col[live]] = cur[live]
+        path[rows, torch.where(live, col, max_depth + 1)] = torch.where(live, cur, -1)  # finished rows: the sink
         cur = torch.where(live, global_parents[cur], cur).clamp(min=0)
         col = col - 1
-    return path
+    return path[:, : max_depth + 1]
 
 
 def ancestor_table(global_parents: Tensor, depths: Tensor) -> Tensor:

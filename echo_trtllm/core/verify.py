@@ -39,8 +39,8 @@ from torch import Tensor
 from .pack import PackedVerifyBatch
 from .tree import ancestor_paths, nodes_by_depth, segment_rank
 
-__all__ = ["SamplingTensors", "VerifyResult", "process_logits", "verify_greedy", "verify_sampling", "verify",
-           "depth_uniforms"]
+__all__ = ["SamplingTensors", "VerifyResult", "AcceptedPaths", "process_logits", "verify_greedy", "verify_sampling",
+           "verify", "verify_paths", "depth_uniforms"]
 
 
 @dataclass
@@ -135,46 +135,62 @@ def _check_logits(batch: PackedVerifyBatch, logits: Tensor, name: str) -> None:
         raise ValueError(f"{name} must be (N_tot={batch.total_nodes}, V), got shape {tuple(logits.shape)}")
 
 
-def _result(batch: PackedVerifyBatch, last_node: Tensor, bonus: Tensor) -> VerifyResult:
-    """Flatten each request's root path to `last_node` (B,) plus its `bonus` (B,) token."""
-    depth = batch.node_depths.long()[last_node]  # (B,)
-    path = ancestor_paths(last_node, batch.global_parents, batch.node_depths.long())  # (B, D+1)
-    counts = depth + 1
-    cu = torch.zeros(batch.batch_size + 1, dtype=torch.long, device=last_node.device)
-    cu[1:] = torch.cumsum(counts, 0)
-    on_path = torch.arange(path.shape[1], device=path.device)[None, :] <= depth[:, None]  # (B, D+1)
-    nodes = path[on_path]  # (A_tot,) root first
-    # Token at position t of request i: node t+1's token for t < depth_i, the bonus at t = depth_i.
-    next_node = torch.cat([path[:, 1:], torch.full_like(path[:, :1], -1)], dim=1)[on_path]
-    tokens = torch.where(
-        next_node >= 0, batch.input_ids[next_node.clamp(min=0)], bonus.repeat_interleave(counts, output_size=nodes.numel())
-    )
-    return VerifyResult(nodes, tokens, cu)
+@dataclass
+class AcceptedPaths:
+    """Each request's accepted path in fixed shapes, computed where the logits are without reading the device: one
+    read of these three tensors brings a step's verification to the host, where `flatten` makes the
+    `VerifyResult`."""
+
+    # (B, W) int64: flat node indices of the root path, root first, -1 padded (W: the tree's levels or more)
+    nodes: Tensor
+    # (B, W) int64: the accepted draft tokens, then the bonus token (past it: padding)
+    tokens: Tensor
+    # (B,) int64: tokens emitted (accepted drafts + 1)
+    counts: Tensor
+
+    def flatten(self) -> VerifyResult:
+        on_path = torch.arange(self.nodes.shape[1], device=self.nodes.device)[None, :] < self.counts[:, None]
+        cu = torch.zeros(self.counts.numel() + 1, dtype=torch.long, device=self.counts.device)
+        cu[1:] = torch.cumsum(self.counts, 0)
+        return VerifyResult(self.nodes[on_path], self.tokens[on_path], cu)
+
+
+def _paths(batch: PackedVerifyBatch, last_node: Tensor, bonus: Tensor, max_depth: int | None) -> AcceptedPaths:
+    """Each request's root path to `last_node` (B,) plus its `bonus` (B,) token."""
+    path = ancestor_paths(last_node, batch.global_parents, batch.node_depths.long(), max_depth)  # (B, D+1)
+    # token at position t: node t+1's token while the path goes on, then the bonus
+    next_node = torch.cat([path[:, 1:], torch.full_like(path[:, :1], -1)], dim=1)
+    tokens = torch.where(next_node >= 0, batch.input_ids[next_node.clamp(min=0)], bonus[:, None])
+    return AcceptedPaths(path, tokens, batch.node_depths.long()[last_node] + 1)
 
 
 def verify_greedy(batch: PackedVerifyBatch, target_logits: Tensor) -> VerifyResult:
     """Greedy acceptance over the packed batch. target_logits (N_tot, V): the target's logits at every node."""
     _check_logits(batch, target_logits, "target_logits")
-    return _accept_predicted(batch, target_logits.argmax(-1))
+    return _accept_predicted(batch, target_logits.argmax(-1), None).flatten()
 
 
-def _accept_predicted(batch: PackedVerifyBatch, pred: Tensor) -> VerifyResult:
+def _accept_predicted(batch: PackedVerifyBatch, pred: Tensor, max_depth: int | None) -> AcceptedPaths:
     """The deepest root path whose every node equals `pred` (N_tot,) at its parent (ties: the lowest node index),
-    plus pred at its last node as the bonus token."""
+    plus pred at its last node as the bonus token. max_depth: the tree's deepest depth where the caller knows it
+    (then nothing here reads the device)."""
     gp = batch.global_parents
-    nonroot = gp >= 0
-    ok = torch.ones(batch.total_nodes, dtype=torch.bool, device=pred.device)
-    ok[nonroot] = batch.input_ids[nonroot] == pred[gp[nonroot]]
     depths = batch.node_depths.long()
-    for at in nodes_by_depth(depths)[1:]:  # a node is on an accepted path iff it and its parent are
-        ok[at] &= ok[gp[at]]
+    if max_depth is None:
+        max_depth = int(depths.max()) if depths.numel() else 0
+    root = gp < 0
+    parent = gp.clamp(min=0)
+    match = root | (batch.input_ids == pred[parent])
+    ok = match
+    for _ in range(max_depth):  # on an accepted path iff it and its parent are: depth d is settled after d rounds
+        ok = match & (root | ok[parent])
     n = batch.total_nodes
     idx = torch.arange(n, device=pred.device)
     key = torch.where(ok, depths * (n + 1) + (n - idx), torch.full_like(idx, -1))  # deepest, then lowest index
     best_key = torch.full((batch.batch_size,), -1, dtype=torch.long, device=pred.device)
     best_key = best_key.scatter_reduce(0, batch.request_ids, key, reduce="amax", include_self=True)
     last = n - best_key % (n + 1)  # (B,)
-    return _result(batch, last, pred[last])
+    return _paths(batch, last, pred[last], max_depth)
 
 
 def depth_uniforms(batch: PackedVerifyBatch, generators: Sequence[torch.Generator | None] | None) -> Tensor:
@@ -286,17 +302,29 @@ def verify_sampling(
     children were sampled from (without replacement), None for deterministic top-k drafts. position_uniforms
     (B, >= D+1): request i's uniforms for its next positions (deterministic drafts; default `depth_uniforms`).
     """
+    return _sampling_paths(batch, target_logits, sampling, generators, draft_probs, position_uniforms, None).flatten()
+
+
+def _per_node(values: Tensor, req: Tensor) -> Tensor:
+    """A per-request tensor read per node (where `values` is, so a device tensor is not read back)."""
+    return values[req.to(values.device)]
+
+
+def _sampling_paths(batch: PackedVerifyBatch, target_logits: Tensor, sampling: SamplingTensors, generators,
+                    draft_probs: Tensor | None, position_uniforms: Tensor | None, max_depth: int | None) -> AcceptedPaths:
     _check_logits(batch, target_logits, "target_logits")
     b = batch.batch_size
     req = batch.request_ids
-    p_all = process_logits(target_logits, sampling.temperature[req.cpu()], sampling.top_k[req.cpu()], sampling.top_p[req.cpu()])
+    p_all = process_logits(target_logits, _per_node(sampling.temperature, req), _per_node(sampling.top_k, req),
+                           _per_node(sampling.top_p, req))
     if draft_probs is None:
         u_pos = depth_uniforms(batch, generators) if position_uniforms is None else position_uniforms
         depth = batch.node_depths.long()
-        if u_pos.ndim != 2 or u_pos.shape[0] != b or u_pos.shape[1] <= int(depth.max()):
-            raise ValueError(f"position_uniforms must be (B={b}, >= {int(depth.max()) + 1}), got {tuple(u_pos.shape)}")
+        deepest = int(depth.max()) if max_depth is None else max_depth
+        if u_pos.ndim != 2 or u_pos.shape[0] != b or u_pos.shape[1] <= deepest:
+            raise ValueError(f"position_uniforms must be (B={b}, >= {deepest + 1}), got {tuple(u_pos.shape)}")
         u = u_pos.to(p_all.device)[req, depth]  # (N_tot,) node n's uniform is its position's
-        return _accept_predicted(batch, _sample(p_all, u))
+        return _accept_predicted(batch, _sample(p_all, u), max_depth)
     _check_logits(batch, draft_probs, "draft_probs")
     u = _uniforms(batch, generators)  # (N_tot,)
     roots = batch.cu_num_nodes[:-1].long()  # (B,)
@@ -308,7 +336,25 @@ def verify_sampling(
     if bool(empty.any()):
         p_res[empty] = p_all[cur[empty]]
     bonus = _sample(p_res, u[roots])
-    return _result(batch, cur, bonus)
+    return _paths(batch, cur, bonus, max_depth)
+
+
+def verify_paths(
+    batch: PackedVerifyBatch,
+    target_logits: Tensor,
+    sampling: SamplingTensors | None = None,
+    generators: Sequence[torch.Generator | None] | None = None,
+    draft_probs: Tensor | None = None,
+    position_uniforms: Tensor | None = None,
+    max_depth: int | None = None,
+) -> AcceptedPaths:
+    """`verify`'s accepted paths in fixed shapes (`AcceptedPaths`): greedy without `sampling`, else the sampling
+    rule (greedy rows one-hot). max_depth: the tree's deepest depth, known on the host: then greedy verification and
+    sampling with deterministic drafts never read the device (the runtime reads the result once)."""
+    if sampling is None:
+        _check_logits(batch, target_logits, "target_logits")
+        return _accept_predicted(batch, target_logits.argmax(-1), max_depth)
+    return _sampling_paths(batch, target_logits, sampling, generators, draft_probs, position_uniforms, max_depth)
 
 
 def verify(

@@ -187,6 +187,9 @@ class KVCache:
             self._compact(slots, src, dst)
 
     def _compact(self, slots: Tensor, src: Tensor, dst: Tensor) -> None:
+        dev = self.keys[0].device
+        if slots.device != dev:  # the indices cross once, not once per layer (each a wait for the device there)
+            slots, src, dst = torch.stack([slots, src, dst]).to(dev, non_blocking=True).unbind(0)
         for cache in (*self.keys, *self.values):
             cache[slots, :, dst] = cache[slots, :, src]
 

@@ -473,8 +473,9 @@ class Eagle3Drafter(Drafter):
             out, y = self._forward(chain_batch([chains[k] for k in ok], starts[ok], self._slots[sub], logits="last"),
                                    feats)
             lengths = torch.tensor([chains[k].numel() for k in ok])
-            y_root[sub] = y[torch.cumsum(lengths, 0) - 1]
-            logits[ok] = out
+            send = self.link.send  # host indices cross without waiting (indexing with host ones waits there)
+            y_root[send("draft rows", torch.tensor(sub))] = y[send("draft rows", torch.cumsum(lengths, 0) - 1)]
+            logits[send("draft rows", torch.tensor(ok))] = out
             self._read[sub] = True
         self._level_y = [y_root]
         return logits

@@ -48,14 +48,14 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from echo_trtllm import kernels
-from echo_trtllm.core import EchoConfig, SamplingTensors, draft_tree, make_policy, pack, verify
+from echo_trtllm.core import EchoConfig, SamplingTensors, draft_tree, make_policy, pack
 from echo_trtllm.core.controller import Decision, SpeculationController
 from echo_trtllm.core.cost import CostModel
 from echo_trtllm.core.gating import GateSamples
 from echo_trtllm.core.policies import DraftResult, draft_tree_batched, policy_class
 from echo_trtllm.core.prices import StepCostModel, StepPrediction
 from echo_trtllm.core.steps import StepSample
-from echo_trtllm.core.verify import VerifyResult
+from echo_trtllm.core.verify import AcceptedPaths, VerifyResult, verify_paths
 from echo_trtllm.models.eagle3 import Eagle3Head
 from echo_trtllm.models.llama import CausalLM
 from echo_trtllm.models.loader import Tokenizer
@@ -427,11 +427,12 @@ class Executor:
 
     def _verify(self, reqs: list[Request], packed, logits: torch.Tensor, depth: int) -> VerifyResult:
         """Greedy, or sampling with each request's uniforms of the positions this step covers. Runs where the
-        logits are (the model's device); one read brings the accepted path back to the host. depth: levels of
-        the tree (its deepest node's depth + 1, known on the host)."""
+        logits are (the model's device) without reading it (the tree's levels are known here); one read brings
+        the accepted paths back to the host, which flattens them. depth: levels of the tree (its deepest node's
+        depth + 1)."""
         greedy = all(r.params.temperature <= 0 for r in reqs)
         if greedy:
-            result = verify(packed, logits)
+            paths = verify_paths(packed, logits, max_depth=depth - 1)
         else:
             send = self.link.send
             vocab = logits.shape[-1]
@@ -441,9 +442,8 @@ class Executor:
                 send("sampling", torch.tensor([float(r.params.top_p) for r in reqs])),
             )
             u = torch.tensor([r.position_uniforms(len(r.output_token_ids), depth) for r in reqs], dtype=torch.float64)
-            result = verify(packed, logits, sampling, position_uniforms=send("uniforms", u))
-        return VerifyResult(*self.link.read("accepted path", result.accepted_node_ids, result.accepted_token_ids,
-                                            result.cu_accepted))
+            paths = verify_paths(packed, logits, sampling, position_uniforms=send("uniforms", u), max_depth=depth - 1)
+        return AcceptedPaths(*self.link.read("accepted path", paths.nodes, paths.tokens, paths.counts)).flatten()
 
     def _finish(self, req: Request, tokens: list[int]) -> int:
         """Append emitted tokens until a stop condition; returns how many were kept."""

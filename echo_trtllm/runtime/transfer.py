@@ -63,7 +63,13 @@ class HostLink:
         t.largest_read_bytes = max(t.largest_read_bytes, n)
         count, total = t.reads.get(what, (0, 0))
         t.reads[what] = [count + 1, total + n]
-        return tuple(None if x is None else x.cpu() for x in tensors)
+        if not any(x is not None and x.device.type == "cuda" for x in tensors):
+            return tuple(None if x is None else x.cpu() for x in tensors)
+        # every copy queued without waiting, then one wait for the stream: one synchronisation for the group
+        out = tuple(None if x is None else x.to("cpu", non_blocking=True) for x in tensors)
+        for dev in {x.device for x in tensors if x is not None and x.device.type == "cuda"}:
+            torch.cuda.current_stream(dev).synchronize()
+        return out
 
     def send(self, what: str, tensor: Tensor) -> Tensor:
         """`tensor` on the device (non-blocking from pinned memory where the device copies asynchronously)."""
