@@ -1,0 +1,55 @@
+"""Issue 34's second target read off a `bench --profile-phases` JSON: per batch size, a speculative step's time
+outside the target's verification forward against 1.5 x AR's time outside its forward plus one head forward per
+drafted level, and the head's share of the step.
+
+    python scripts/phase_criteria.py PHASES_JSON [--method "echo pure"]
+
+"Outside the forward" is the step's total less the target's forward (control, the draft's forwards, the tree's
+inputs, acceptance, finishing, commit, the rest of the step call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def criteria(phases: list[dict], method: str) -> list[dict]:
+    ar = {r["batch_size"]: r["plain"] for r in phases if r["method"] == "ar" and r["plain"]["steps"]}
+    out = []
+    for r in phases:
+        s = r["speculative"]
+        if r["method"] != method or not s["steps"] or r["batch_size"] not in ar:
+            continue
+        a = ar[r["batch_size"]]
+        ar_outside = a["total_ms"] - a["phases_ms"]["forward"]
+        outside = s["total_ms"] - s["phases_ms"]["forward"]
+        head = s.get("draft_forwards_per_step", 0.0) * s.get("draft_ms_per_forward", 0.0)
+        bound = 1.5 * ar_outside + head
+        out.append({"batch_size": r["batch_size"], "ar_step_ms": a["total_ms"], "ar_outside_ms": round(ar_outside, 2),
+                    "step_ms": s["total_ms"], "outside_ms": round(outside, 2), "head_ms": round(head, 2),
+                    "bound_ms": round(bound, 2), "within_bound": outside <= bound,
+                    "head_share": round(s["phases_ms"]["draft_model"] / s["total_ms"], 4),
+                    "emitted_per_step": s["emitted_per_step"], "verified_per_step": s["verified_per_step"],
+                    "tokens_per_s": s["tokens_per_s"], "ar_tokens_per_s": a["tokens_per_s"]})
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("phases_json")
+    ap.add_argument("--method", default="echo pure", help="the speculative method's label in the JSON")
+    args = ap.parse_args(argv)
+    with open(args.phases_json) as f:
+        rows = criteria(json.load(f)["phases"], args.method)
+    print("| B | AR step | AR outside | step | outside | head forwards | bound | within | head share | tok/s (AR) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|---:|---|")
+    for c in rows:
+        print(f"| {c['batch_size']} | {c['ar_step_ms']:.1f} | {c['ar_outside_ms']:.1f} | {c['step_ms']:.1f} | "
+              f"{c['outside_ms']:.1f} | {c['head_ms']:.1f} | {c['bound_ms']:.1f} | {'yes' if c['within_bound'] else 'no'} | "
+              f"{c['head_share']:.1%} | {c['tokens_per_s']:.1f} ({c['ar_tokens_per_s']:.1f}) |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
