@@ -20,13 +20,17 @@ distributions); `regen` and `docstrings` windows keep their first `--prompt-len`
 target itself (even windows greedy, odd sampled at temperature 0.8), one forward per generated token.
 
 Held-out split by file: a document is held out when a hash of its name says so (1 in 10), whatever the other
-sources or counts; `--source NAME[:KIND]=N` asks for N training windows of that source (and N / 16, at least 16,
-held out). Shard k of a source is drawn from its own seed (seed, source, kind, split, k), so asking for more
-windows later adds shards and leaves the existing ones as they were.
+sources or counts (vendored copies of the standard library in installed packages are not read, so a held-out
+module does not come back under another path); `--source NAME[:KIND]=N` asks for N training windows of that
+source, in whole shards of 32, and one shard of 32 from its held-out documents. Shard k of a source is drawn from
+its own seed (seed, source, kind, split, k), so asking for more windows later adds shards and leaves the existing
+ones as they were.
 
 Resuming: `manifest.json` lists the finished shards (atomically replaced after each); a shard is written to a
 temporary name and renamed when complete. Running again skips what the manifest lists; a run for another target,
-window length, dtype or set of documents is refused by name (start a new directory).
+window length, dtype or seed is refused by name, and so is one whose source files changed while shards of that
+source are still to be drawn (start a new directory). A run with `--time-limit` starts no shard that the
+manifest's earlier shards of its kind say would not end in time.
 """
 
 from __future__ import annotations
@@ -54,7 +58,10 @@ FORMAT = 1
 SOURCES = ("stdlib", "stdlib-pkgs", "site-packages", "docstrings")
 KINDS = ("text", "regen")
 WINDOWS_PER_SHARD = 32
-_EXCLUDE = re.compile(r"(^|/)(tests?|test_[^/]*|idle_test|__pycache__)(/|$)|human_?eval", re.IGNORECASE)
+# tests, caches, HumanEval, and vendored copies of the standard library (a held-out module must not come back in
+# training under another path)
+_EXCLUDE = re.compile(r"(^|/)(tests?|test_[^/]*|idle_test|__pycache__|_vendor|vendored|_distutils|backports)(/|$)"
+                      r"|human_?eval", re.IGNORECASE)
 
 
 # ---------------------------------------------------------------------------------------------------- documents
@@ -144,7 +151,19 @@ def parse_source(text: str) -> tuple[str, str, int]:
         raise ValueError(f"--source {text!r}: the source must be one of {', '.join(SOURCES)}")
     if kind not in KINDS or (source == "docstrings" and kind != "regen"):
         raise ValueError(f"--source {text!r}: the kind must be one of {', '.join(KINDS)} (docstrings: regen)")
+    if n < 1:
+        raise ValueError(f"--source {text!r}: N must be >= 1")
     return source, kind, n
+
+
+def parse_sources(texts: list[str]) -> list[tuple[str, str, int]]:
+    """Every `--source`, each (source, kind) at most once."""
+    out = [parse_source(t) for t in texts]
+    seen = [(s, k) for s, k, _ in out]
+    dup = sorted({f"{s}:{k}" for s, k in seen if seen.count((s, k)) > 1})
+    if dup:
+        raise ValueError(f"--source names {', '.join(dup)} more than once: give each source and kind one count")
+    return out
 
 
 def plan(sources: list[tuple[str, str, int]], per_shard: int = WINDOWS_PER_SHARD) -> list[Shard]:
@@ -246,10 +265,12 @@ def open_store(data_dir: Path, spec: DataSpec, fingerprints: dict[str, str]) -> 
         manifest = {"format": FORMAT, "spec": asdict(spec), "fingerprints": {}, "shards": {}}
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{data_dir / MANIFEST}: format {manifest.get('format')}, this script writes {FORMAT}")
+    flags = {"target": "--target", "length": "--length", "prompt_len": "--prompt-len", "dtype": "--dtype (as resolved)",
+             "seed": "--seed"}
     for field, value in asdict(spec).items():
         if manifest["spec"].get(field) != value:
-            raise ValueError(f"{data_dir} holds data made with {field}={manifest['spec'].get(field)!r}, not "
-                             f"{value!r}: use another --data directory")
+            raise ValueError(f"--data {data_dir} holds data made with {flags[field]} {manifest['spec'].get(field)!r}, "
+                             f"not {value!r}: use another --data directory, or the same {flags[field]}")
     for source, fp in fingerprints.items():
         old = manifest["fingerprints"].get(source)
         if old is not None and old != fp:
@@ -282,14 +303,20 @@ def build(target: CausalLM, tokenizer, data_dir: Path, spec: DataSpec, sources: 
     if str(target.dtype).removeprefix("torch.") != spec.dtype:
         raise ValueError(f"the target runs in {target.dtype}, the data spec says {spec.dtype}")
     shards = plan(sources)
-    manifest = open_store(data_dir, spec, {s: fingerprint(source_files(s)) for s in sorted({x[0] for x in sources})})
+    made = (read_manifest(data_dir) or {}).get("shards", {}) if data_dir.is_dir() else {}
+    # the documents are checked only where shards are still to be drawn from them (made shards stand as they are)
+    pending = sorted({s.source for s in shards if s.name not in made})
+    manifest = open_store(data_dir, spec, {s: fingerprint(source_files(s)) for s in pending})
     write_json_atomic(data_dir / MANIFEST, manifest)
     todo = [s for s in shards if s.name not in manifest["shards"]]
     log(f"[data] {len(shards) - len(todo)} of {len(shards)} shards already made; {len(todo)} to go")
     docs: dict[tuple[str, str], Documents] = {}
     t0 = time.time()
     for n, shard in enumerate(todo):
-        if time_limit is not None and time.time() - t0 >= time_limit:
+        # a shard is not started where the manifest's shards of its kind say it would not end in time
+        past = [m["seconds"] for m in manifest["shards"].values() if m["kind"] == shard.kind]
+        expected = sum(past) / len(past) if past else 0.0
+        if time_limit is not None and time.time() - t0 + expected >= time_limit:
             log(f"[data] time limit reached: {len(todo) - n} shards left for the next run")
             break
         d = docs.setdefault((shard.source, shard.split), Documents(tokenizer, shard.source, shard.split))
@@ -348,11 +375,21 @@ def main(argv=None) -> int:
     ap.add_argument("--time-limit", type=float, default=None, help="stop starting shards after this many minutes")
     args = ap.parse_args(argv)
     try:
-        sources = [parse_source(s) for s in args.source or ["stdlib=256"]]
+        sources = parse_sources(args.source or ["stdlib=256"])
         if args.batch < 1:
             raise ValueError(f"--batch must be >= 1, got {args.batch}")
+        if args.length < 3:
+            raise ValueError(f"--length must be >= 3, got {args.length}")
+        if not 2 <= args.prompt_len < args.length:
+            raise ValueError(f"--prompt-len must be in [2, --length={args.length}), got {args.prompt_len}")
         if args.dtype not in ("float32", "bfloat16", "auto"):
             raise ValueError(f"--dtype must be float32, bfloat16 or auto, got {args.dtype!r}")
+        if args.time_limit is not None and not args.time_limit > 0:
+            raise ValueError(f"--time-limit must be a number of minutes > 0, got {args.time_limit}")
+        if not Path(args.target).exists():
+            raise ValueError(f"--target {args.target}: no such model directory or .gguf file")
+        if Path(args.data).exists() and not Path(args.data).is_dir():
+            raise ValueError(f"--data {args.data} is a file: give a directory (new, or one this script made)")
     except ValueError as e:
         ap.error(str(e))
     from echo_trtllm.models.loader import load_model

@@ -83,7 +83,9 @@ def build_v1(out: Path) -> int:
 
 def build_v2(out: Path, minutes: float) -> int:
     """One run of at most `minutes`: the data shards still missing, then training from its last checkpoint. Returns
-    0 when the head is written, 3 when another run is needed. The minutes of every run are kept in budget.json."""
+    0 when the head is written, 3 when another run is needed. Every run's minutes are kept in budget.json: its entry
+    is written when it starts and rewritten at each stage's end and when it ends (a run killed mid-stage counts up
+    to its last stage boundary)."""
     import eagle3_data
 
     target = fetch(QWEN_CODER_1_5B)
@@ -93,28 +95,36 @@ def build_v2(out: Path, minutes: float) -> int:
     ledger = work / "budget.json"
     spent = json.loads(ledger.read_text()) if ledger.is_file() else {"runs": []}
     t0 = time.time()
+    entry = {"stage": "started", "minutes": 0.0}
+    spent["runs"].append(entry)
 
     def left() -> float:
         return minutes - (time.time() - t0) / 60
 
     def record(stage: str) -> None:
-        spent["runs"].append({"stage": stage, "minutes": round((time.time() - t0) / 60, 1)})
+        entry.update(stage=stage, minutes=round((time.time() - t0) / 60, 1))
         eagle3_data.write_json_atomic(ledger, spent)
 
-    code = eagle3_data.main(["--target", str(target), "--data", str(data), *V2_DATA, "--time-limit", f"{left():.2f}"])
-    if code != 0:
-        return code
-    sources = [eagle3_data.parse_source(V2_DATA[i + 1]) for i in range(0, len(V2_DATA), 2) if V2_DATA[i] == "--source"]
-    missing = {s.name for s in eagle3_data.plan(sources)} - set(eagle3_data.read_manifest(data)["shards"])
-    if missing or left() < 5:
+    record("started")
+    try:
+        code = eagle3_data.main(["--target", str(target), "--data", str(data), *V2_DATA, "--time-limit",
+                                 f"{left():.2f}"])
         record("data")
-        print(f"[v2] {len(missing)} shards left; run again to continue", file=sys.stderr)
-        return 3
-    code = train_eagle3.main(["--target", str(target), "--data", str(data), "--out", str(work), *V2_TRAIN,
-                              "--time-limit", f"{left():.2f}"])
-    record("data+train")
-    if code != 0:
-        return code
+        if code != 0:
+            return code
+        sources = eagle3_data.parse_sources([V2_DATA[i + 1] for i in range(0, len(V2_DATA), 2)
+                                             if V2_DATA[i] == "--source"])
+        missing = {s.name for s in eagle3_data.plan(sources)} - set(eagle3_data.read_manifest(data)["shards"])
+        if missing or left() < 5:
+            print(f"[v2] {len(missing)} shards left; run again to continue", file=sys.stderr)
+            return 3
+        code = train_eagle3.main(["--target", str(target), "--data", str(data), "--out", str(work), *V2_TRAIN,
+                                  "--time-limit", f"{left():.2f}"])
+        record("data+train")
+        if code != 0:
+            return code
+    finally:
+        record(entry["stage"])
     meta = json.loads((work / "training.json").read_text())
     meta.update(recipe=V2_DATA + V2_TRAIN, budget_runs=spent["runs"],
                 budget_minutes=round(sum(r["minutes"] for r in spent["runs"]), 1))
@@ -130,11 +140,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipe", default="v1", choices=["v1", "v2"],
                     help="v1: the first head (85 minutes, one run); v2: several times the data, resumable")
-    ap.add_argument("--minutes", type=float, default=170.0,
-                    help=f"v2: this run's minutes (the recipe's budget is {V2_BUDGET_MINUTES} in all runs)")
+    ap.add_argument("--minutes", type=float, default=None,
+                    help=f"v2: this run's minutes (default 170; the recipe's budget is {V2_BUDGET_MINUTES} in all runs)")
     args = ap.parse_args(argv)
-    if args.minutes <= 0:
-        ap.error(f"--minutes must be > 0, got {args.minutes}")
+    if args.minutes is not None and args.recipe == "v1":
+        ap.error("--minutes applies to --recipe v2 (v1 is one run with its own 85-minute limit)")
+    args.minutes = 170.0 if args.minutes is None else args.minutes
+    if not 5 < args.minutes < 24 * 60:
+        ap.error(f"--minutes must be a number of minutes in (5, 1440), got {args.minutes}")
     out = head_dir(args.recipe)
     if is_done(out, RECIPE if args.recipe == "v1" else V2_DATA + V2_TRAIN):
         print(out)

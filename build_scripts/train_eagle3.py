@@ -356,7 +356,7 @@ def parse_args(argv):
     ap.add_argument("--data", default=None,
                     help="train from this sharded data directory (build_scripts/eagle3_data.py) instead of making "
                          "data here; checkpoints every --checkpoint-every steps and resumes from the last one")
-    ap.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (--data)")
+    ap.add_argument("--checkpoint-every", type=int, default=None, help="steps between checkpoints (--data; default 50)")
     ap.add_argument("--corpus", default="stdlib", choices=["stdlib", "stdlib+plays"])
     ap.add_argument("--dtype", default="float32",
                     help="target dtype for data generation: float32, bfloat16, or auto (the runtime's choice: "
@@ -387,8 +387,15 @@ def parse_args(argv):
         ap.error(f"--text-windows must be >= 0, got {args.text_windows}")
     if args.ttt < 3:
         ap.error("--ttt must be >= 3 (EAGLE-3 trains with a training-time-test unroll)")
+    if args.checkpoint_every is not None and args.data is None:
+        ap.error("--checkpoint-every applies to --data runs only (a run that makes its own data does not resume)")
+    args.checkpoint_every = 50 if args.checkpoint_every is None else args.checkpoint_every
     if args.checkpoint_every < 1:
         ap.error(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
+    if args.data is not None and not (Path(args.data) / "manifest.json").is_file():
+        ap.error(f"--data {args.data}: no manifest.json there (make the data with build_scripts/eagle3_data.py)")
+    if args.time_limit is not None and not args.time_limit > 0:
+        ap.error(f"--time-limit must be a number of minutes > 0, got {args.time_limit}")
     for name in ("dtype", "train_dtype"):
         value = getattr(args, name)
         if value not in ("float32", "bfloat16", "auto"):
@@ -429,17 +436,48 @@ def make_data(args, target, tok, layers):
         "new_tokens": args.new_tokens, "continuations": "target's own: even-numbered greedy, odd sampled at temperature 0.8"}
 
 
-def save_state(path: Path, head, opt, step: int, rows_gen: torch.Generator, dv_ids, cfg: dict, seconds: float) -> None:
+# the flags a resumed run must share with the run that wrote the checkpoint (else its steps are not the same run's)
+RESUME_FLAGS = ("steps", "batch", "lr", "ttt", "draft_vocab", "intermediate", "seed", "fc_init", "train_dtype", "dtype")
+
+
+def run_identity(args, train_data) -> dict:
+    """What a checkpoint must match to be resumed: the training windows (their shards, in order) and the flags."""
+    return {"shards": list(getattr(train_data, "names", [])), "train_windows": len(train_data),
+            "flags": {f: getattr(args, f) for f in RESUME_FLAGS}}
+
+
+def check_resume(state: dict, identity: dict, state_path: Path) -> None:
+    """Refuse a checkpoint of another run, naming what differs. Data added since (more shards, the old ones all
+    there) is taken: training goes on over the larger set, noted in `identity["grew_at_steps"]`."""
+    old = state.get("identity") or {}
+    for flag, value in identity["flags"].items():
+        if old.get("flags", {}).get(flag) != value:
+            raise SystemExit(f"error: {state_path} was written with --{flag.replace('_', '-')} "
+                             f"{old.get('flags', {}).get(flag)!r}, not {value!r}: pass the same, or another --out")
+    before, now = old.get("shards") or [], identity["shards"]
+    missing = sorted(set(before) - set(now))
+    if missing:
+        raise SystemExit(f"error: {state_path} was trained on shards --data no longer holds ({', '.join(missing[:3])}"
+                         f"{', ...' if len(missing) > 3 else ''}): resume with that data, or another --out")
+    identity["grew_at_steps"] = list(old.get("grew_at_steps", []))
+    if now != before:
+        identity["grew_at_steps"].append(state["step"])
+        print(f"[train] the data grew from {old.get('train_windows')} to {identity['train_windows']} windows: "
+              f"training goes on over all of them from step {state['step']}", flush=True)
+
+
+def save_state(path: Path, head, opt, step: int, rows_gen: torch.Generator, dv_ids, cfg: dict, seconds: float,
+               identity: dict) -> None:
     """The training checkpoint, written whole or not at all."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
     torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "rows_gen": rows_gen.get_state(),
-                "dv_ids": dv_ids, "cfg": cfg, "seconds": seconds}, tmp)
+                "dv_ids": dv_ids, "cfg": cfg, "seconds": seconds, "identity": identity}, tmp)
     tmp.replace(path)
 
 
 def train(args, head, train_batches: Batches, n_rows: int, state_path: Path | None, start: dict | None, t_train: float,
-          budget: float | None, dv_ids, cfg) -> tuple[int, float]:
+          budget: float | None, dv_ids, cfg, identity: dict | None = None) -> tuple[int, float]:
     """The training loop from `start` (a checkpoint, or None); returns (steps done in all, training seconds in all)."""
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -468,7 +506,7 @@ def train(args, head, train_batches: Batches, n_rows: int, state_path: Path | No
         done = step + 1
         out_of_time = budget is not None and time.time() - t_train > budget
         if state_path is not None and (done % args.checkpoint_every == 0 or done == args.steps or out_of_time):
-            save_state(state_path, head, opt, done, rows_gen, dv_ids, cfg, before + time.time() - t_train)
+            save_state(state_path, head, opt, done, rows_gen, dv_ids, cfg, before + time.time() - t_train, identity)
         if out_of_time:
             print(f"[train] time limit reached at step {step}", flush=True)
             return done, before + time.time() - t_train
@@ -500,7 +538,9 @@ def main(argv=None) -> int:
     t_gen = time.time() - t_start
     state_path = Path(args.out) / STATE if args.data is not None else None
     start = torch.load(state_path, weights_only=False) if state_path is not None and state_path.is_file() else None
+    identity = run_identity(args, train_data)
     if start is not None:
+        check_resume(start, identity, state_path)
         dv_ids, cfg = start["dv_ids"], start["cfg"]
         print(f"[train] resuming from step {start['step']} ({start['seconds']:.0f} s trained)", flush=True)
     else:
@@ -515,7 +555,7 @@ def main(argv=None) -> int:
     t_train = time.time()
     budget = args.time_limit * 60 - (t_train - t_start) - 60 if args.time_limit else None  # a minute to evaluate
     steps_done, seconds = train(args, head, Batches(target, train_data, dv_ids), len(train_data), state_path, start,
-                                t_train, budget, dv_ids, cfg)
+                                t_train, budget, dv_ids, cfg, identity)
     if steps_done < args.steps and state_path is not None:
         print(f"[train] stopped at step {steps_done} of {args.steps}: run again to resume", flush=True)
         return 3
@@ -524,7 +564,7 @@ def main(argv=None) -> int:
           f"{' '.join(f'{a:.3f}' for a in held_acc)}", flush=True)
     meta = {
         "target": Path(args.target).name, **described,
-        "draft_vocab": args.draft_vocab, "draft_vocab_heldout_coverage": round(coverage, 4),
+        "draft_vocab": cfg["draft_vocab_size"], "draft_vocab_heldout_coverage": round(coverage, 4),
         "ttt_steps": args.ttt, "dtype": args.dtype, "train_dtype": args.train_dtype,
         "fc_init": args.fc_init, "intermediate_size": cfg["intermediate_size"], "train_steps": steps_done,
         "batch": args.batch, "lr": args.lr, "seed": args.seed,
@@ -532,6 +572,7 @@ def main(argv=None) -> int:
         "heldout_top1_per_ttt_step": [round(a, 4) for a in held_acc],
         "minutes": round((time.time() - t_start) / 60, 1),
         "training_minutes": round(seconds / 60, 1),
+        **({"data_grew_at_steps": identity["grew_at_steps"]} if identity.get("grew_at_steps") else {}),
         "command": "python build_scripts/train_eagle3.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     save_head(head, cfg, dv_ids, Path(args.out), meta)

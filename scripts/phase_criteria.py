@@ -1,6 +1,7 @@
 """Issue 34's second target read off a `bench --profile-phases` JSON: per batch size, a speculative step's time
-outside the target's verification forward against 1.5 x AR's time outside its forward plus one head forward per
-drafted level, and the head's share of the step.
+outside the target's verification forward against 1.5 x AR's time outside its forward plus the head's forwards
+(the measured draft forwards per step x ms each: every head forward the step ran, its KV catch-up included, is
+allowed), and the head's share of the step.
 
     python scripts/phase_criteria.py PHASES_JSON [--method "echo pure"]
 
@@ -41,7 +42,12 @@ def main(argv=None) -> int:
     ap.add_argument("--method", default="echo pure", help="the speculative method's label in the JSON")
     args = ap.parse_args(argv)
     with open(args.phases_json) as f:
-        rows = criteria(json.load(f)["phases"], args.method)
+        phases = json.load(f)["phases"]
+    rows = criteria(phases, args.method)
+    if not rows:
+        methods = sorted({r["method"] for r in phases if r["speculative"]["steps"]})
+        ap.error(f"--method {args.method!r}: no speculative steps of that method beside AR in {args.phases_json}; "
+                 f"methods there: {methods}")
     print("| B | AR step | AR outside | step | outside | head forwards | bound | within | head share | tok/s (AR) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---|---:|---|")
     for c in rows:

@@ -103,7 +103,7 @@ def ancestor_paths(nodes: Tensor, global_parents: Tensor, depths: Tensor, max_de
     """path[r, d] = flat index of the ancestor at depth d of node nodes[r] (path[r, depth] = nodes[r]), -1 past
     the node's depth. One vectorised step up the tree per level, without reading the device: max_depth, the
     deepest depth in `depths` where the caller knows it from the host (None: read here; a larger value adds -1
-    columns).
+    columns; a smaller one is the caller's error and gives wrong paths, never an out-of-range index).
 
     Parents [-1, 0, 0, 1] (depths [0, 1, 1, 2]), nodes [3, 2] -> [[0, 1, 3], [0, 2, -1]].
     """
@@ -117,7 +117,7 @@ def ancestor_paths(nodes: Tensor, global_parents: Tensor, depths: Tensor, max_de
     rows = torch.arange(nodes.numel(), device=dev)
     for _ in range(max_depth + 1):
         live = col >= 0
-        path[rows, torch.where(live, col, max_depth + 1)] = torch.where(live, cur, -1)  # finished rows: the sink
+        path[rows, torch.where(live, col.clamp(max=max_depth), max_depth + 1)] = torch.where(live, cur, -1)  # sink
         cur = torch.where(live, global_parents[cur], cur).clamp(min=0)
         col = col - 1
     return path[:, : max_depth + 1]

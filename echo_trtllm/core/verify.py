@@ -349,8 +349,10 @@ def verify_paths(
     max_depth: int | None = None,
 ) -> AcceptedPaths:
     """`verify`'s accepted paths in fixed shapes (`AcceptedPaths`): greedy without `sampling`, else the sampling
-    rule (greedy rows one-hot). max_depth: the tree's deepest depth, known on the host: then greedy verification and
-    sampling with deterministic drafts never read the device (the runtime reads the result once)."""
+    rule (greedy rows one-hot). max_depth: the tree's deepest depth, known on the host (it must not be below the
+    real one; position_uniforms then need max_depth + 1 columns): greedy verification then never reads the device,
+    and sampling with deterministic drafts reads it only in `process_logits`' two checks (whether any row needs
+    top-k / top-p filtering, whether any is greedy). The runtime reads the result once."""
     if sampling is None:
         _check_logits(batch, target_logits, "target_logits")
         return _accept_predicted(batch, target_logits.argmax(-1), max_depth)

@@ -34,14 +34,20 @@ class HostReads(TorchFunctionMode):
                 self.seen.append(f"{name} with a boolean mask")
         if name == "repeat_interleave" and kwargs.get("output_size") is None:
             self.seen.append("repeat_interleave without output_size")
+        if name in ("where",) and len(args) + len(kwargs) == 1:  # torch.where(cond): nonzero
+            self.seen.append("where with one argument")
+        if name in ("argwhere",) or (name == "bincount" and kwargs.get("minlength") is None):
+            self.seen.append(name)
+        if name == "to" and any(str(a) == "cpu" for a in [*args[1:], *kwargs.values()]):
+            self.seen.append("to cpu")
         return func(*args, **kwargs)
 
 
 def test_the_detector_sees_reads():
     x = torch.tensor([1, 2, 3])
     with HostReads() as reads:
-        bool(x.any()), int(x.max()), x[x > 1], torch.nonzero(x)
-    assert len(reads.seen) == 4
+        bool(x.any()), int(x.max()), x[x > 1], torch.nonzero(x), torch.where(x > 1), torch.bincount(x), x.to("cpu")
+    assert len(reads.seen) == 7
 
 
 @pytest.mark.parametrize("batch_size, vocab", [(1, 5), (3, 37), (64, 50)])

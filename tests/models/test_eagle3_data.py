@@ -4,6 +4,7 @@ or a training checkpoint loses at most that piece, and running again ends with e
 makes."""
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -19,28 +20,26 @@ SOURCES = ["--source", "stdlib=40", "--source", "docstrings=8"]  # 2 + 1 text sh
 DATA_ARGS = ["--target", str(TARGET), "--dtype", "float32", "--length", "24", "--prompt-len", "16", "--batch", "8",
              *SOURCES]
 
-# runs a script's main in a process that dies (os._exit, as a kill would leave it) at the n-th call of `func`
-# in `module`, after that call has written `fraction` of what it writes
+# runs a script's main in a process that dies (os._exit, as a kill leaves it) at the n-th os.replace: the real
+# writers run, so a shard, manifest or checkpoint is fully written under its temporary name and not yet renamed
+# (a writer that wrote in place would not reach the n-th replace, and the process would not die)
 _DYING = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, {scripts!r})
     import eagle3_data, train_eagle3
-    module = {{"eagle3_data": eagle3_data, "train_eagle3": train_eagle3}}[{module!r}]
-    real, calls = getattr(module, {func!r}), [0]
-    def dying(path, *args, **kwargs):
+    real, calls = os.replace, [0]
+    def dying(src, dst, *args, **kwargs):
         calls[0] += 1
         if calls[0] == {n}:
-            partial = path.with_name(path.name + {suffix!r})
-            partial.write_bytes(b"half a file")
             os._exit(9)
-        return real(path, *args, **kwargs)
-    setattr(module, {func!r}, dying)
+        return real(src, dst, *args, **kwargs)
+    os.replace = dying
     sys.exit({main}.main({argv!r}))
 """)
 
 
-def run_dying(main: str, argv: list[str], module: str, func: str, n: int, suffix: str) -> int:
-    code = _DYING.format(scripts=str(SCRIPTS), module=module, func=func, n=n, suffix=suffix, main=main, argv=argv)
+def run_dying(main: str, argv: list[str], n: int) -> int:
+    code = _DYING.format(scripts=str(SCRIPTS), n=n, main=main, argv=argv)
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True).returncode
 
 
@@ -80,13 +79,14 @@ def test_the_reference_build_holds_what_was_asked(reference, data_module):
         assert shard["features"][:, :-1].abs().sum(-1).gt(0).all()  # every position but the last was computed
 
 
-@pytest.mark.parametrize("module,func,n,suffix", [
-    ("eagle3_data", "save_atomic", 2, ".partial"),        # killed while writing the second shard
-    ("eagle3_data", "write_json_atomic", 3, ".tmp"),      # killed while writing the manifest after the second
+@pytest.mark.parametrize("n,leftover", [
+    (4, ".partial"),   # the manifest's first write, shard 1, its manifest, then killed renaming shard 2
+    (5, ".tmp"),       # shard 2 renamed, killed renaming the manifest that lists it
 ])
-def test_a_data_run_killed_anywhere_resumes_to_the_uninterrupted_result(tmp_path, reference, module, func, n, suffix):
+def test_a_data_run_killed_anywhere_resumes_to_the_uninterrupted_result(tmp_path, reference, n, leftover):
     data = tmp_path / "data"
-    assert run_dying("eagle3_data", [*DATA_ARGS, "--data", str(data)], module, func, n, suffix) == 9
+    assert run_dying("eagle3_data", [*DATA_ARGS, "--data", str(data)], n) == 9
+    assert list(data.glob(f"*{leftover}"))  # it died with a whole file under its temporary name
     before = json.loads((data / "manifest.json").read_text())["shards"]
     assert len(before) == 1  # the first shard survived; the second was lost with the kill
     again = run("eagle3_data.py", [*DATA_ARGS, "--data", str(data)])
@@ -100,20 +100,33 @@ def test_a_data_run_killed_anywhere_resumes_to_the_uninterrupted_result(tmp_path
             assert torch.equal(got[name][key], want[name][key]), (name, key)
 
 
-def test_more_windows_add_shards_and_keep_the_old_ones(data_module):
+def test_more_windows_add_shards_and_keep_the_old_ones(tmp_path, reference, data_module):
     small = data_module.plan([("stdlib", "text", 40)])
     large = data_module.plan([("stdlib", "text", 100)])
     assert set(small) <= set(large)  # same names, same windows: their draws are seeded by name
     assert len(large) == 4 + 1 and all(s.windows == 32 for s in large)
+    data = tmp_path / "data"
+    shutil.copytree(reference, data)
+    more = [a if a != "stdlib=40" else "stdlib=70" for a in DATA_ARGS]
+    done = run("eagle3_data.py", [*more, "--data", str(data)])
+    assert done.returncode == 0, done.stderr
+    assert "5 of 6 shards already made" in done.stdout
+    got, want = shards(data), shards(reference)
+    assert set(got) == set(want) | {"stdlib-text-train-00002"}
+    for name in want:
+        assert all(torch.equal(got[name][k], want[name][k]) for k in want[name])
 
 
-def test_the_split_is_by_file_and_fixed(data_module):
+def test_the_split_is_by_file_fixed_and_disjoint(data_module):
     files = data_module.source_files("stdlib")
     held = {n for n, _ in files if data_module.held_out(n)}
     assert 0.03 < len(held) / len(files) < 0.2
-    # a file's side does not depend on which other files exist
-    assert held == {n for n, _ in files[::-1] if data_module.held_out(n)}
-    assert not any(data_module.held_out(n) for n in set(n for n, _ in files) - held)
+    tok = type("Tok", (), {"encode": staticmethod(lambda text: [0])})()
+    train_docs = {n for n, _ in data_module.Documents(tok, "stdlib", "train").files}
+    held_docs = {n for n, _ in data_module.Documents(tok, "stdlib", "heldout").files}
+    assert not train_docs & held_docs and train_docs | held_docs == {n for n, _ in files} and held_docs == held
+    # vendored copies of the standard library are not read at all
+    assert not any("/_distutils/" in n or "/_vendor/" in n for n, _ in data_module.source_files("site-packages"))
 
 
 def test_humaneval_shaped_prompts_end_after_a_docstring(data_module):
@@ -125,8 +138,20 @@ def test_humaneval_shaped_prompts_end_after_a_docstring(data_module):
 
 def test_the_store_refuses_another_spec_by_name(tmp_path, reference):
     bad = run("eagle3_data.py", [*DATA_ARGS, "--data", str(reference), "--length", "32"])
-    assert bad.returncode == 2 and "length=24" in bad.stderr
-    assert run("eagle3_data.py", [*DATA_ARGS, "--data", str(tmp_path), "--source", "nope=3"]).returncode == 2
+    assert bad.returncode == 2 and "--length 24" in bad.stderr
+
+
+@pytest.mark.parametrize("extra,named", [
+    (["--source", "nope=3"], "--source"),
+    (["--source", "stdlib=8"], "--source"),              # stdlib twice
+    (["--source", "stdlib-pkgs=0"], "--source"),
+    (["--prompt-len", "30"], "--prompt-len"),            # not below --length 24
+    (["--time-limit", "0"], "--time-limit"),
+])
+def test_bad_options_are_refused_by_name_before_loading(tmp_path, extra, named):
+    bad = run("eagle3_data.py", [*DATA_ARGS, "--data", str(tmp_path / "d"), *extra])
+    assert bad.returncode == 2 and named in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "d").exists()
 
 
 TRAIN_ARGS = ["--target", str(TARGET), "--steps", "6", "--batch", "4", "--checkpoint-every", "2", "--draft-vocab",
@@ -139,9 +164,9 @@ def test_training_killed_mid_checkpoint_resumes_to_the_uninterrupted_head(tmp_pa
     whole = run("train_eagle3.py", [*TRAIN_ARGS, "--data", str(reference), "--out", str(tmp_path / "whole")])
     assert whole.returncode == 0, whole.stderr
     out = tmp_path / "resumed"
-    # killed while writing the second checkpoint (after step 4): the first (step 2) stands
-    assert run_dying("train_eagle3", [*TRAIN_ARGS, "--data", str(reference), "--out", str(out)],
-                     "train_eagle3", "save_state", 2, ".partial") == 9
+    # killed renaming the second checkpoint (after step 4): the first (step 2) stands
+    assert run_dying("train_eagle3", [*TRAIN_ARGS, "--data", str(reference), "--out", str(out)], 2) == 9
+    assert (out / "train-state.pt.partial").is_file()
     assert torch.load(out / "train-state.pt", weights_only=False)["step"] == 2
     again = run("train_eagle3.py", [*TRAIN_ARGS, "--data", str(reference), "--out", str(out)])
     assert again.returncode == 0, again.stderr
@@ -150,3 +175,12 @@ def test_training_killed_mid_checkpoint_resumes_to_the_uninterrupted_head(tmp_pa
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     meta = json.loads((out / "training.json").read_text())
     assert meta["train_steps"] == 6 and meta["train_windows"] == 96 and meta["heldout_windows"] == 64
+
+
+def test_a_checkpoint_of_other_flags_is_refused_by_name(tmp_path, reference):
+    out = tmp_path / "head"
+    first = run("train_eagle3.py", [*TRAIN_ARGS, "--data", str(reference), "--out", str(out)])
+    assert first.returncode == 0, first.stderr
+    other = run("train_eagle3.py", [*[a if a != "6" else "8" for a in TRAIN_ARGS], "--data", str(reference),
+                                    "--out", str(out)])
+    assert other.returncode != 0 and "--steps" in other.stderr
