@@ -1,0 +1,175 @@
+"""Where a speculative step's host time goes, function by function, and what acceptance costs beside the target's
+LM head: wall time around the control plane's parts of real ECHO steps (pure, every step drafts) of the embedded
+target with its EAGLE-3 head, and microbenchmarks of verification and of a fused LM-head argmax at the Qwen
+target's shapes. Prints a table; writes JSON.
+
+    python scripts/control_split.py [--batch-sizes 1,16,64] [--steps 40] [--json out.json]
+
+Part 1 wraps, by monkeypatching, the functions a step calls (their own time plus what they call): the drafting
+loop's device-side level work (`_level_on_device`, the head's forward included, and the head's forward alone), the
+replay of drafted levels on the host (`_replay`, the policy's `observe` inside it), `select` (budget allocation,
+acceptance estimates, the budget rule), `start`, building the tree (`from_levels`), packing, verification,
+learning, finishing and commit. Part 2 times, at 151,936 vocabulary entries, `verify` over 64 plain rows and over 64
+requests with 22 extra tree nodes, the argmax alone and the tree walk alone; and the Qwen LM head (1536 -> 151,936,
+bfloat16, prepacked) at 64 / 87 rows as one product then a float32 copy and argmax, against the same product in
+vocabulary chunks of 8,192 with each chunk's row maxima kept (no float32 copy of every row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+import echo_trtllm.core.policies as policies
+import echo_trtllm.core.tree as tree_mod
+import echo_trtllm.runtime.drafter as drafter_mod
+import echo_trtllm.runtime.executor as executor_mod
+from echo_trtllm.bench.prompts import load_prompts
+from echo_trtllm.bench.run import make_engine
+from echo_trtllm.core import EchoConfig, pack, verify
+from echo_trtllm.core.tree import SuperTree
+from echo_trtllm.core.verify import _accept_predicted, verify_paths
+from echo_trtllm.models import DEFAULT_EAGLE3, DEFAULT_TARGET
+from echo_trtllm.models.eagle3 import load_eagle3
+from echo_trtllm.models.loader import load_model
+from echo_trtllm.runtime.request import SamplingParams
+
+WRAPPED = ((policies, "_level_on_device", "level work on the device (head forward included)"),
+           (drafter_mod.Eagle3Drafter, "_forward", "head forward"),
+           (policies, "_replay", "replay of drafted levels"), (policies.EchoPolicy, "observe", "observe (in replay)"),
+           (policies.EchoPolicy, "select", "select"), (policies.EchoPolicy, "start", "start"),
+           (tree_mod.SuperTree, "from_levels", "tree from levels"), (executor_mod.Executor, "_pack", "pack"),
+           (executor_mod.Executor, "_verify", "verify"), (executor_mod.Executor, "_learn", "learn"),
+           (executor_mod.Executor, "_finish_step", "finish"), (executor_mod.Executor, "_commit_step", "commit"),
+           (executor_mod.Executor, "_target_forward", "target forward"))
+
+
+def timed(seconds: dict):
+    for owner, name, label in WRAPPED:
+        f = getattr(owner, name)
+
+        def g(*a, _f=f, _label=label, **k):
+            t = time.perf_counter()
+            try:
+                return _f(*a, **k)
+            finally:
+                seconds[_label] += time.perf_counter() - t
+        setattr(owner, name, g)
+
+
+def control_split(batch_sizes: list[int], steps: int) -> list[dict]:
+    seconds: dict[str, float] = collections.defaultdict(float)
+    timed(seconds)
+    target, tok = load_model(DEFAULT_TARGET, dtype=torch.float32)
+    head = load_eagle3(DEFAULT_EAGLE3, target)
+    prompts = load_prompts("humaneval")
+    out = []
+    for b in batch_sizes:
+        llm = make_engine(target, head, tok, EchoConfig(policy="echo"), b, 1024, fallback="off")
+        llm.shutdown()
+        ex = llm.executor
+        params = SamplingParams(max_tokens=steps * 8 + 64, temperature=0, ignore_eos=True)
+        for i in range(b):
+            ex.submit(ex.make_request(prompts[i % len(prompts)], params))
+        for _ in range(4):
+            ex.step()
+        seconds.clear()
+        total = control = 0.0
+        for _ in range(steps):
+            r = ex.step()
+            total += r.timings.total
+            control += r.timings.control
+        row = {"batch_size": b, "step_ms": round(total / steps * 1e3, 3), "control_ms": round(control / steps * 1e3, 3),
+               "parts_ms": {k: round(v / steps * 1e3, 3) for k, v in sorted(seconds.items(), key=lambda x: -x[1])}}
+        out.append(row)
+    return out
+
+
+def _median_ms(fn, n: int = 15) -> float:
+    fn()
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return round(statistics.median(times) * 1e3, 3)
+
+
+def accept_cost(vocab: int = 151_936) -> list[dict]:
+    out = []
+    for b, extra in ((64, 0), (64, 22)):
+        parents = [torch.tensor([-1] + list(range(int(i < extra) + int(i < extra // 3))))
+                   for i in range(b)]
+        batch = pack(SuperTree.from_parents(parents), torch.full((b,), 100))
+        logits = torch.randn(batch.total_nodes, vocab)
+        pred = logits.argmax(-1)
+        deepest = int(batch.node_depths.max())
+        out.append({"rows": batch.total_nodes, "verify_ms": _median_ms(lambda: verify(batch, logits)),
+                    "argmax_ms": _median_ms(lambda: logits.argmax(-1)),
+                    "tree_walk_ms": _median_ms(lambda: _accept_predicted(batch, pred, deepest).flatten()),
+                    "verify_paths_ms": _median_ms(lambda: verify_paths(batch, logits, max_depth=deepest).flatten())})
+    return out
+
+
+def lm_head_argmax(hidden: int = 1536, vocab: int = 151_936, chunk: int = 8192) -> list[dict]:
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return []
+    w = (torch.randn(vocab, hidden) * 0.02).bfloat16()
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+    chunks = [torch.ops.mkldnn._reorder_linear_weight(w[a:a + chunk].contiguous(), 1) for a in range(0, vocab, chunk)]
+
+    def lin(x, p):
+        return torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+
+    out = []
+    for rows in (64, 87):
+        x = torch.randn(rows, hidden).bfloat16()
+
+        def fused():
+            best_v, best_i = torch.full((rows,), -float("inf")), torch.zeros(rows, dtype=torch.long)
+            for j, p in enumerate(chunks):
+                v, i = lin(x, p).float().max(-1)
+                better = v > best_v
+                best_v, best_i = torch.where(better, v, best_v), torch.where(better, i + j * chunk, best_i)
+            return best_i
+
+        same = bool(torch.equal(lin(x, packed).float().argmax(-1), fused()))
+        out.append({"rows": rows, "product_ms": _median_ms(lambda: lin(x, packed), 7),
+                    "product_float_argmax_ms": _median_ms(lambda: lin(x, packed).float().argmax(-1), 7),
+                    "chunked_fused_argmax_ms": _median_ms(fused, 7), "same_tokens": same})
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch-sizes", default="1,16,64")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    with torch.inference_mode():
+        result = {"control_split": control_split([int(b) for b in args.batch_sizes.split(",")], args.steps),
+                  "accept_cost": accept_cost(), "lm_head_argmax": lm_head_argmax(),
+                  "command": "python scripts/control_split.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                  "threads": args.threads}
+    for row in result["control_split"]:
+        print(f"B={row['batch_size']}: step {row['step_ms']} ms, control {row['control_ms']} ms")
+        for k, v in row["parts_ms"].items():
+            print(f"   {k:52s} {v:8.3f}")
+    print("acceptance:", result["accept_cost"])
+    print("LM head:", result["lm_head_argmax"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
