@@ -367,7 +367,8 @@ def verify(
     draft_probs: Tensor | None = None,
     position_uniforms: Tensor | None = None,
 ) -> VerifyResult:
-    """`verify_greedy` when every request is greedy, else `verify_sampling` (greedy rows become one-hot)."""
-    if sampling is None or sampling.all_greedy:
-        return verify_greedy(batch, target_logits)
-    return verify_sampling(batch, target_logits, sampling, generators, draft_probs, position_uniforms)
+    """`verify_greedy` when every request is greedy, else `verify_sampling` (greedy rows become one-hot): the flat
+    result of `verify_paths`."""
+    greedy = sampling is None or sampling.all_greedy
+    return verify_paths(batch, target_logits, None if greedy else sampling, generators, draft_probs,
+                        position_uniforms).flatten()
