@@ -203,10 +203,14 @@ class Documents:
         return ids[-length:] if len(ids) >= length else None
 
 
+def seed_of(key: str) -> int:
+    """A generator seed from a name (the same on every machine and run)."""
+    return int(hashlib.sha256(key.encode()).hexdigest()[:15], 16)
+
+
 def shard_windows(shard: Shard, docs: Documents, spec: DataSpec) -> list[list[int]]:
     """The shard's windows, drawn from its own seed (module docstring); a document too short is drawn again."""
-    key = f"{spec.seed}/{shard.source}/{shard.kind}/{shard.split}/{shard.index}"
-    gen = torch.Generator().manual_seed(int(hashlib.sha256(key.encode()).hexdigest()[:15], 16))
+    gen = torch.Generator().manual_seed(seed_of(f"{spec.seed}/{shard.source}/{shard.kind}/{shard.split}/{shard.index}"))
     if not docs.files:
         raise ValueError(f"source {shard.source!r} has no {shard.split} documents on this machine")
     need = spec.length if shard.kind == "text" else spec.prompt_len
@@ -255,12 +259,15 @@ def save_atomic(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def open_store(data_dir: Path, spec: DataSpec, fingerprints: dict[str, str]) -> dict:
-    """The directory's manifest, created for this spec; refused by name when it was made for another."""
+def open_store(data_dir: Path, spec: DataSpec, shards: list[Shard]) -> dict:
+    """The directory's manifest, created for this spec; refused by name when it was made for another, or when the
+    documents of a source that `shards` still draw from changed (made shards stand as they are)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     for stale in data_dir.glob("*.partial"):  # a shard a killed run was writing
         stale.unlink()
     manifest = read_manifest(data_dir)
+    made = manifest["shards"] if manifest is not None else {}
+    fingerprints = {s: fingerprint(source_files(s)) for s in sorted({x.source for x in shards if x.name not in made})}
     if manifest is None:
         manifest = {"format": FORMAT, "spec": asdict(spec), "fingerprints": {}, "shards": {}}
     if manifest.get("format") != FORMAT:
@@ -288,10 +295,8 @@ def compute_shard(target: CausalLM, shard: Shard, windows: list[list[int]], spec
     if shard.kind == "text":
         ids, feats, lasts, tops = train_eagle3.capture_text(target, layers, windows, batch, quiet=True)
     else:
-        key = f"{spec.seed}/{shard.name}"
-        seed = int(hashlib.sha256(key.encode()).hexdigest()[:15], 16)
         ids, feats, lasts, tops = train_eagle3.generate_and_capture(target, layers, windows, spec.length - spec.prompt_len,
-                                                                    seed, batch, quiet=True)
+                                                                    seed_of(f"{spec.seed}/{shard.name}"), batch, quiet=True)
     return {"ids": ids.to(torch.int32), "features": feats, "last_hidden": lasts, "top1": tops.to(torch.int32)}
 
 
@@ -303,10 +308,7 @@ def build(target: CausalLM, tokenizer, data_dir: Path, spec: DataSpec, sources: 
     if str(target.dtype).removeprefix("torch.") != spec.dtype:
         raise ValueError(f"the target runs in {target.dtype}, the data spec says {spec.dtype}")
     shards = plan(sources)
-    made = (read_manifest(data_dir) or {}).get("shards", {}) if data_dir.is_dir() else {}
-    # the documents are checked only where shards are still to be drawn from them (made shards stand as they are)
-    pending = sorted({s.source for s in shards if s.name not in made})
-    manifest = open_store(data_dir, spec, {s: fingerprint(source_files(s)) for s in pending})
+    manifest = open_store(data_dir, spec, shards)
     write_json_atomic(data_dir / MANIFEST, manifest)
     todo = [s for s in shards if s.name not in manifest["shards"]]
     log(f"[data] {len(shards) - len(todo)} of {len(shards)} shards already made; {len(todo)} to go")

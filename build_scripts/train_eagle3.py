@@ -468,12 +468,13 @@ def check_resume(state: dict, identity: dict, state_path: Path) -> None:
 
 def save_state(path: Path, head, opt, step: int, rows_gen: torch.Generator, dv_ids, cfg: dict, seconds: float,
                identity: dict) -> None:
-    """The training checkpoint, written whole or not at all."""
+    """The training checkpoint, written whole or not at all (`eagle3_data.save_atomic`, as the shards are)."""
+    import eagle3_data
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "rows_gen": rows_gen.get_state(),
-                "dv_ids": dv_ids, "cfg": cfg, "seconds": seconds, "identity": identity}, tmp)
-    tmp.replace(path)
+    eagle3_data.save_atomic(path, {"head": head.state_dict(), "opt": opt.state_dict(), "step": step,
+                                   "rows_gen": rows_gen.get_state(), "dv_ids": dv_ids, "cfg": cfg, "seconds": seconds,
+                                   "identity": identity})
 
 
 def train(args, head, train_batches: Batches, n_rows: int, state_path: Path | None, start: dict | None, t_train: float,

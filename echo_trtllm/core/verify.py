@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from .pack import PackedVerifyBatch
-from .tree import ancestor_paths, nodes_by_depth, segment_rank
+from .tree import ancestor_paths, segment_rank
 
 __all__ = ["SamplingTensors", "VerifyResult", "AcceptedPaths", "process_logits", "verify_greedy", "verify_sampling",
            "verify", "verify_paths", "depth_uniforms"]
@@ -166,8 +166,7 @@ def _paths(batch: PackedVerifyBatch, last_node: Tensor, bonus: Tensor, max_depth
 
 def verify_greedy(batch: PackedVerifyBatch, target_logits: Tensor) -> VerifyResult:
     """Greedy acceptance over the packed batch. target_logits (N_tot, V): the target's logits at every node."""
-    _check_logits(batch, target_logits, "target_logits")
-    return _accept_predicted(batch, target_logits.argmax(-1), None).flatten()
+    return verify_paths(batch, target_logits).flatten()
 
 
 def _accept_predicted(batch: PackedVerifyBatch, pred: Tensor, max_depth: int | None) -> AcceptedPaths:

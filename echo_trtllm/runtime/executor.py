@@ -430,10 +430,8 @@ class Executor:
         logits are (the model's device) without reading it (the tree's levels are known here); one read brings
         the accepted paths back to the host, which flattens them. depth: levels of the tree (its deepest node's
         depth + 1)."""
-        greedy = all(r.params.temperature <= 0 for r in reqs)
-        if greedy:
-            paths = verify_paths(packed, logits, max_depth=depth - 1)
-        else:
+        sampling = uniforms = None
+        if any(r.params.temperature > 0 for r in reqs):
             send = self.link.send
             vocab = logits.shape[-1]
             sampling = SamplingTensors(
@@ -442,7 +440,8 @@ class Executor:
                 send("sampling", torch.tensor([float(r.params.top_p) for r in reqs])),
             )
             u = torch.tensor([r.position_uniforms(len(r.output_token_ids), depth) for r in reqs], dtype=torch.float64)
-            paths = verify_paths(packed, logits, sampling, position_uniforms=send("uniforms", u), max_depth=depth - 1)
+            uniforms = send("uniforms", u)
+        paths = verify_paths(packed, logits, sampling, position_uniforms=uniforms, max_depth=depth - 1)
         return AcceptedPaths(*self.link.read("accepted path", paths.nodes, paths.tokens, paths.counts)).flatten()
 
     def _finish(self, req: Request, tokens: list[int]) -> int:

@@ -63,11 +63,12 @@ class HostLink:
         t.largest_read_bytes = max(t.largest_read_bytes, n)
         count, total = t.reads.get(what, (0, 0))
         t.reads[what] = [count + 1, total + n]
-        if not any(x is not None and x.device.type == "cuda" for x in tensors):
+        gpus = {x.device for x in tensors if x is not None and x.device.type == "cuda"}
+        if not gpus:
             return tuple(None if x is None else x.cpu() for x in tensors)
         # every copy queued without waiting, then one wait for the stream: one synchronisation for the group
         out = tuple(None if x is None else x.to("cpu", non_blocking=True) for x in tensors)
-        for dev in {x.device for x in tensors if x is not None and x.device.type == "cuda"}:
+        for dev in gpus:
             torch.cuda.current_stream(dev).synchronize()
         return out
 
