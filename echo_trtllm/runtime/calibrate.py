@@ -121,7 +121,8 @@ def _forward_fn(model: CausalLM | Eagle3Head):
             return model(batch, cache, torch.zeros(batch.input_ids.numel(), width))[0]
 
         return model.config.layer.vocab_size, run
-    return model.config.vocab_size, lambda batch, cache: model(batch, cache)
+    # as the runtime's verification forward runs: its logits in the model's dtype (runtime/inputs.tree_batch)
+    return model.config.vocab_size, lambda batch, cache: model(dataclasses.replace(batch, float_logits=False), cache)
 
 
 @torch.inference_mode()

@@ -528,8 +528,9 @@ class Executor:
         verification runs beside them and only the accepted path comes back."""
         max_tokens = int((ctx + drafted.selected.num_nodes.cpu()).max())  # host values: no device read
         on_device = self._send(packed)
+        # logits in the model's dtype: verification converts what it needs (core.verify.row_argmax, process_logits)
         batch = tree_batch(on_device, self.link.send("context lengths", ctx), self.link.send("slots", slots),
-                           max_tokens)
+                           max_tokens, float_logits=False)
         t_inputs = self.clock.now()
         with self.clock.forward("target", int(packed.total_nodes)):
             logits, features = self._target_forward(batch)  # (N_tot, V) on the device

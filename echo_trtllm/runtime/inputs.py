@@ -102,7 +102,7 @@ def level_batch(input_ids: Tensor, position_ids: Tensor, write_pos: Tensor, slot
 
 
 def tree_batch(packed: PackedVerifyBatch, context_lengths: Tensor, slots: Tensor,
-               max_tokens: int | None = None) -> ForwardBatch:
+               max_tokens: int | None = None, float_logits: bool = True) -> ForwardBatch:
     """The packed Super-Tree as the target sees it, built from TensorRT-LLM's contract tensors alone:
     spec_decoding_generation_lengths (N_b), spec_decoding_position_offsets (depths, any stride >= max N_b),
     spec_decoding_packed_mask (row r, bit c: attends node c of its own request) and the context lengths.
@@ -110,7 +110,7 @@ def tree_batch(packed: PackedVerifyBatch, context_lengths: Tensor, slots: Tensor
     Node j of request b is written at cache position ctx_b + j with RoPE position ctx_b + offset; it sees the
     context p < ctx_b and position ctx_b + c for every set bit c. Everything runs on the slots' device.
     max_tokens: max_b (ctx_b + N_b), the keys attention reads, when the caller knows it on the host; with it no
-    value is read back from the device (None: computed from the tensors).
+    value is read back from the device (None: computed from the tensors). float_logits: `ForwardBatch`'s.
     """
     dev = slots.device
     ctx = context_lengths.to(dev).long()  # (B,)
@@ -133,4 +133,5 @@ def tree_batch(packed: PackedVerifyBatch, context_lengths: Tensor, slots: Tensor
     mask = (torch.gather(tree, 2, index) & in_tree[:, None, :]) | (rel < 0)[:, None, :]
     _pad_rows(mask, gen)
     write = ctx[req] + local
-    return ForwardBatch(packed.input_ids.to(dev), ctx[req] + offsets[req, local], slots, req, local, write, mask)
+    return ForwardBatch(packed.input_ids.to(dev), ctx[req] + offsets[req, local], slots, req, local, write, mask,
+                        float_logits=float_logits)

@@ -136,8 +136,8 @@ class TPGroup:
             if op == "stop":
                 return
             if op == "forward":
-                key, cache_id, capture, has_rows = args
-                batch = ForwardBatch(*tensors[:7], tensors[7] if has_rows else None)
+                key, cache_id, capture, has_rows, float_logits = args
+                batch = ForwardBatch(*tensors[:7], tensors[7] if has_rows else None, float_logits)
                 self.models[key](batch, caches[cache_id], capture)
             elif op == "compact":
                 caches[args[0]].compact(*tensors)
@@ -271,7 +271,8 @@ class Mirror:
         fields = (batch.input_ids, batch.position_ids, batch.slots, batch.token_request, batch.token_local,
                   batch.write_pos, batch.attn_mask)
         rows = () if batch.logits_index is None else (batch.logits_index,)
-        self.send("forward", (self.key(model), cache.mirror_id, tuple(capture), bool(rows)), fields + rows)
+        self.send("forward", (self.key(model), cache.mirror_id, tuple(capture), bool(rows), batch.float_logits),
+                  fields + rows)
 
     def compact(self, cache: KVCache, slots: Tensor, src: Tensor, dst: Tensor) -> None:
         self.send("compact", (cache.mirror_id,), (slots, src, dst))
