@@ -350,16 +350,17 @@ class Drafter:
         The deepest levels were never expanded and hold no position. The requests' draft_ctx moves only once the
         cache is compacted: if compaction fails, every request keeps its old draft_ctx, whose positions compaction
         never writes, and the next step catches up from there."""
-        flat_pos = self._node_positions(drafted)
-        selected = drafted.selected
+        # host lists read once (an element read of a tensor per request and node is a tensor operation each)
+        node_pos = self._node_positions(drafted)[drafted.selected.source_index].tolist()
+        expanded, root_pos = self._expanded_root.tolist(), self._root_pos.tolist()
         src, dst, slots, new_ctx = [], [], [], []
         for b, (req, nodes) in enumerate(zip(self._requests, result.node_lists())):
-            if not keep[b] or not bool(self._expanded_root[b]):
+            if not keep[b] or not expanded[b]:
                 continue  # the draft saw nothing new of this request this step
-            base = int(self._root_pos[b]) + 1  # the whole pending chain, root included, is now committed
+            base = root_pos[b] + 1  # the whole pending chain, root included, is now committed
             kept = 0
             for node in nodes[1:]:
-                p = int(flat_pos[selected.source_index[node]])
+                p = node_pos[node]
                 if p < 0:
                     break  # a leaf the draft never expanded: it goes to the next pending chain
                 if p != base + kept:
@@ -516,7 +517,8 @@ class Eagle3Drafter(Drafter):
     def commit(self, drafted: DraftResult, result: VerifyResult, keep: list[bool]) -> None:
         """Keep the head's entries up to the root; the accepted drafts and the bonus token are read next step with
         the target's features (module docstring)."""
+        read, root_pos = self._read.tolist(), self._root_pos.tolist()
         for b, req in enumerate(self._requests):
-            if keep[b] and bool(self._read[b]):
-                req.draft_ctx = int(self._root_pos[b]) + 1
+            if keep[b] and read[b]:
+                req.draft_ctx = root_pos[b] + 1
         self._level_y = []

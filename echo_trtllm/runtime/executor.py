@@ -658,7 +658,8 @@ class Executor:
         rows = features[self.link.send("accepted path", result.accepted_node_ids)]
         parts = rows.split(torch.diff(result.cu_accepted).tolist())
         kept = [i for i, k in enumerate(keep) if k]
-        self.drafter.observe([reqs[i] for i in kept], [int(ctx[i]) for i in kept], [parts[i] for i in kept])
+        starts = ctx.tolist()
+        self.drafter.observe([reqs[i] for i in kept], [starts[i] for i in kept], [parts[i] for i in kept])
 
     def _max_pending(self, batch_size: int) -> int | None:
         """Catch-up bound for the draft (drafter module docstring): the longest pending chain per request whose
