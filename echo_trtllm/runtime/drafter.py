@@ -149,10 +149,10 @@ class Drafter:
 
     def pending(self, r: Request) -> int:
         """Tokens of r the draft has not read yet (its root included)."""
-        return len(r.all_token_ids) - r.draft_offset - r.draft_ctx
+        return r.num_tokens - r.draft_offset - r.draft_ctx
 
     def _root_position(self, r: Request) -> int:
-        return len(r.all_token_ids) - 1 - r.draft_offset
+        return r.num_tokens - 1 - r.draft_offset
 
     def catch_up(self, requests: list[Request], max_pending: int | None = None) -> int:
         """Tokens the next step's level-0 forward would read beyond steady speculation's (the draft catching up
@@ -193,7 +193,7 @@ class Drafter:
     def _window_start(self, r: Request, max_pending: int | None) -> int | None:
         """Where r's draft restarts from (its new draft_offset), or None to go on from its draft_ctx."""
         if max_pending is not None and self.pending(r) > max_pending:
-            return len(r.all_token_ids) - max_pending
+            return r.num_tokens - max_pending
         return None
 
     def draft_fn(self, level: DraftLevel, frontier: Tensor) -> DraftTopK:
@@ -216,9 +216,9 @@ class Drafter:
     def _top_k(self, logits: Tensor) -> DraftTopK:
         return DraftTopK.of(torch.softmax(logits.float(), dim=-1), self.top_k)
 
-    def _chains(self, reqs: list[int]) -> list[Tensor]:
-        return [torch.tensor(self._requests[i].all_token_ids[self._requests[i].draft_offset + self._requests[i].draft_ctx :])
-                for i in reqs]
+    def _chains(self, reqs: list[int]) -> list[list[int]]:
+        """Each request's pending chain (token ids; `chain_batch` makes one tensor of them all)."""
+        return [r.token_ids(r.draft_offset + r.draft_ctx) for r in (self._requests[i] for i in reqs)]
 
     def _expand_roots(self, frontier: Tensor) -> Tensor:
         reqs = frontier.tolist()  # level 0: node index == request index
@@ -227,7 +227,7 @@ class Drafter:
         logits = self._forward_chains(reqs, chains, starts)
         # Steady speculation feeds the draft a few pending tokens per request; a longer chain is catch-up after
         # AR steps (or a fresh prompt): what this forward reads beyond steady_chain tokens per request
-        tokens = sum(c.numel() for c in chains)
+        tokens = sum(len(c) for c in chains)
         steady = self.steady_chain * len(chains)
         self.catch_up_tokens += max(tokens - steady, 0)
         b = len(self._requests)
@@ -238,7 +238,7 @@ class Drafter:
         self._level_visible = [pos[:, None].clone()]
         return logits
 
-    def _forward_chains(self, reqs: list[int], chains: list[Tensor], starts: Tensor) -> Tensor:
+    def _forward_chains(self, reqs: list[int], chains: list[list[int]], starts: Tensor) -> Tensor:
         return self._forward(chain_batch(chains, starts, self._slots[reqs], logits="last"))
 
     def _expand_nodes(self, level: DraftLevel, frontier: Tensor) -> Tensor:
@@ -407,14 +407,14 @@ class Eagle3Drafter(Drafter):
         return r.features.rows(first, last)
 
     def pending(self, r: Request) -> int:
-        return len(r.all_token_ids) - 1 - r.draft_offset - r.draft_ctx
+        return r.num_tokens - 1 - r.draft_offset - r.draft_ctx
 
     def _root_position(self, r: Request) -> int:
-        return len(r.all_token_ids) - 2 - r.draft_offset
+        return r.num_tokens - 2 - r.draft_offset
 
     def _readable(self, r: Request) -> bool:
         """Whether the head can read r's root: the target's feature of the token before it is here."""
-        last = len(r.all_token_ids) - 2
+        last = r.num_tokens - 2
         return r.features is not None and r.features.start <= last < r.features.end
 
     def _window_start(self, r: Request, max_pending: int | None) -> int | None:
@@ -441,7 +441,7 @@ class Eagle3Drafter(Drafter):
                 todo.append((r, first, last))
         if not todo:
             return
-        chains = [torch.tensor(r.all_token_ids[first : last + 1]) for r, first, last in todo]
+        chains = [torch.tensor(r.token_ids(first, last + 1)) for r, first, last in todo]
         feats = torch.cat([self._features(r, first - 1, last - 1) for r, first, last in todo])
         starts = torch.tensor([r.draft_ctx for r, _, _ in todo])
         slots = torch.tensor([r.slot for r, _, _ in todo])
@@ -459,7 +459,7 @@ class Eagle3Drafter(Drafter):
         top = super()._top_k(logits)
         return top._replace(tokens=self.model.to_target_ids(top.tokens))
 
-    def _forward_chains(self, reqs: list[int], chains: list[Tensor], starts: Tensor) -> Tensor:
+    def _forward_chains(self, reqs: list[int], chains: list[list[int]], starts: Tensor) -> Tensor:
         """Level 0: each request's pending chain with the target features of the tokens before it. A request whose
         root has no feature (a one-token prompt at its first step) gets uniform logits and a zero output: its
         drafts are arbitrary and verification rejects them."""
@@ -470,10 +470,10 @@ class Eagle3Drafter(Drafter):
         if ok:
             sub = [reqs[k] for k in ok]
             rs = [self._requests[i] for i in sub]
-            feats = torch.cat([self._features(r, r.draft_offset + r.draft_ctx, len(r.all_token_ids) - 2) for r in rs])
+            feats = torch.cat([self._features(r, r.draft_offset + r.draft_ctx, r.num_tokens - 2) for r in rs])
             out, y = self._forward(chain_batch([chains[k] for k in ok], starts[ok], self._slots[sub], logits="last"),
                                    feats)
-            lengths = torch.tensor([chains[k].numel() for k in ok])
+            lengths = torch.tensor([len(chains[k]) for k in ok])
             send = self.link.send  # host indices cross without waiting (indexing with host ones waits there)
             y_root[send("draft rows", torch.tensor(sub))] = y[send("draft rows", torch.cumsum(lengths, 0) - 1)]
             logits[send("draft rows", torch.tensor(ok))] = out
@@ -481,10 +481,9 @@ class Eagle3Drafter(Drafter):
         self._level_y = [y_root]
         return logits
 
-    def _chains(self, reqs: list[int]) -> list[Tensor]:
+    def _chains(self, reqs: list[int]) -> list[list[int]]:
         # the pending chain: tokens offset + draft_ctx + 1 .. root (the first token of a window has no entry)
-        return [torch.tensor(self._requests[i].all_token_ids[self._requests[i].draft_offset + self._requests[i].draft_ctx + 1 :])
-                for i in reqs]
+        return [r.token_ids(r.draft_offset + r.draft_ctx + 1) for r in (self._requests[i] for i in reqs)]
 
     def expand_roots(self, rows: Tensor) -> DraftTopK:
         top = super().expand_roots(rows)

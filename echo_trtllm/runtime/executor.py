@@ -464,7 +464,7 @@ class Executor:
                     req.finish_reason = "stop"
                     return kept
             if req.finish_reason is None and (
-                len(req.output_token_ids) >= req.params.max_tokens or len(req.all_token_ids) >= self.max_seq_len
+                len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.max_seq_len
             ):
                 req.finish_reason = "length"
             if req.finish_reason is not None:
@@ -483,7 +483,7 @@ class Executor:
         if not reqs:
             return StepReport(0, 0, 0, 0, list(failed), list(failed))
         b = len(reqs)
-        roots = torch.tensor([r.all_token_ids[-1] for r in reqs])
+        roots = torch.tensor([r.last_token_id for r in reqs])
         ctx = torch.tensor([r.target_ctx for r in reqs])
         slots = torch.tensor([r.slot for r in reqs])
         positions = [len(r.output_token_ids) for r in reqs]

@@ -11,6 +11,8 @@ mask's bits (r: 0b001, a: 0b011, b: 0b101), the only input the target reads abou
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor
 
@@ -52,17 +54,22 @@ def make_batch(
     return ForwardBatch(input_ids, position_ids, slots, token_request, token_local, write_pos, mask, logits_index)
 
 
-def chain_batch(chains: list[Tensor], starts: Tensor, slots: Tensor, logits: str = "last") -> ForwardBatch:
+def chain_batch(chains: list[Tensor] | list[list[int]], starts: Tensor, slots: Tensor,
+                logits: str = "last") -> ForwardBatch:
     """Causal chains: request b's tokens go to positions starts[b], starts[b]+1, ... (prefill, pending tokens).
+    chains: 1-D tensors, or lists of token ids (then one tensor is made for all of them, not one per request).
 
     logits: "last" (each chain's last token), "all" or "none".
     """
     dev = slots.device
-    sizes = [c.numel() for c in chains]
+    sizes = [len(c) for c in chains]
     if 0 in sizes:
         raise ValueError("chain_batch needs non-empty chains")
     lengths = torch.tensor(sizes, device=dev)
-    ids = torch.cat([c.to(dev) for c in chains]).long()
+    if all(isinstance(c, list) for c in chains):
+        ids = torch.tensor(list(itertools.chain.from_iterable(chains)), dtype=torch.long, device=dev)
+    else:
+        ids = torch.cat([torch.as_tensor(c).to(dev) for c in chains]).long()
     req = torch.repeat_interleave(torch.arange(len(chains), device=dev), lengths, output_size=sum(sizes))
     local = torch.arange(ids.numel(), device=dev) - (torch.cumsum(lengths, 0) - lengths)[req]
     pos = starts.to(dev).long()[req] + local

@@ -213,6 +213,31 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    # The hot path reads the sequence's length, its last token or a short tail of it every step and request:
+    # these do it without building all_token_ids (a copy of the whole prompt and output each time)
+
+    @property
+    def num_tokens(self) -> int:
+        """len(all_token_ids)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        """all_token_ids[-1]."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def token_ids(self, start: int, stop: int | None = None) -> list[int]:
+        """all_token_ids[start:stop] for 0 <= start (and stop, when given)."""
+        if start < 0 or (stop is not None and stop < 0):
+            raise ValueError(f"token_ids takes non-negative bounds, got start={start}, stop={stop}")
+        p, out = len(self.prompt_token_ids), self.output_token_ids
+        stop = p + len(out) if stop is None else min(stop, p + len(out))
+        if start >= p:
+            return out[start - p:max(stop - p, 0)]
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        return self.prompt_token_ids[start:] + out[:stop - p]
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
