@@ -273,8 +273,9 @@ class OnlineAcceptance:
         c = _clip(c, 0.0, 1.0)
         x = c ** (1.0 / depth)
         share = self.prior_weight / (n[self._bins(x)] + self.prior_weight)
+        at = _segments(centres, x)  # one search for both curves read on these centres
         # ordered so that with no traffic (values = p0, share = 1) e1 is x and the result c, exactly
-        e1 = _clip((_piecewise(centres, values, x) - share * _piecewise(centres, p0, x)) + share * x, 0.0, 1.0)
+        e1 = _clip((_lerp(values, *at) - share * _lerp(p0, *at)) + share * x, 0.0, 1.0)
         ratio = np.divide(e1, x, out=np.zeros_like(x), where=x > 0)
         return np.where(x > 0, c * ratio ** depth, e1 ** depth)
 
@@ -285,11 +286,14 @@ class OnlineAcceptance:
         c = confidences.detach().double().cpu().numpy().reshape(-1)
         if c.size == 0:
             return confidences.double()
-        rows = self._rows(depths, greedy, tuple(confidences.shape))
-        xs = centres[rows]  # (N, bins)
-        fitted = _piecewise_rows(xs, values[rows], c)
-        # the prior's own shape within the bin, in proportion to its weight there
+        if isinstance(depths, Tensor) or isinstance(greedy, Tensor):  # a table row per node
+            rows = self._rows(depths, greedy, tuple(confidences.shape))
+        else:  # one row for every node (the gate's and the drafting stop's reads)
+            rows = np.full(c.size, min(max(int(depths), 1), self.max_depth) - 1 + (0 if greedy else self.max_depth))
+        at = _segments_rows(centres[rows], c)  # (N, bins): one search for the fit and the prior
+        fitted, prior = _lerp_rows(values[rows], *at), _lerp_rows(p0[rows], *at)
         share = self.prior_weight / (n[rows, self._bins(c)] + self.prior_weight)
+        # the prior's own shape within the bin, in proportion to its weight there
         if self.prior is None:
             exact = c.copy()
             deep = (rows > 0) & (rows < self.max_depth)  # greedy rows below depth 1
@@ -297,7 +301,7 @@ class OnlineAcceptance:
                 exact[deep] = self._from_first(c[deep], rows[deep] + 1.0, centres[0], values[0], n[0], p0[0])
         else:
             exact = self.prior.estimate(torch.from_numpy(c), torch.from_numpy(rows % self.max_depth + 1)).numpy()
-        fitted = _clip((fitted - share * _piecewise_rows(xs, p0[rows], c)) + share * exact, 0.0, 1.0)
+        fitted = _clip((fitted - share * prior) + share * exact, 0.0, 1.0)
         return torch.from_numpy(fitted).reshape(confidences.shape).to(confidences.device)
 
     def threshold(self, depth: int, lam: float) -> float:
@@ -357,18 +361,30 @@ def _weighted_isotonic(y: np.ndarray, w: np.ndarray) -> np.ndarray:
     return np.repeat(np.asarray(means, dtype=np.float64), sizes)
 
 
-def _piecewise(xs: np.ndarray, ys: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """Linear between the points (xs ascending), constant beyond the first and last."""
+def _segments(xs: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each x falls on the points xs (ascending): the segment i and the position u in it, so that
+    `_lerp(ys, i, u)` is the curve through (xs, ys), linear between the points and constant beyond the first and
+    last, for any ys on xs (one search for several curves)."""
     i = _clip(np.searchsorted(xs, x, side="right"), 1, xs.size - 1)
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    u = _clip((x - x0) / np.maximum(x1 - x0, 1e-12), 0.0, 1.0)
+    x0, x1 = xs[i - 1], xs[i]
+    return i, _clip((x - x0) / np.maximum(x1 - x0, 1e-12), 0.0, 1.0)
+
+
+def _lerp(ys: np.ndarray, i: np.ndarray, u: np.ndarray) -> np.ndarray:
+    y0, y1 = ys[i - 1], ys[i]
     return y0 + (y1 - y0) * u
 
 
-def _piecewise_rows(xs: np.ndarray, ys: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """`_piecewise` per element: x (N,) read on its own row of points xs, ys (N, P), each row ascending."""
+def _segments_rows(xs: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`_segments` per element, x (N,) on its own row of points xs (N, P), each row ascending: (i, u) for
+    `_lerp_rows`."""
     i = _clip((xs <= x[:, None]).sum(axis=1), 1, xs.shape[1] - 1)
     r = np.arange(x.size)
-    x0, x1, y0, y1 = xs[r, i - 1], xs[r, i], ys[r, i - 1], ys[r, i]
-    u = _clip((x - x0) / np.maximum(x1 - x0, 1e-12), 0.0, 1.0)
+    x0, x1 = xs[r, i - 1], xs[r, i]
+    return i, _clip((x - x0) / np.maximum(x1 - x0, 1e-12), 0.0, 1.0)
+
+
+def _lerp_rows(ys: np.ndarray, i: np.ndarray, u: np.ndarray) -> np.ndarray:
+    r = np.arange(i.size)
+    y0, y1 = ys[r, i - 1], ys[r, i]
     return y0 + (y1 - y0) * u
