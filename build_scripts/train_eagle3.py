@@ -23,7 +23,9 @@ Pipeline (every stage seeded):
    p - k plus its own chain of steps 1..k, exactly what a depth-k tree node sees at inference. Loss: cross-entropy
    against the target's distribution over the draft vocabulary (positions whose target top-1 lies outside it are
    skipped), step k weighted 0.8^k.
-5. Evaluation on held-out text: per-step top-1 agreement with the target (teacher-forced TTT, same as training).
+5. Evaluation on held-out text: per-step top-1 agreement with the target (teacher-forced TTT, same as training);
+   with `--data`, also each source's held-out files on their own, so a run with `--sources` (training on some
+   sources' shards only) measures what a source adds, on every source.
 
 Acceptance on HumanEval and the head's cost per level are measured with the runtime by
 `python -m echo_trtllm.bench.eagle3 ...` (docs/eagle3.md), not here.
@@ -357,6 +359,9 @@ def parse_args(argv):
                     help="train from this sharded data directory (build_scripts/eagle3_data.py) instead of making "
                          "data here; checkpoints every --checkpoint-every steps and resumes from the last one")
     ap.add_argument("--checkpoint-every", type=int, default=None, help="steps between checkpoints (--data; default 50)")
+    ap.add_argument("--sources", default=None,
+                    help="--data: train on these sources' shards only (comma-separated names, e.g. stdlib,docstrings);"
+                         " every source's held-out shards are still evaluated, each on its own (what a source adds)")
     ap.add_argument("--corpus", default="stdlib", choices=["stdlib", "stdlib+plays"])
     ap.add_argument("--dtype", default="float32",
                     help="target dtype for data generation: float32, bfloat16, or auto (the runtime's choice: "
@@ -394,6 +399,15 @@ def parse_args(argv):
         ap.error(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
     if args.data is not None and not (Path(args.data) / "manifest.json").is_file():
         ap.error(f"--data {args.data}: no manifest.json there (make the data with build_scripts/eagle3_data.py)")
+    if args.sources is not None:
+        if args.data is None:
+            ap.error("--sources applies to --data runs only")
+        args.sources = ",".join(sorted(set(x.strip() for x in args.sources.split(",") if x.strip())))
+        shards = json.loads((Path(args.data) / "manifest.json").read_text())["shards"].values()
+        known = sorted({s["source"] for s in shards if s["split"] == "train"})
+        unknown = [x for x in args.sources.split(",") if x not in known] if args.sources else ["(none)"]
+        if unknown:
+            ap.error(f"--sources {', '.join(unknown)}: the data holds training shards of {', '.join(known)} only")
     if args.time_limit is not None and not args.time_limit > 0:
         ap.error(f"--time-limit must be a number of minutes > 0, got {args.time_limit}")
     for name in ("dtype", "train_dtype"):
@@ -408,11 +422,14 @@ def make_data(args, target, tok, layers):
     if args.data is not None:
         import eagle3_data
 
-        train, held = eagle3_data.ShardedData(Path(args.data), "train"), eagle3_data.ShardedData(Path(args.data), "heldout")
+        chosen = None if args.sources is None else set(args.sources.split(","))
+        train = eagle3_data.ShardedData(Path(args.data), "train", chosen)
+        held = eagle3_data.ShardedData(Path(args.data), "heldout")
         manifest = eagle3_data.read_manifest(Path(args.data))
         print(f"[data] {len(train)} training and {len(held)} held-out windows from {len(manifest['shards'])} shards",
               flush=True)
         return train, held, {"data": Path(args.data).name, "shards": len(manifest["shards"]),
+                             **({"sources": sorted(chosen)} if chosen else {}),
                              "train_windows": len(train), "heldout_windows": len(held),
                              "split": "by file (eagle3_data.held_out)"}
     docs = corpus_documents(args.corpus)
@@ -437,7 +454,8 @@ def make_data(args, target, tok, layers):
 
 
 # the flags a resumed run must share with the run that wrote the checkpoint (else its steps are not the same run's)
-RESUME_FLAGS = ("steps", "batch", "lr", "ttt", "draft_vocab", "intermediate", "seed", "fc_init", "train_dtype", "dtype")
+RESUME_FLAGS = ("steps", "batch", "lr", "ttt", "draft_vocab", "intermediate", "seed", "fc_init", "train_dtype", "dtype",
+                "sources")
 
 
 def run_identity(args, train_data) -> dict:
@@ -563,6 +581,16 @@ def main(argv=None) -> int:
     held_acc = evaluate(args, head, Batches(target, held_data, dv_ids), len(held_data))
     print(f"[eval] held-out top-1 agreement with the target per TTT step: "
           f"{' '.join(f'{a:.3f}' for a in held_acc)}", flush=True)
+    by_source = {}
+    if args.data is not None:  # each source's held-out files on their own
+        import eagle3_data
+
+        shards = eagle3_data.read_manifest(Path(args.data))["shards"].values()
+        for name in sorted({s["source"] for s in shards if s["split"] == "heldout"}):
+            part = eagle3_data.ShardedData(Path(args.data), "heldout", {name})
+            by_source[name] = [round(a, 4) for a in evaluate(args, head, Batches(target, part, dv_ids), len(part))]
+            print(f"[eval]   {name}: {' '.join(f'{a:.3f}' for a in by_source[name])} ({len(part)} windows)",
+                  flush=True)
     meta = {
         "target": Path(args.target).name, **described,
         "draft_vocab": cfg["draft_vocab_size"], "draft_vocab_heldout_coverage": round(coverage, 4),
@@ -571,6 +599,7 @@ def main(argv=None) -> int:
         "batch": args.batch, "lr": args.lr, "seed": args.seed,
         "capture_layers": list(layers),
         "heldout_top1_per_ttt_step": [round(a, 4) for a in held_acc],
+        **({"heldout_top1_by_source": by_source} if by_source else {}),
         "minutes": round((time.time() - t_start) / 60, 1),
         "training_minutes": round(seconds / 60, 1),
         **({"data_grew_at_steps": identity["grew_at_steps"]} if identity.get("grew_at_steps") else {}),

@@ -184,3 +184,22 @@ def test_a_checkpoint_of_other_flags_is_refused_by_name(tmp_path, reference):
     other = run("train_eagle3.py", [*[a if a != "6" else "8" for a in TRAIN_ARGS], "--data", str(reference),
                                     "--out", str(out)])
     assert other.returncode != 0 and "--steps" in other.stderr
+
+
+def test_training_on_some_sources_evaluates_every_source_held_out(tmp_path, reference):
+    """--sources: the training rows are those sources' shards (counted from the manifest), and each source's
+    held-out files are evaluated on their own beside the whole held-out set."""
+    manifest = json.loads((reference / "manifest.json").read_text())["shards"].values()
+    out = tmp_path / "stdlib-only"
+    done = run("train_eagle3.py", [*TRAIN_ARGS, "--data", str(reference), "--out", str(out), "--sources", "stdlib"])
+    assert done.returncode == 0, done.stderr
+    meta = json.loads((out / "training.json").read_text())
+    assert meta["sources"] == ["stdlib"]
+    assert meta["train_windows"] == sum(s["windows"] for s in manifest if s["split"] == "train"
+                                        and s["source"] == "stdlib")
+    held_sources = {s["source"] for s in manifest if s["split"] == "heldout"}
+    assert set(meta["heldout_top1_by_source"]) == held_sources == {"stdlib", "docstrings"}
+    assert all(len(v) == 4 and all(0 <= a <= 1 for a in v) for v in meta["heldout_top1_by_source"].values())
+    bad = run("train_eagle3.py", [*TRAIN_ARGS, "--data", str(reference), "--out", str(tmp_path / "x"),
+                                  "--sources", "stdlib,nope"])
+    assert bad.returncode != 0 and "--sources nope" in bad.stderr and "stdlib" in bad.stderr
