@@ -7,3 +7,13 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+# The plugin's host library (plugins/csrc/echo_host.cpp): the runtime's budget allocation and packing on the CPU
+# (echo_trtllm.kernels). Rebuilt every time (a second); without a C++ compiler the runtime uses the core's PyTorch
+# reference, with the same results.
+CXX_BIN=$(command -v "${CXX:-g++}" || command -v c++ || true)
+if [ -n "$CXX_BIN" ]; then
+  mkdir -p plugins/build
+  "$CXX_BIN" -std=c++17 -O2 -shared -fPIC -Iplugins/include plugins/csrc/echo_host.cpp -o plugins/build/libecho_host.so
+else
+  echo "setup: no C++ compiler found; the control plane runs on the PyTorch reference" >&2
+fi

@@ -134,6 +134,9 @@ class TreePolicy:
         self.config = config
         # With a cost model, the echo family picks each step's K with `choose_budget` (<= K_max).
         self.cost_model = cost_model
+        # the budget allocation `select` runs (the echo family): the core's, or a plugin backend's with the same
+        # signature and results that the runtime installs (echo_trtllm.kernels.allocate_budget)
+        self.allocator = allocate_budget
 
     @classmethod
     def uses_cost_curve(cls, fallback: bool | None) -> bool:
@@ -510,7 +513,7 @@ class EchoPolicy(TreePolicy):
             state.active = torch.zeros_like(state.active)
 
     def select(self, tree: SuperTree, state: DraftState) -> Tensor:
-        alloc = allocate_budget(
+        alloc = self.allocator(
             tree, state.spine_depth.to(tree.token_ids.device), int(state.budget), self.config.max_nodes_per_request
         )
         if self.cost_model is not None and alloc.order.numel():

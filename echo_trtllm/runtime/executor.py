@@ -38,6 +38,7 @@ speculative steps priced at the step's own batch size and context; without it ("
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import random
@@ -235,6 +236,9 @@ class Executor:
         # what the rules read: the learned prices, or (adapt=False) the load-time cost model itself
         self.prices = self.step_cost.prices if self.step_cost is not None and adapt else cost_model
         self.policy = make_policy(config, self.prices, gate_samples)
+        host = kernels.backend_for("cpu")  # the drafted trees are on the host: its allocation runs there
+        if host != "torch":
+            self.policy.allocator = functools.partial(kernels.allocate_budget, backend=host)
         self.controller = None
         if fallback is True and cost_model is None and self.policy.needs_draft_model:
             raise ValueError("fallback=True needs a cost model (cost_model=...): the AR fallback weighs measured steps "
@@ -709,11 +713,13 @@ class Executor:
         return ran
 
     def _pack(self, selected, ctx: torch.Tensor):
-        """Flatten & pack. With CUDA models and the plugin built, the packing runs in the plugin's CUDA kernel
-        (echo_trtllm.kernels) and its small result comes back to the host control plane; otherwise the core."""
+        """Flatten & pack where the plugin's kernels run (echo_trtllm.kernels.backend_for): with CUDA models on the
+        device (the result stays there for the target), with CPU models in the host library when it is built;
+        otherwise the core."""
         dev = self.target.device
-        if dev.type == "cuda" and kernels.backend_for(dev) == "cuda":
-            return kernels.pack(selected.to(dev), ctx.to(dev))  # stays on the device for the target
+        backend = kernels.backend_for(dev)
+        if backend != "torch":
+            return kernels.pack(selected.to(dev), ctx.to(dev), backend=backend)
         return pack(selected, ctx)
 
     def _commit(self, reqs: list[Request], result, keep: list[bool]) -> None:

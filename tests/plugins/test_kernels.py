@@ -3,6 +3,8 @@ counts, taken order) and packed masks must be equal exactly on random batches (B
 32-bit word boundaries of the mask). Backend "host" is the plugin source compiled for the CPU (runs in CI);
 backend "cuda" is the CUDA library on a GPU (runs where one exists, e.g. scripts/gpu_check.sh)."""
 
+import os
+
 import pytest
 import torch
 
@@ -193,5 +195,13 @@ def test_bad_inputs_get_clear_errors(host_backend):
         kernels.pack(tree, backend="cuda")
 
 
-def test_backend_choice_without_a_gpu():
-    assert kernels.backend_for("cpu") == "torch"
+def test_backend_choice_without_a_gpu(host_backend):
+    assert kernels.backend_for("cpu") == "host"  # the host library is built (the fixture)
+    env = os.environ.pop("ECHO_PLUGIN_HOST_LIB")
+    try:
+        kernels.load_library.cache_clear()
+        missing = kernels.BUILD_DIR / "libecho_host.so"
+        assert kernels.backend_for("cpu") == ("host" if missing.is_file() else "torch")
+    finally:
+        os.environ["ECHO_PLUGIN_HOST_LIB"] = env
+        kernels.load_library.cache_clear()

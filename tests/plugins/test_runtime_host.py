@@ -1,0 +1,53 @@
+"""The runtime's control plane on the plugin's host library (echo_trtllm.kernels.backend_for("cpu") == "host"
+where it is built): the engine's budget allocation and packing run there, and what it emits is what the same
+engine emits on the core's PyTorch reference, and what plain AR emits (greedy)."""
+
+import pytest
+import torch
+
+from echo_trtllm import kernels
+from echo_trtllm.api import LLM
+from echo_trtllm.core import EchoConfig
+from echo_trtllm.runtime.request import SamplingParams
+
+
+def _generate(default_pair, prompts, policy, calls=None):
+    target, draft, tok = default_pair
+    llm = LLM(target, draft if policy != "ar" else None, tokenizer=tok, max_batch_size=4, max_seq_len=256,
+              speculative_config=EchoConfig(policy=policy, k_max=12), fallback=False)
+    try:
+        if calls is not None:
+            calls["allocator"] = getattr(llm.executor.policy.allocator, "keywords", None)
+        outs = llm.generate(prompts[:6], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+        return [o.outputs[0].token_ids for o in outs]
+    finally:
+        llm.shutdown()
+
+
+def test_the_engine_runs_allocation_and_packing_on_the_host_library(host_backend, default_pair, prompts,
+                                                                    monkeypatch):
+    counted = {"allocate_budget": 0, "pack": 0}
+    for name in counted:
+        real = getattr(kernels, name)
+
+        def wrapper(*a, _real=real, _name=name, **k):
+            if k.get("backend") == "host":
+                counted[_name] += 1
+            return _real(*a, **k)
+        monkeypatch.setattr(kernels, name, wrapper)
+    info = {}
+    on_host = _generate(default_pair, prompts, "echo", info)
+    assert info["allocator"] == {"backend": "host"}
+    assert counted["allocate_budget"] > 0 and counted["pack"] > 0
+    monkeypatch.setenv("ECHO_PLUGIN_HOST_LIB", "/nonexistent/libecho_host.so")
+    monkeypatch.setattr(kernels, "BUILD_DIR", kernels.BUILD_DIR / "nonexistent")
+    kernels.load_library.cache_clear()
+    try:
+        assert kernels.backend_for("cpu") == "torch"
+        info = {}
+        on_torch = _generate(default_pair, prompts, "echo", info)
+        assert info["allocator"] is None  # the core's own function
+        plain = _generate(default_pair, prompts, "ar")
+    finally:
+        kernels.load_library.cache_clear()
+    assert on_host == on_torch == plain
