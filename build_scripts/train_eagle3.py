@@ -581,16 +581,7 @@ def main(argv=None) -> int:
     held_acc = evaluate(args, head, Batches(target, held_data, dv_ids), len(held_data))
     print(f"[eval] held-out top-1 agreement with the target per TTT step: "
           f"{' '.join(f'{a:.3f}' for a in held_acc)}", flush=True)
-    by_source = {}
-    if args.data is not None:  # each source's held-out files on their own
-        import eagle3_data
 
-        shards = eagle3_data.read_manifest(Path(args.data))["shards"].values()
-        for name in sorted({s["source"] for s in shards if s["split"] == "heldout"}):
-            part = eagle3_data.ShardedData(Path(args.data), "heldout", {name})
-            by_source[name] = [round(a, 4) for a in evaluate(args, head, Batches(target, part, dv_ids), len(part))]
-            print(f"[eval]   {name}: {' '.join(f'{a:.3f}' for a in by_source[name])} ({len(part)} windows)",
-                  flush=True)
     meta = {
         "target": Path(args.target).name, **described,
         "draft_vocab": cfg["draft_vocab_size"], "draft_vocab_heldout_coverage": round(coverage, 4),
@@ -599,7 +590,6 @@ def main(argv=None) -> int:
         "batch": args.batch, "lr": args.lr, "seed": args.seed,
         "capture_layers": list(layers),
         "heldout_top1_per_ttt_step": [round(a, 4) for a in held_acc],
-        **({"heldout_top1_by_source": by_source} if by_source else {}),
         "minutes": round((time.time() - t_start) / 60, 1),
         "training_minutes": round(seconds / 60, 1),
         **({"data_grew_at_steps": identity["grew_at_steps"]} if identity.get("grew_at_steps") else {}),
@@ -607,6 +597,18 @@ def main(argv=None) -> int:
     }
     save_head(head, cfg, dv_ids, Path(args.out), meta)
     print(f"[done] wrote {args.out} in {meta['minutes']} min", flush=True)
+    if args.data is not None:  # then each source's held-out files on their own (the head is already written)
+        import eagle3_data
+
+        by_source = {}
+        shards = eagle3_data.read_manifest(Path(args.data))["shards"].values()
+        for name in sorted({s["source"] for s in shards if s["split"] == "heldout" and s["windows"] > 0}):
+            part = eagle3_data.ShardedData(Path(args.data), "heldout", {name})
+            by_source[name] = [round(a, 4) for a in evaluate(args, head, Batches(target, part, dv_ids), len(part))]
+            print(f"[eval]   {name}: {' '.join(f'{a:.3f}' for a in by_source[name])} ({len(part)} windows)",
+                  flush=True)
+        meta["heldout_top1_by_source"] = by_source
+        eagle3_data.write_json_atomic(Path(args.out) / "training.json", meta)
     return 0
 
 

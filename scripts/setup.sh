@@ -11,9 +11,13 @@ PY=${PYTHON:-python3}
 # (echo_trtllm.kernels). Rebuilt every time (a second); without a C++ compiler the runtime uses the core's PyTorch
 # reference, with the same results.
 CXX_BIN=$(command -v "${CXX:-g++}" || command -v c++ || true)
-if [ -n "$CXX_BIN" ]; then
-  mkdir -p plugins/build
-  "$CXX_BIN" -std=c++17 -O2 -shared -fPIC -Iplugins/include plugins/csrc/echo_host.cpp -o plugins/build/libecho_host.so
+mkdir -p plugins/build
+rm -f plugins/build/libecho_host.so  # never a build of older sources
+if [ -n "$CXX_BIN" ] && "$CXX_BIN" -std=c++17 -O2 -shared -fPIC -Iplugins/include plugins/csrc/echo_host.cpp \
+    -o plugins/build/libecho_host.so.tmp; then
+  mv plugins/build/libecho_host.so.tmp plugins/build/libecho_host.so
 else
-  echo "setup: no C++ compiler found; the control plane runs on the PyTorch reference" >&2
+  rm -f plugins/build/libecho_host.so.tmp
+  echo "setup: the plugin's host library was not built (no C++ compiler, or it failed);" \
+       "the control plane runs on the PyTorch reference" >&2
 fi

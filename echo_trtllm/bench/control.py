@@ -1,7 +1,8 @@
 """Microbenchmark of ECHO's control plane on the host: gate + schedule + pack per decode step.
 
 Timed per step: the drafting loop's bookkeeping (frontier choice, level expansion from the draft's top-k,
-gating, budget-aware stop), building the Super-Tree, the elastic budget allocation, selection and flatten & pack.
+gating, budget-aware stop), building the Super-Tree, the elastic budget allocation, selection and flatten & pack
+(allocation and packing on the backend the runtime uses for host trees: `kernels.backend_for("cpu")`).
 Not timed: the draft model itself; its top-k come from a precomputed Markov table over a small vocabulary, and
 the time spent fetching them is measured and subtracted.
 
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from echo_trtllm.core import DraftTopK, EchoConfig, draft_tree, make_policy, pack
+from echo_trtllm import kernels
+from echo_trtllm.core import DraftTopK, EchoConfig, draft_tree, make_policy
 from echo_trtllm.core.policies import draft_tree_batched
 
 
@@ -74,6 +76,7 @@ class MarkovDraft:
 
 def time_control(batch_size: int, k_max: int, config: EchoConfig, steps: int, warmup: int, vocab: int = 64) -> ControlTiming:
     policy = make_policy(config)
+    policy.allocator = kernels.host_allocator()  # as the runtime's executor installs it
     draft = MarkovDraft(vocab, policy.max_children, seed=batch_size)
     gen = torch.Generator().manual_seed(k_max)
     samples: dict[str, list[float]] = {"batched": [], "levels": []}
@@ -89,7 +92,7 @@ def time_control(batch_size: int, k_max: int, config: EchoConfig, steps: int, wa
                 result = draft_tree_batched(policy, roots, draft, budget=k_max)
             else:
                 result = draft_tree(policy, roots, draft.draft_fn, budget=k_max)
-            batch = pack(result.selected, context)
+            batch = kernels.pack(result.selected, context)  # the runtime's backend for CPU trees
             elapsed = time.perf_counter() - t0 - draft.spent
             if step >= warmup:
                 samples[loop].append(elapsed * 1e3)

@@ -51,9 +51,9 @@ def row_argmax(x: Tensor, chunk: int = ARGMAX_CHUNK) -> Tensor:
     block of `chunk` entries (amax), then the argmax inside the first block holding the row's maximum. PyTorch's
     CPU argmax over a vocabulary is a scalar loop: at 64 rows of Qwen's 151,936 it takes 4 ms in float32 and
     7 ms in bfloat16 (which it is asked for once the verification keeps bfloat16 logits), this 0.2 / 1.5 ms
-    (docs/performance.md). Runs where x is, without reading it."""
-    if x.ndim != 2 or not x.is_floating_point() or x.shape[1] <= chunk:
-        return x.argmax(-1)
+    (docs/performance.md). On other devices torch.argmax itself. Never reads x back to the host."""
+    if x.ndim != 2 or not x.is_floating_point() or x.shape[1] <= chunk or x.device.type != "cpu":
+        return x.argmax(-1)  # a GPU's argmax is already one parallel reduction
     x = x.contiguous()
     n, v = x.shape
     main = v - v % chunk
@@ -134,7 +134,8 @@ def process_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Te
     greedy = temperature <= 0
     # Shift by the row maximum before dividing: with a tiny temperature (1e-40) the maximum maps to 0 and every
     # other logit to -inf, so the softmax is the argmax (ties shared) instead of inf/inf = NaN.
-    shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)
+    full = logits.float()  # one float32 copy (the runtime's logits are in the model's dtype)
+    shifted = full - full.amax(dim=-1, keepdim=True)
     probs = torch.softmax(shifted / torch.where(greedy, 1.0, temperature.float())[:, None], dim=-1)
     need = ((top_k > 0) & (top_k < v)) | (top_p < 1)
     need &= ~greedy

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 from pathlib import Path
 
@@ -31,9 +32,13 @@ from echo_trtllm.core.pack import PackedVerifyBatch, words_per_row
 from echo_trtllm.core.pack import pack as core_pack
 from echo_trtllm.core.tree import SuperTree
 
-__all__ = ["BACKENDS", "load_library", "backend_for", "gate", "allocate_budget", "pack", "PluginError"]
+__all__ = ["BACKENDS", "load_library", "backend_for", "host_allocator", "gate", "allocate_budget", "pack",
+           "PluginError"]
+
+logger = logging.getLogger(__name__)
 
 BACKENDS = ("torch", "host", "cuda")
+ABI_VERSION = 1  # plugins/include/echo/echo_abi.h's ECHO_ABI_VERSION: a library of another version is not loaded
 BUILD_DIR = Path(__file__).resolve().parents[2] / "plugins" / "build"
 _LIB_NAMES = {"cuda": ("ECHO_PLUGIN_LIB", "libecho_plugin.so"), "host": ("ECHO_PLUGIN_HOST_LIB", "libecho_host.so")}
 
@@ -53,7 +58,16 @@ def load_library(kind: str) -> ctypes.CDLL | None:
     path = Path(os.environ[env]) if os.environ.get(env) else BUILD_DIR / name
     if not path.is_file():
         return None
-    lib = ctypes.CDLL(str(path))
+    try:
+        lib = ctypes.CDLL(str(path))
+        version = lib.echo_abi_version()
+    except (OSError, AttributeError) as e:  # not loadable here, or not this plugin: the core runs instead
+        logger.warning("%s is not usable (%s): running the core's reference instead", path, e)
+        return None
+    if version != ABI_VERSION:  # a build of other sources (plugins/build/ is not versioned): rebuild it
+        logger.warning("%s has ABI version %s, this package expects %s: running the core's reference instead "
+                       "(rebuild it: scripts/setup.sh)", path, version, ABI_VERSION)
+        return None
     lib.echo_last_error.restype = ctypes.c_char_p  # every other entry point returns int (ctypes' default)
     if kind == "cuda" and not lib.echo_has_cuda():
         return None
@@ -67,6 +81,13 @@ def backend_for(device: torch.device | str) -> str:
     if device.type == "cuda":
         return "cuda" if load_library("cuda") is not None else "torch"
     return "host" if device.type == "cpu" and load_library("host") is not None else "torch"
+
+
+def host_allocator():
+    """The budget allocation for trees on the host (the runtime's, after the drafting loop's last read): the host
+    build's where `backend_for("cpu")` picks it, else the core's. Install it as a policy's `allocator`."""
+    backend = backend_for("cpu")
+    return core_budget.allocate_budget if backend == "torch" else functools.partial(allocate_budget, backend=backend)
 
 
 def _lib(backend: str) -> ctypes.CDLL:

@@ -210,6 +210,7 @@ class Drafter:
 
     def _forward(self, batch, features: Tensor | None = None) -> Tensor:
         self.forward_tokens.append(int(batch.input_ids.numel()))
+        batch.float_logits = False  # in the model's dtype: `_top_k` converts the rows it reads (as calibration times it)
         with self.clock.forward("draft", batch.input_ids.numel()):
             return self.model(batch, self.cache)
 

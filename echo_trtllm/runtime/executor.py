@@ -38,7 +38,6 @@ speculative steps priced at the step's own batch size and context; without it ("
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import random
@@ -236,9 +235,7 @@ class Executor:
         # what the rules read: the learned prices, or (adapt=False) the load-time cost model itself
         self.prices = self.step_cost.prices if self.step_cost is not None and adapt else cost_model
         self.policy = make_policy(config, self.prices, gate_samples)
-        host = kernels.backend_for("cpu")  # the drafted trees are on the host: its allocation runs there
-        if host != "torch":
-            self.policy.allocator = functools.partial(kernels.allocate_budget, backend=host)
+        self.policy.allocator = kernels.host_allocator()  # the drafted trees are on the host
         self.controller = None
         if fallback is True and cost_model is None and self.policy.needs_draft_model:
             raise ValueError("fallback=True needs a cost model (cost_model=...): the AR fallback weighs measured steps "

@@ -51,3 +51,30 @@ def test_the_engine_runs_allocation_and_packing_on_the_host_library(host_backend
     finally:
         kernels.load_library.cache_clear()
     assert on_host == on_torch == plain
+
+
+@pytest.mark.parametrize("content", ["garbage", "abi99"])
+def test_an_unusable_or_other_version_library_is_not_loaded(tmp_path, monkeypatch, content):
+    """A file that does not load, or a build of another ABI version (plugins/build/ is not versioned), leaves the
+    runtime on the core's reference instead of failing to start or calling mismatched entry points."""
+    import shutil
+    import subprocess
+
+    path = tmp_path / "libecho_host.so"
+    if content == "garbage":
+        path.write_bytes(b"not a shared object")
+    else:
+        src = tmp_path / "abi.cpp"
+        src.write_text('extern "C" int echo_abi_version(void) { return 99; }\n')
+        cxx = shutil.which("g++") or shutil.which("c++")
+        subprocess.run([cxx, "-shared", "-fPIC", str(src), "-o", str(path)], check=True)
+    monkeypatch.setenv("ECHO_PLUGIN_HOST_LIB", str(path))
+    kernels.load_library.cache_clear()
+    try:
+        assert kernels.load_library("host") is None
+        assert kernels.backend_for("cpu") == "torch"
+        from echo_trtllm.core.budget import allocate_budget
+
+        assert kernels.host_allocator() is allocate_budget
+    finally:
+        kernels.load_library.cache_clear()
