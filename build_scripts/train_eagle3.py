@@ -581,7 +581,6 @@ def main(argv=None) -> int:
     held_acc = evaluate(args, head, Batches(target, held_data, dv_ids), len(held_data))
     print(f"[eval] held-out top-1 agreement with the target per TTT step: "
           f"{' '.join(f'{a:.3f}' for a in held_acc)}", flush=True)
-
     meta = {
         "target": Path(args.target).name, **described,
         "draft_vocab": cfg["draft_vocab_size"], "draft_vocab_heldout_coverage": round(coverage, 4),

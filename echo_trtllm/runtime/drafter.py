@@ -442,7 +442,7 @@ class Eagle3Drafter(Drafter):
                 todo.append((r, first, last))
         if not todo:
             return
-        chains = [torch.tensor(r.token_ids(first, last + 1)) for r, first, last in todo]
+        chains = [r.token_ids(first, last + 1) for r, first, last in todo]  # chain_batch makes one tensor
         feats = torch.cat([self._features(r, first - 1, last - 1) for r, first, last in todo])
         starts = torch.tensor([r.draft_ctx for r, _, _ in todo])
         slots = torch.tensor([r.slot for r, _, _ in todo])

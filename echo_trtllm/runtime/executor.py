@@ -217,6 +217,7 @@ class Executor:
         self.target, self.tokenizer, self.config = target, tokenizer, config
         self.clock = clock or WallClock(target.device)
         self.link = HostLink(target.device)  # every tensor crossing host <-> model device, counted per step
+        self._pack_backend = kernels.backend_for(target.device)  # packing runs where the target is (`_pack`)
         self._init_pricing(config, cost_model, gate_samples, fallback, adapt)
         self._init_memory(target, draft, config, max_batch_size, max_seq_len, max_num_tokens)
         self.waiting: deque[Request] = deque()
@@ -713,10 +714,9 @@ class Executor:
         """Flatten & pack where the plugin's kernels run (echo_trtllm.kernels.backend_for): with CUDA models on the
         device (the result stays there for the target), with CPU models in the host library when it is built;
         otherwise the core."""
-        dev = self.target.device
-        backend = kernels.backend_for(dev)
-        if backend != "torch":
-            return kernels.pack(selected.to(dev), ctx.to(dev), backend=backend)
+        if self._pack_backend != "torch":
+            dev = self.target.device
+            return kernels.pack(selected.to(dev), ctx.to(dev), backend=self._pack_backend)
         return pack(selected, ctx)
 
     def _commit(self, reqs: list[Request], result, keep: list[bool]) -> None:
