@@ -367,16 +367,27 @@ class SuperTree:
             parent_sorted >= 0, new_index[parent_sorted.clamp(min=0)] - cu[request_ids[order]], parent_sorted
         )
         depth = torch.cat([torch.full((lv.num_nodes,), lv.depth, dtype=torch.long, device=dev) for lv in levels])
-        return cls(
+        ranks = torch.cat([lv.ranks for lv in levels])
+        # the greedy path level by level (a child is on it iff its parent is and it is the best sibling): one
+        # gather per level instead of `greedy_path`'s walk up from every node
+        greedy = [torch.ones(levels[0].num_nodes, dtype=torch.bool, device=dev)]
+        for lv in levels[1:]:
+            greedy.append(greedy[-1][lv.parent_ids] & (lv.ranks == 0))
+        tree = cls(
             token_ids=torch.cat([lv.token_ids for lv in levels])[order],
             parents=local_parent,
             depths=depth[order],
             draft_probs=torch.cat([lv.draft_probs for lv in levels])[order],
             path_probs=torch.cat([lv.path_probs for lv in levels])[order],
-            ranks=torch.cat([lv.ranks for lv in levels])[order],
+            ranks=ranks[order],
             cu_num_nodes=cu,
             source_index=order,
         )
+        # derived per-node tensors known here already (the cached properties would recompute them)
+        tree.__dict__.update(request_ids=request_ids[order],
+                             global_parents=torch.where(parent_sorted >= 0, new_index[parent_sorted.clamp(min=0)], -1),
+                             on_greedy_path=torch.cat(greedy)[order])
+        return tree
 
     @classmethod
     def from_parents(cls, parents: list[Tensor], token_ids: list[Tensor] | None = None) -> "SuperTree":
@@ -437,7 +448,7 @@ class SuperTree:
         req = self.request_ids[mask]
         gp_sel = gp[mask]
         parents = torch.where(gp_sel >= 0, new_index[gp_sel.clamp(min=0)] - cu[req], gp_sel)
-        return SuperTree(
+        tree = SuperTree(
             token_ids=self.token_ids[mask],
             parents=parents,
             depths=self.depths[mask],
@@ -447,6 +458,12 @@ class SuperTree:
             cu_num_nodes=cu,
             source_index=self.source_index[mask],
         )
+        # an ancestor-closed selection keeps every kept node's path: its greedy flag carries over; its request
+        # and global parent are known here
+        tree.__dict__.update(request_ids=req, global_parents=torch.where(gp_sel >= 0, new_index[gp_sel.clamp(min=0)], gp_sel))
+        if "on_greedy_path" in self.__dict__:
+            tree.__dict__["on_greedy_path"] = self.on_greedy_path[mask]
+        return tree
 
     def to(self, device: torch.device | str) -> "SuperTree":
         return SuperTree(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})

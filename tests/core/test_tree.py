@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from echo_trtllm.core.tree import SuperTree, expand_level, root_level, segment_rank
+from echo_trtllm.core.tree import (SuperTree, expand_level, global_parent_ids, greedy_path, request_ids_from_cu,
+                                   root_level, segment_rank)
 from tests.helpers import markov_draft_fn, naive_ancestors, random_parents
 
 
@@ -90,6 +91,25 @@ def test_greedy_path_is_every_ancestor_a_best_child(seed):
             assert bool(t.on_greedy_path[j]) == want
         assert bool(t.on_greedy_path[t.is_root].all())
         assert 0 < int(t.on_greedy_path[~t.is_root].sum()) < int((~t.is_root).sum())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_derived_tensors_built_with_the_tree_equal_their_definitions(seed):
+    """from_levels and select fill request_ids, global_parents and on_greedy_path as they build the tree; each
+    equals what the module's functions compute from the tree's own fields (parents, cu_num_nodes, ranks)."""
+    gen = torch.Generator().manual_seed(seed)
+    tree = SuperTree.from_levels(_levels(1 + 3 * seed, 5, 29, 3, gen))
+    keep = (torch.rand(tree.total_nodes, generator=gen) < 0.7) | tree.is_root
+    for _ in range(6):
+        keep &= tree.is_root | keep[global_parent_ids(tree.parents, tree.cu_num_nodes).clamp(min=0)]
+    plain = SuperTree.from_parents([tree.parents[a:b] for a, b in zip(tree.cu_num_nodes[:-1].tolist(),
+                                                                      tree.cu_num_nodes[1:].tolist())])
+    for t in (tree, tree.select(keep), plain.select(keep)):
+        assert {"request_ids", "global_parents"} <= set(vars(t))
+        gp = global_parent_ids(t.parents, t.cu_num_nodes)
+        assert torch.equal(t.request_ids, request_ids_from_cu(t.cu_num_nodes))
+        assert torch.equal(t.global_parents, gp)
+        assert torch.equal(t.on_greedy_path, greedy_path(gp, t.ranks))
 
 
 def test_select_reindexes_parents_and_rejects_orphans():

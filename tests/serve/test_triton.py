@@ -332,10 +332,12 @@ def test_sigterm_ends_serve_triton_with_its_tritonserver():
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         deadline = time.monotonic() + 240
-        line = ""
+        line, seen = "", []
         while "listening on" not in line and time.monotonic() < deadline and proc.poll() is None:
             line = proc.stdout.readline()
-        assert "listening on" in line, "serve --triton did not start"
+            seen.append(line)
+        assert "listening on" in line, (f"serve --triton did not start (exit code {proc.poll()}, "
+                                        f"{time.monotonic() - deadline + 240:.0f} s); its output:\n" + "".join(seen[-40:]))
         servers = [p for p in child_pids(proc.pid, recursive=True)
                    if "tritonserver" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
         assert servers, "no tritonserver child found"
