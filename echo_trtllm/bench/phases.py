@@ -15,6 +15,11 @@ Two passes over the same prompts:
   norms, the MLP's activation, embedding, the residual adds and the model's own code around the layers. The
   hooks cost a few microseconds per module: the layers pass's forward is reported beside the plain pass's.
 
+Rounds (`--rounds N`): every method's engine is built first and profiled N times, the methods' order alternating
+between rounds (ABBA), the layers pass in the first round only; each number is reported as its median over the
+rounds with its (min, max) beside and every round's summary kept (`combine_rounds`), so a comparison between two
+methods can be read round by round, each beside the other's same round.
+
 Steps are split into plain and speculative ones (`StepReport.speculated`) and each phase's mean is reported in
 milliseconds per step, with tokens emitted and verified per step and the draft's forwards. The first step (the
 batch's prompts prefilled, then one decode step) is reported apart: its time per prompt token and, from the layers
@@ -33,7 +38,7 @@ from ..models.fp8 import Fp8Linear
 from ..models.llama import MLP, Attention, CausalLM, DecoderLayer, RMSNorm
 from ..runtime.request import SamplingParams
 
-__all__ = ["LAYER_KINDS", "STEP_PHASES", "WARM_STEPS", "LayerTimer", "profile_steps", "phase_table"]
+__all__ = ["LAYER_KINDS", "STEP_PHASES", "WARM_STEPS", "LayerTimer", "combine_rounds", "profile_steps", "phase_table"]
 
 # the target forward's parts, in the order the tables show them
 LAYER_KINDS = ("linears", "lm_head", "attention", "norms", "activation", "embedding", "residual", "model code")
@@ -173,25 +178,70 @@ def _summary(plain, layers) -> dict:
     return out
 
 
-def profile_steps(llm, prompts: list[str], batch_size: int, steps: int = 16, warm: int = WARM_STEPS) -> dict:
+def profile_steps(llm, prompts: list[str], batch_size: int, steps: int = 16, warm: int = WARM_STEPS,
+                  layers: bool = True) -> dict:
     """Profile `llm`'s decode steps at `batch_size` (module docstring). `llm` is stepped directly: its engine loop
-    is shut down first, so give it an engine of its own. Returns {"plain": ..., "speculative": ...} summaries."""
+    is shut down first, so give it an engine of its own (it can be profiled again: every request of a pass is
+    aborted at its end). Returns {"prefill_step": ..., "plain": ..., "speculative": ...}; layers=False: the plain
+    pass only (no layer split, no "prefill_step" layer times)."""
     if steps < 1 or warm < 0:
         raise ValueError(f"profile: steps must be >= 1 and warm >= 0, got steps={steps}, warm={warm}")
     llm.shutdown()  # the executor is stepped on this thread
     executor = llm.executor
     plain, prefill = _steps(executor, prompts, batch_size, steps, warm, None)
-    with LayerTimer(executor.target) as timer:
-        layered, prefill_layers = _steps(executor, prompts, batch_size, steps, warm, timer)
+    layered, prefill_layers = [], None
+    if layers:
+        with LayerTimer(executor.target) as timer:
+            layered, prefill_layers = _steps(executor, prompts, batch_size, steps, warm, timer)
     # the first step: the batch's prompts prefilled, then its first decode step (a closed batch's start)
-    out = {"prefill_step": {"prompt_tokens": prefill["tokens"], "ms": round(prefill["seconds"] * 1e3, 1),
-                            "ms_per_prompt_token": round(prefill["seconds"] * 1e3 / max(prefill["tokens"], 1), 3),
-                            "layers_pass_ms": round(prefill_layers["seconds"] * 1e3, 1),
-                            "layers_pass_by_kind_ms": {k: round(v * 1e3, 1)
-                                                       for k, v in prefill_layers["layers"].items()}}}
+    first = {"prompt_tokens": prefill["tokens"], "ms": round(prefill["seconds"] * 1e3, 1),
+             "ms_per_prompt_token": round(prefill["seconds"] * 1e3 / max(prefill["tokens"], 1), 3)}
+    if prefill_layers is not None:
+        first["layers_pass_ms"] = round(prefill_layers["seconds"] * 1e3, 1)
+        first["layers_pass_by_kind_ms"] = {k: round(v * 1e3, 1) for k, v in prefill_layers["layers"].items()}
+    out = {"prefill_step": first}
     for kind, speculated in (("plain", False), ("speculative", True)):
         out[kind] = _summary([x for x in plain if x[0].speculated == speculated],
                              [x for x in layered if x[0].speculated == speculated])
+    return out
+
+
+# a summary's per-step numbers that rounds are combined over (median, with min and max beside)
+_ROUND_KEYS = ("total_ms", "emitted_per_step", "verified_per_step", "draft_forwards_per_step", "draft_ms_per_forward",
+               "tokens_per_s")
+
+
+def _median(values: list[float]) -> float:
+    return round(statistics.median(values), 3)
+
+
+def combine_rounds(profiles: list[dict]) -> dict:
+    """One method's profiles at one batch size over several rounds (`profile_steps` results, the first with its
+    layers pass): per step kind, the median of every number over the rounds where that kind of step ran, with
+    "spread" (min, max) beside and each round's summary under "rounds"; the first step and the layers pass from
+    the first round. One profile is returned as it is."""
+    if len(profiles) == 1:
+        return profiles[0]
+    out = {"prefill_step": profiles[0]["prefill_step"]}
+    for kind in ("plain", "speculative"):
+        runs = [p[kind] for p in profiles if p[kind]["steps"]]
+        if not runs:
+            out[kind] = {"steps": 0}
+            continue
+        merged: dict = {"steps": sum(r["steps"] for r in runs)}
+        spread: dict = {}
+        for key in _ROUND_KEYS:
+            values = [r[key] for r in runs if r.get(key) is not None]
+            if values:
+                merged[key], spread[key] = _median(values), [min(values), max(values)]
+        merged["phases_ms"] = {p: _median([r["phases_ms"][p] for r in runs]) for p in STEP_PHASES}
+        spread["phases_ms"] = {p: [min(r["phases_ms"][p] for r in runs), max(r["phases_ms"][p] for r in runs)]
+                               for p in STEP_PHASES}
+        if "layers_pass" in profiles[0][kind]:
+            merged["layers_pass"] = profiles[0][kind]["layers_pass"]
+        merged["spread"] = spread
+        merged["rounds"] = [{k: v for k, v in p[kind].items() if k != "layers_pass"} for p in profiles]
+        out[kind] = merged
     return out
 
 
@@ -221,6 +271,6 @@ def phase_table(rows: list[dict]) -> str:
             lines.append(f"| {row['method']} | {row['batch_size']} | {p['prompt_tokens']} | {p['ms']:.0f} | "
                          f"{p['ms_per_prompt_token']:.2f} | {p['layers_pass_ms']:.0f} | "
                          + " | ".join(f"{p['layers_pass_by_kind_ms'][k]:.0f}" for k in LAYER_KINDS) + " |")
-    return "\n".join(lines) + "\n\nms per step (means); phases from the plain pass (rest: the step call's time " \
+    return "\n".join(lines) + "\n\nms per step (means; with several rounds the median of the rounds' means); phases from the plain pass (rest: the step call's time " \
                               "outside them), layer kinds from the layers pass (hooks on every module: its forward is " \
                               "shown beside). The first step prefills the batch's prompts, then decodes once.\n"

@@ -39,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="evaluate on the set's eval side (default; --calibration in-process warms up on the "
                          "calibration side, so the two never share a prompt), on the calibration side (tuning tree "
                          "shapes without touching eval prompts) or on all of it")
-    ap.add_argument("--rounds", type=int, default=1, help="timed rounds (medians and min-max reported)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="timed rounds (medians and min-max reported; with --profile-phases: profile rounds, the "
+                         "methods' order alternating)")
     ap.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds first (same engines)")
     ap.add_argument("--waves", type=int, default=1,
                     help="requests per cell and round = WAVES x batch size, at most batch size in flight (in-flight "
@@ -197,18 +199,33 @@ def _meta(args, argv, cfg, target, draft, prompts, calibration_prompts, in_proce
 
 def _profile(args, argv, cfg, target, draft, tok, prompts, calibration, cost_model) -> int:
     """--profile-phases: each method's engine at each batch size, stepped and timed phase by phase."""
-    from echo_trtllm.bench.phases import WARM_STEPS, phase_table, profile_steps
+    from echo_trtllm.bench.phases import WARM_STEPS, combine_rounds, phase_table, profile_steps
     from echo_trtllm.bench.run import machine_info, make_engine
 
     rows = []
     for b in cfg.batch_sizes:
-        for label, method, mode in cfg.runs():
-            llm = make_engine(target, draft, tok, cfg.config_for(method, b), b, cfg.max_seq_len, calibration,
-                              cost_model, mode)
-            try:
-                rows.append({"method": label, "batch_size": b, **profile_steps(llm, prompts, b, args.profile_steps)})
-            finally:
+        runs = cfg.runs()
+        engines = {}
+        try:
+            for label, method, mode in runs:
+                engines[label] = make_engine(target, draft, tok, cfg.config_for(method, b), b, cfg.max_seq_len,
+                                             calibration, cost_model, mode)
+            # rounds alternate the methods' order (ABBA), so drift of the machine falls on every method alike; the
+            # layers pass runs in the first round only
+            profiles: dict[str, list[dict]] = {label: [] for label, _, _ in runs}
+            for r in range(cfg.rounds):
+                order = [label for label, _, _ in runs]
+                for label in order if r % 2 == 0 else order[::-1]:
+                    profiles[label].append(profile_steps(engines[label], prompts, b, args.profile_steps,
+                                                         layers=r == 0))
+                    print(f"round {r + 1}/{cfg.rounds} {label} B={b}: "
+                          + ", ".join(f"{k} {v['total_ms']:.1f} ms/step" for k, v in profiles[label][-1].items()
+                                      if k != "prefill_step" and v["steps"]), flush=True)
+        finally:
+            for llm in engines.values():
                 llm.shutdown()
+        for label, _, _ in runs:
+            rows.append({"method": label, "batch_size": b, **combine_rounds(profiles[label])})
             print("\n".join(x for x in phase_table(rows[-1:]).split("\n")[2:4] if x.startswith("| ")), flush=True)
     table = phase_table(rows)
     print(table)
@@ -216,6 +233,7 @@ def _profile(args, argv, cfg, target, draft, tok, prompts, calibration, cost_mod
         with open(args.json, "w") as f:
             json.dump({"phases": rows, "machine": machine_info(), "date": time.strftime("%Y-%m-%d"),
                        "command": command_line(argv), "steps": args.profile_steps, "warm_steps": WARM_STEPS,
+                       "rounds": cfg.rounds,
                        "dtype": {"target": str(target.dtype), "draft": str(draft.dtype)},
                        "cost_model": json.loads(cost_model.to_json()) if hasattr(cost_model, "to_json") else None},
                       f, indent=2)

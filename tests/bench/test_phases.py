@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from echo_trtllm.bench.phases import LAYER_KINDS, STEP_PHASES, LayerTimer, profile_steps
+from echo_trtllm.bench.phases import LAYER_KINDS, STEP_PHASES, LayerTimer, combine_rounds, profile_steps
 from echo_trtllm.bench.run import make_engine
 from echo_trtllm.cli import bench as bench_cli
 from echo_trtllm.core import EchoConfig
@@ -114,3 +114,32 @@ def test_profile_steps_refuses_a_context_too_short_for_the_steps(default_pair, p
 def test_the_cli_refuses_a_profile_of_no_steps(capsys):
     assert bench_cli.main(["--profile-phases", "--profile-steps", "0"]) != 0
     assert "--profile-steps" in capsys.readouterr().err
+
+
+def test_a_profiled_engine_profiles_again_and_rounds_combine_into_medians(default_pair, prompts):
+    """Rounds (`bench --profile-phases --rounds N`): the same engine profiled again (its requests aborted after
+    each pass), the later rounds without the layers pass; combine_rounds gives each number's median over the
+    rounds, its min and max, and every round's own summary."""
+    target, draft, tok = default_pair
+    llm = make_engine(target, draft, tok, EchoConfig(policy="echo", k_max=64), 2, 512, fallback="off")
+    try:
+        first = profile_steps(llm, prompts, 2, steps=3, warm=1)
+        later = [profile_steps(llm, prompts, 2, steps=3, warm=1, layers=False) for _ in range(2)]
+        assert not llm.executor.has_work  # every pass returned its requests
+    finally:
+        llm.shutdown()
+    assert "layers_pass" not in later[0]["speculative"] and "layers_pass_ms" not in later[0]["prefill_step"]
+    assert later[1]["speculative"]["steps"] == 3
+    assert combine_rounds([first]) is first
+    out = combine_rounds([first, *later])
+    s, runs = out["speculative"], [p["speculative"] for p in (first, *later)]
+    assert s["steps"] == 9 and len(s["rounds"]) == 3 and out["plain"] == {"steps": 0}
+    for key in ("total_ms", "tokens_per_s", "verified_per_step"):
+        values = sorted(r[key] for r in runs)
+        assert s[key] == pytest.approx(values[1], abs=1e-3) and s["spread"][key] == [values[0], values[2]]
+    for p in STEP_PHASES:
+        values = sorted(r["phases_ms"][p] for r in runs)
+        assert s["phases_ms"][p] == pytest.approx(values[1], abs=1e-3)
+        assert s["spread"]["phases_ms"][p] == [values[0], values[2]]
+    assert s["layers_pass"] == first["speculative"]["layers_pass"] and out["prefill_step"] == first["prefill_step"]
+    assert "layers_pass" not in s["rounds"][0]
