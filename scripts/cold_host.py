@@ -1,7 +1,8 @@
 """What a control-plane call costs inside a running engine against the same call in a tight loop: the acceptance
 estimate ECHO reads at every drafted level (`OnlineAcceptance.estimate` of one confidence) and one small tensor add,
 timed warm (500 calls back to back), right after a decode step of the target (its weights have just streamed
-through the caches) and after a step and 50 ms idle. Qwen2.5-Coder-1.5B + its EAGLE-3 head, bfloat16, one request.
+through the caches) and after a step and 50 ms idle; medians (about one step in four refits the estimates, and the
+first estimate after it pays the refit). Qwen2.5-Coder-1.5B + its EAGLE-3 head, bfloat16, one request.
 
     python scripts/cold_host.py --model <target dir> --head <head dir> [--steps 20] [--json out.json]
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -68,8 +70,8 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"calls": out, "steps": args.steps, "machine": machine_info(), "date": time.strftime("%Y-%m-%d"),
-                       "command": "python scripts/cold_host.py --model target --head <head> --steps "
-                                  f"{args.steps}"}, f, indent=2)
+                       "command": f"python scripts/cold_host.py --model {os.path.basename(args.model.rstrip('/'))} "
+                                  f"--head {os.path.basename(args.head.rstrip('/'))} --steps {args.steps}"}, f, indent=2)
     return 0
 
 

@@ -45,6 +45,9 @@ def criteria(phases: list[dict], method: str) -> list[dict]:
         a = ar[r["batch_size"]]
         row = {"batch_size": r["batch_size"], **_one(a, s)}
         if "rounds" in s and "rounds" in a:
+            if len(a["rounds"]) != len(s["rounds"]):
+                raise ValueError(f"B = {r['batch_size']}: AR has {len(a['rounds'])} profile rounds, {method!r} "
+                                 f"{len(s['rounds'])}: the rounds are read in pairs")
             row["rounds"] = [_one(x, y) for x, y in zip(a["rounds"], s["rounds"]) if x["steps"] and y["steps"]]
             row["rounds_within"] = sum(c["within_bound"] for c in row["rounds"])
         out.append(row)

@@ -16,9 +16,12 @@ Two passes over the same prompts:
   hooks cost a few microseconds per module: the layers pass's forward is reported beside the plain pass's.
 
 Rounds (`--rounds N`): every method's engine is built first and profiled N times, the methods' order alternating
-between rounds (ABBA), the layers pass in the first round only; each number is reported as its median over the
-rounds with its (min, max) beside and every round's summary kept (`combine_rounds`), so a comparison between two
-methods can be read round by round, each beside the other's same round.
+between rounds (ABBA), the layers pass in the last round only (after that round's plain pass: the engine learns its
+prices and estimates from every step it runs, and steps slowed by the hooks must not feed a later measurement);
+each round goes on from the engine's state after the previous one, as a server's engine would. Each number is
+reported as its median over the rounds with its (min, max) beside and every round's summary kept
+(`combine_rounds`), so a comparison between two methods can be read round by round, each beside the other's same
+round.
 
 Steps are split into plain and speculative ones (`StepReport.speculated`) and each phase's mean is reported in
 milliseconds per step, with tokens emitted and verified per step and the draft's forwards. The first step (the
@@ -216,13 +219,15 @@ def _median(values: list[float]) -> float:
 
 
 def combine_rounds(profiles: list[dict]) -> dict:
-    """One method's profiles at one batch size over several rounds (`profile_steps` results, the first with its
+    """One method's profiles at one batch size over several rounds (`profile_steps` results, one of them with its
     layers pass): per step kind, the median of every number over the rounds where that kind of step ran, with
-    "spread" (min, max) beside and each round's summary under "rounds"; the first step and the layers pass from
-    the first round. One profile is returned as it is."""
+    "spread" (min, max) beside and each round's summary under "rounds" (every round, in order, also those without
+    that kind of step); the first step and the layers pass from the round that has the layers pass (else the
+    first). One profile is returned as it is."""
     if len(profiles) == 1:
         return profiles[0]
-    out = {"prefill_step": profiles[0]["prefill_step"]}
+    layered = next((p for p in profiles if "layers_pass_ms" in p["prefill_step"]), profiles[0])
+    out = {"prefill_step": layered["prefill_step"]}
     for kind in ("plain", "speculative"):
         runs = [p[kind] for p in profiles if p[kind]["steps"]]
         if not runs:
@@ -237,8 +242,8 @@ def combine_rounds(profiles: list[dict]) -> dict:
         merged["phases_ms"] = {p: _median([r["phases_ms"][p] for r in runs]) for p in STEP_PHASES}
         spread["phases_ms"] = {p: [min(r["phases_ms"][p] for r in runs), max(r["phases_ms"][p] for r in runs)]
                                for p in STEP_PHASES}
-        if "layers_pass" in profiles[0][kind]:
-            merged["layers_pass"] = profiles[0][kind]["layers_pass"]
+        if "layers_pass" in layered[kind]:
+            merged["layers_pass"] = layered[kind]["layers_pass"]
         merged["spread"] = spread
         merged["rounds"] = [{k: v for k, v in p[kind].items() if k != "layers_pass"} for p in profiles]
         out[kind] = merged
@@ -268,9 +273,11 @@ def phase_table(rows: list[dict]) -> str:
     for row in rows:
         p = row.get("prefill_step")
         if p:
+            by_kind = p.get("layers_pass_by_kind_ms") or {}
             lines.append(f"| {row['method']} | {row['batch_size']} | {p['prompt_tokens']} | {p['ms']:.0f} | "
-                         f"{p['ms_per_prompt_token']:.2f} | {p['layers_pass_ms']:.0f} | "
-                         + " | ".join(f"{p['layers_pass_by_kind_ms'][k]:.0f}" for k in LAYER_KINDS) + " |")
+                         f"{p['ms_per_prompt_token']:.2f} | "
+                         + (f"{p['layers_pass_ms']:.0f}" if "layers_pass_ms" in p else "-") + " | "
+                         + " | ".join(f"{by_kind[k]:.0f}" if k in by_kind else "-" for k in LAYER_KINDS) + " |")
     return "\n".join(lines) + "\n\nms per step (means; with several rounds the median of the rounds' means); phases from the plain pass (rest: the step call's time " \
                               "outside them), layer kinds from the layers pass (hooks on every module: its forward is " \
                               "shown beside). The first step prefills the batch's prompts, then decodes once.\n"

@@ -211,13 +211,14 @@ def _profile(args, argv, cfg, target, draft, tok, prompts, calibration, cost_mod
                 engines[label] = make_engine(target, draft, tok, cfg.config_for(method, b), b, cfg.max_seq_len,
                                              calibration, cost_model, mode)
             # rounds alternate the methods' order (ABBA), so drift of the machine falls on every method alike; the
-            # layers pass runs in the first round only
+            # layers pass runs in the last round only, after its plain pass: its hooks slow the forwards, and the
+            # engine learns its prices from every step, so nothing is measured after it
             profiles: dict[str, list[dict]] = {label: [] for label, _, _ in runs}
             for r in range(cfg.rounds):
                 order = [label for label, _, _ in runs]
                 for label in order if r % 2 == 0 else order[::-1]:
                     profiles[label].append(profile_steps(engines[label], prompts, b, args.profile_steps,
-                                                         layers=r == 0))
+                                                         layers=r == cfg.rounds - 1))
                     print(f"round {r + 1}/{cfg.rounds} {label} B={b}: "
                           + ", ".join(f"{k} {v['total_ms']:.1f} ms/step" for k, v in profiles[label][-1].items()
                                       if k != "prefill_step" and v["steps"]), flush=True)

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from echo_trtllm.bench.phases import LAYER_KINDS, STEP_PHASES, LayerTimer, combine_rounds, profile_steps
+from echo_trtllm.bench.phases import LAYER_KINDS, STEP_PHASES, LayerTimer, combine_rounds, phase_table, profile_steps
 from echo_trtllm.bench.run import make_engine
 from echo_trtllm.cli import bench as bench_cli
 from echo_trtllm.core import EchoConfig
@@ -143,3 +143,7 @@ def test_a_profiled_engine_profiles_again_and_rounds_combine_into_medians(defaul
         assert s["spread"]["phases_ms"][p] == [values[0], values[2]]
     assert s["layers_pass"] == first["speculative"]["layers_pass"] and out["prefill_step"] == first["prefill_step"]
     assert "layers_pass" not in s["rounds"][0]
+    # the layers pass may come from any round (the CLI runs it in the last); a table of layer-less rounds prints
+    last = combine_rounds([*later, first])
+    assert last["prefill_step"] == first["prefill_step"] and last["speculative"]["layers_pass"] == s["layers_pass"]
+    assert "| - |" in phase_table([{"method": "echo", "batch_size": 2, **combine_rounds(later)}])

@@ -104,8 +104,10 @@ def test_derived_tensors_built_with_the_tree_equal_their_definitions(seed):
         keep &= tree.is_root | keep[global_parent_ids(tree.parents, tree.cu_num_nodes).clamp(min=0)]
     plain = SuperTree.from_parents([tree.parents[a:b] for a, b in zip(tree.cu_num_nodes[:-1].tolist(),
                                                                       tree.cu_num_nodes[1:].tolist())])
-    for t in (tree, tree.select(keep), plain.select(keep)):
+    # the greedy flags are filled by from_levels and carried by a selection; a tree from parent lists has none
+    for t, greedy_filled in ((tree, True), (tree.select(keep), True), (plain.select(keep), False)):
         assert {"request_ids", "global_parents"} <= set(vars(t))
+        assert ("on_greedy_path" in vars(t)) == greedy_filled
         gp = global_parent_ids(t.parents, t.cu_num_nodes)
         assert torch.equal(t.request_ids, request_ids_from_cu(t.cu_num_nodes))
         assert torch.equal(t.global_parents, gp)

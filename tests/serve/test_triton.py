@@ -336,6 +336,8 @@ def test_sigterm_ends_serve_triton_with_its_tritonserver():
         while "listening on" not in line and time.monotonic() < deadline and proc.poll() is None:
             line = proc.stdout.readline()
             seen.append(line)
+        if "listening on" not in line and proc.poll() is not None:
+            seen.append(proc.stdout.read())  # what it printed before it exited
         assert "listening on" in line, (f"serve --triton did not start (exit code {proc.poll()}, "
                                         f"{time.monotonic() - deadline + 240:.0f} s); its output:\n" + "".join(seen[-40:]))
         servers = [p for p in child_pids(proc.pid, recursive=True)
