@@ -69,7 +69,7 @@ def main() -> int:
     print(json.dumps(out, indent=2))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"calls": out, "steps": args.steps, "machine": machine_info(), "date": time.strftime("%Y-%m-%d"),
+            json.dump({"calls": out, "steps": args.steps, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"), "machine": machine_info(), "date": time.strftime("%Y-%m-%d"),
                        "command": f"python scripts/cold_host.py --model {os.path.basename(args.model.rstrip('/'))} "
                                   f"--head {os.path.basename(args.head.rstrip('/'))} --steps {args.steps}"}, f, indent=2)
     return 0
