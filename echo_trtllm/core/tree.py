@@ -466,4 +466,13 @@ class SuperTree:
         return tree
 
     def to(self, device: torch.device | str) -> "SuperTree":
-        return SuperTree(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        """The tree on `device`: itself when every field is there already (as `Tensor.to`), else a copy with the
+        derived tensors it has computed moved along."""
+        device = torch.device(device)
+        if all(getattr(self, f.name).device == device for f in fields(self)):
+            return self
+        tree = SuperTree(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        for name in ("request_ids", "global_parents", "on_greedy_path"):
+            if name in self.__dict__:
+                tree.__dict__[name] = self.__dict__[name].to(device)
+        return tree

@@ -114,6 +114,16 @@ def test_derived_tensors_built_with_the_tree_equal_their_definitions(seed):
         assert torch.equal(t.on_greedy_path, greedy_path(gp, t.ranks))
 
 
+def test_to_a_device_the_tree_is_on_is_the_tree_and_a_move_keeps_the_derived_tensors():
+    gen = torch.Generator().manual_seed(7)
+    tree = SuperTree.from_levels(_levels(3, 4, 29, 3, gen))
+    assert tree.to("cpu") is tree
+    moved = tree.to("meta")
+    assert moved is not tree and moved.token_ids.device.type == "meta"
+    for name in ("request_ids", "global_parents", "on_greedy_path"):
+        assert vars(moved)[name].device.type == "meta" and vars(moved)[name].shape == vars(tree)[name].shape
+
+
 def test_select_reindexes_parents_and_rejects_orphans():
     tree = SuperTree.from_parents([torch.tensor([-1, 0, 0, 1, 2]), torch.tensor([-1, 0])],
                                   [torch.tensor([10, 11, 12, 13, 14]), torch.tensor([20, 21])])
