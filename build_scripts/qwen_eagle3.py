@@ -31,6 +31,7 @@ import argparse
 import json
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -83,11 +84,16 @@ def build_v1(out: Path) -> int:
     return 0
 
 
+LEDGER_EVERY = 60.0  # seconds between the v2 ledger's updates while a run is in a stage
+_now = time.time  # the ledger's clock (tests set it)
+
+
 def build_v2(out: Path, minutes: float) -> int:
     """One run of at most `minutes`: the data shards still missing, then training from its last checkpoint. Returns
     0 when the head is written, 3 when another run is needed. Every run's minutes are kept in budget.json: its entry
     is written when it starts and rewritten at each stage's end and when it ends (a run killed mid-stage counts up
-    to its last stage boundary)."""
+    to its last stage boundary, and every LEDGER_EVERY seconds while it runs: a run killed mid-stage loses at most
+    that much of its count)."""
     import eagle3_data
 
     target = fetch(QWEN_CODER_1_5B)
@@ -96,18 +102,25 @@ def build_v2(out: Path, minutes: float) -> int:
     work.mkdir(parents=True, exist_ok=True)
     ledger = work / "budget.json"
     spent = json.loads(ledger.read_text()) if ledger.is_file() else {"runs": []}
-    t0 = time.time()
+    t0 = _now()
     entry = {"stage": "started", "minutes": 0.0}
     spent["runs"].append(entry)
+    lock, done = threading.Lock(), threading.Event()
 
     def left() -> float:
-        return minutes - (time.time() - t0) / 60
+        return minutes - (_now() - t0) / 60
 
-    def record(stage: str) -> None:
-        entry.update(stage=stage, minutes=round((time.time() - t0) / 60, 1))
-        eagle3_data.write_json_atomic(ledger, spent)
+    def record(stage: str | None = None) -> None:
+        with lock:
+            entry.update(stage=stage or entry["stage"], minutes=round((_now() - t0) / 60, 1))
+            eagle3_data.write_json_atomic(ledger, spent)
+
+    def keep_count() -> None:  # the stages last hours: the ledger follows the run while it is in one
+        while not done.wait(LEDGER_EVERY):
+            record()
 
     record("started")
+    threading.Thread(target=keep_count, name="v2-ledger", daemon=True).start()
     try:
         code = eagle3_data.main(["--target", str(target), "--data", str(data), *V2_DATA, "--time-limit",
                                  f"{left():.2f}"])
@@ -126,7 +139,8 @@ def build_v2(out: Path, minutes: float) -> int:
         if code != 0:
             return code
     finally:
-        record(entry["stage"])
+        done.set()
+        record()
     meta = json.loads((work / "training.json").read_text())
     meta.update(recipe=V2_DATA + V2_TRAIN, budget_runs=spent["runs"],
                 budget_minutes=round(sum(r["minutes"] for r in spent["runs"]), 1))
