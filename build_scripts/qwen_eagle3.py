@@ -91,9 +91,8 @@ _now = time.time  # the ledger's clock (tests set it)
 def build_v2(out: Path, minutes: float) -> int:
     """One run of at most `minutes`: the data shards still missing, then training from its last checkpoint. Returns
     0 when the head is written, 3 when another run is needed. Every run's minutes are kept in budget.json: its entry
-    is written when it starts and rewritten at each stage's end and when it ends (a run killed mid-stage counts up
-    to its last stage boundary, and every LEDGER_EVERY seconds while it runs: a run killed mid-stage loses at most
-    that much of its count)."""
+    is written when it starts, rewritten every LEDGER_EVERY seconds while it runs, at each stage's end and when it
+    ends (a run killed mid-stage loses at most LEDGER_EVERY seconds of its count)."""
     import eagle3_data
 
     target = fetch(QWEN_CODER_1_5B)
