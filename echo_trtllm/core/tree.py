@@ -363,9 +363,10 @@ class SuperTree:
         cu = torch.zeros(batch_size + 1, dtype=torch.long, device=dev)
         cu[1:] = torch.cumsum(counts, 0)
         parent_sorted = parent_flat[order]
-        local_parent = torch.where(
-            parent_sorted >= 0, new_index[parent_sorted.clamp(min=0)] - cu[request_ids[order]], parent_sorted
-        )
+        req_sorted = request_ids[order]
+        # parents as flat request-major indices, then within their request
+        global_parents = torch.where(parent_sorted >= 0, new_index[parent_sorted.clamp(min=0)], -1)
+        local_parent = torch.where(global_parents >= 0, global_parents - cu[req_sorted], -1)
         depth = torch.cat([torch.full((lv.num_nodes,), lv.depth, dtype=torch.long, device=dev) for lv in levels])
         ranks = torch.cat([lv.ranks for lv in levels])
         # the greedy path level by level (a child is on it iff its parent is and it is the best sibling): one
@@ -384,9 +385,7 @@ class SuperTree:
             source_index=order,
         )
         # derived per-node tensors known here already (the cached properties would recompute them)
-        tree.__dict__.update(request_ids=request_ids[order],
-                             global_parents=torch.where(parent_sorted >= 0, new_index[parent_sorted.clamp(min=0)], -1),
-                             on_greedy_path=torch.cat(greedy)[order])
+        tree.__dict__.update(request_ids=req_sorted, global_parents=global_parents, on_greedy_path=torch.cat(greedy)[order])
         return tree
 
     @classmethod
@@ -447,7 +446,8 @@ class SuperTree:
         cu[1:] = torch.cumsum(counts, 0)
         req = self.request_ids[mask]
         gp_sel = gp[mask]
-        parents = torch.where(gp_sel >= 0, new_index[gp_sel.clamp(min=0)] - cu[req], gp_sel)
+        gp_new = torch.where(gp_sel >= 0, new_index[gp_sel.clamp(min=0)], gp_sel)  # flat indices after selection
+        parents = torch.where(gp_new >= 0, gp_new - cu[req], gp_new)
         tree = SuperTree(
             token_ids=self.token_ids[mask],
             parents=parents,
@@ -460,7 +460,7 @@ class SuperTree:
         )
         # an ancestor-closed selection keeps every kept node's path: its greedy flag carries over; its request
         # and global parent are known here
-        tree.__dict__.update(request_ids=req, global_parents=torch.where(gp_sel >= 0, new_index[gp_sel.clamp(min=0)], gp_sel))
+        tree.__dict__.update(request_ids=req, global_parents=gp_new)
         if "on_greedy_path" in self.__dict__:
             tree.__dict__["on_greedy_path"] = self.on_greedy_path[mask]
         return tree
