@@ -210,6 +210,7 @@ class OnlineAcceptance:
         self._grid: dict = {}  # the fit's estimates on _GRID per depth (`threshold`)
         self._fit_version = -1
         self._arrays = None  # the last fit (`_fit`)
+        self._table: dict | None = None  # the last fit as linear segments (`_segments_table`)
 
     def _rows(self, depths: Tensor | int, greedy: Tensor | bool, shape) -> np.ndarray:
         """Each node's table row (class docstring), flat, for nodes of this shape."""
@@ -281,7 +282,85 @@ class OnlineAcceptance:
 
     def estimate(self, confidences: Tensor, depths: Tensor | int, greedy: Tensor | bool = True) -> Tensor:
         """Acceptance estimates (float64) of nodes with these path probabilities at these depths, on the draft's
-        greedy path or not (class docstring). All nodes at once: each reads its own row of the fit."""
+        greedy path or not (class docstring). All nodes at once: each reads its own row of the fit.
+
+        The runtime's read (every drafted level's cost stop and every selection call it): the fit compiled into
+        linear segments (`_segments_table`), so a call is one search and a few gathers; `reference_estimate`, the
+        fit read as the class docstring says it, is its oracle (tests: equal to rounding)."""
+        table = self._segments_table()
+        c = _clip(confidences.detach().double().cpu().numpy().reshape(-1), 0.0, 1.0)
+        if c.size == 0:
+            return confidences.double()
+        if isinstance(depths, Tensor) or isinstance(greedy, Tensor):  # a table row per node
+            rows = self._rows(depths, greedy, tuple(confidences.shape))
+        else:  # one row for every node (the gate's and the drafting stop's reads)
+            rows = np.full(c.size, min(max(int(depths), 1), self.max_depth) - 1 + (0 if greedy else self.max_depth))
+        k = np.searchsorted(table["keys"], rows * 2.0 + c, side="right") - 1
+        linear = table["l0"][k] + table["l1"][k] * (c - table["start"][k])
+        exact = table["e0"][k] + table["e1"][k] * c
+        if table["deep"] is not None:  # greedy rows below depth 1 without a calibration: the prior from depth 1
+            deep = table["deep"][rows]
+            if deep.any():
+                exact[deep] = self._first_power(table, c[deep], rows[deep] + 1.0)
+        out = _clip(linear + table["share"][k] * exact, 0.0, 1.0)
+        return torch.from_numpy(out).reshape(confidences.shape).to(confidences.device)
+
+    def _first_power(self, table: dict, c: np.ndarray, depth: np.ndarray) -> np.ndarray:
+        """`_from_first` read off the compiled depth-1 greedy row (row 0)."""
+        x = c ** (1.0 / depth)
+        k = np.searchsorted(table["keys"], x, side="right") - 1  # row 0's keys are its starts
+        e1 = _clip(table["l0"][k] + table["l1"][k] * (x - table["start"][k]) + table["share"][k] * x, 0.0, 1.0)
+        ratio = np.divide(e1, x, out=np.zeros_like(x), where=x > 0)
+        return np.where(x > 0, c * ratio ** depth, e1 ** depth)
+
+    def _segments_table(self) -> dict:
+        """The fit (`_fit`) as linear segments, rebuilt with it: the estimate at c on row r is
+        clip(l(c) + share * prior(c)), l linear and share constant on each segment, prior(c) = e0 + e1 * c (the draft's
+        own probability, or a calibration's step), or on the greedy rows below depth 1 without a calibration the
+        depth-1 reading (`_from_first`, row 0's segments). A row's segments start at 0, at the bin edges, at its
+        bins' centres (where the fit's interpolation bends) and at its calibration's steps; row r's start s has the
+        key 2 r + s, so one sorted search finds every node's segment."""
+        centres, values, n, p0 = self._fit()
+        if self._table is not None and self._table["version"] == self._fit_version:
+            return self._table
+        rows = 2 * self.max_depth
+        depth = np.arange(rows) % self.max_depth + 1
+        fits = self.prior.fits if self.prior is not None else {}
+        # each row's starts, sorted (a start repeated makes an empty segment, which no search lands in)
+        parts = [np.broadcast_to(self._edges[:-1], (rows, self._edges.size - 1)), centres]
+        if fits:
+            steps = [_clip(_host(fits[d][0]), 0.0, 1.0) if d in fits else np.zeros(0) for d in depth]
+            width = max(x.size for x in steps)
+            parts.append(np.stack([np.pad(x, (width - x.size, 0)) for x in steps]))
+        starts = np.sort(np.concatenate(parts, axis=1), axis=1)
+        a = starts.reshape(-1)
+        b = np.concatenate([starts[:, 1:], np.ones((rows, 1))], axis=1).reshape(-1)
+        row = np.repeat(np.arange(rows), starts.shape[1])
+        mid = (a + b) / 2
+        share = self.prior_weight / (n[row, self._bins(mid)] + self.prior_weight)
+
+        def lin(x):  # the fit's interpolation minus the share of the prior's: linear between starts
+            at = _segments_rows(centres[row], x)
+            return _lerp_rows(values[row], *at) - share * _lerp_rows(p0[row], *at)
+
+        la, lb = lin(a), lin(b)
+        slope = np.divide(lb - la, b - a, out=np.zeros_like(a), where=b > a)
+        if self.prior is None:
+            e0, e1 = np.zeros_like(a), np.ones_like(a)
+        else:
+            step = self.prior.estimate(torch.from_numpy(mid), torch.from_numpy(depth[row])).numpy()
+            fitted = np.isin(depth[row], list(fits))
+            e0, e1 = np.where(fitted, step, 0.0), np.where(fitted, 0.0, 1.0)
+        deep = None
+        if self.prior is None and self.max_depth > 1:
+            deep = np.zeros(rows, dtype=bool)
+            deep[1:self.max_depth] = True
+        self._table = {"version": self._fit_version, "keys": row * 2.0 + a, "start": a, "l0": la, "l1": slope,
+                       "share": share, "e0": e0, "e1": e1, "deep": deep}
+        return self._table
+
+    def reference_estimate(self, confidences: Tensor, depths: Tensor | int, greedy: Tensor | bool = True) -> Tensor:
+        """`estimate` read straight off the fit, as the class docstring says (the oracle of the compiled read)."""
         centres, values, n, p0 = self._fit()
         c = confidences.detach().double().cpu().numpy().reshape(-1)
         if c.size == 0:

@@ -293,6 +293,47 @@ def test_the_online_estimate_starts_from_the_calibration_and_follows_a_changing_
     assert traffic(0.9, 100) > 0.7  # code again
 
 
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_the_compiled_estimate_equals_the_fit_read_directly(seed, calibrated):
+    """The runtime's read (`estimate`: the fit compiled into linear segments) against the fit read as the class
+    docstring says (`reference_estimate`), on random traffic with and without a calibration, every table row, at
+    random, tiny and boundary confidences (0, 1, the bin edges, the bins' centres, the calibration's steps and
+    points just beside them), per node and one row for all, after each of several refits."""
+    from echo_trtllm.core.acceptance import BIN_EDGES, OnlineAcceptance
+
+    gen = torch.Generator().manual_seed(seed)
+    depth = 1 + seed % 4
+    prior = None
+    if calibrated:
+        d = torch.randint(1, depth + 1, (400,), generator=gen)
+        c = torch.rand(400, generator=gen, dtype=torch.float64) ** 2
+        prior = AcceptanceModel.from_samples(d, c, torch.rand(400, generator=gen, dtype=torch.float64) < c, 10)
+    online = OnlineAcceptance(depth, prior, prior_weight=2.0 + seed, half_life=20.0, refit_every=1 + seed % 3)
+    for step in range(12):
+        n = int(torch.randint(0, 40, (1,), generator=gen))
+        c = torch.rand(n, generator=gen, dtype=torch.float64) ** (1 + step % 4)
+        online.observe(torch.randint(1, depth + 3, (n,), generator=gen), c,
+                       torch.rand(n, generator=gen, dtype=torch.float64) < c.sqrt(),
+                       torch.rand(n, generator=gen) < 0.6)
+        edges = torch.tensor(BIN_EDGES, dtype=torch.float64)
+        points = [torch.rand(64, generator=gen, dtype=torch.float64), 10 ** (-6 * torch.rand(32, generator=gen)),
+                  edges, online.csum.reshape(-1) / online.n.reshape(-1).clamp(min=1e-12)]
+        if prior is not None:
+            points += [starts for starts, _ in prior.fits.values()]
+        p = torch.cat(points).double().clamp(0, 1)
+        p = torch.cat([p, (p - 1e-12).clamp(0, 1), (p + 1e-12).clamp(0, 1)])
+        depths = torch.randint(1, depth + 2, p.shape, generator=gen)
+        greedy = torch.rand(p.shape, generator=gen) < 0.5
+        torch.testing.assert_close(online.estimate(p, depths, greedy), online.reference_estimate(p, depths, greedy),
+                                   rtol=0, atol=1e-12)
+        for d in range(1, depth + 2):
+            for g in (True, False):
+                torch.testing.assert_close(online.estimate(p, d, g), online.reference_estimate(p, d, g),
+                                           rtol=0, atol=1e-12)
+        assert online.estimate(p.float(), 1).dtype == torch.float64
+
+
 def test_with_no_traffic_the_online_estimate_is_its_prior_exactly():
     """No verified node yet: the estimate is the draft's own probability (no calibration) or the calibration's
     isotonic map, steps included, at every confidence."""
