@@ -143,6 +143,7 @@ BIN_EDGES = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9,
 # probabilities are tiny), linear above
 _GRID = torch.cat([torch.zeros(1, dtype=torch.float64), torch.logspace(-6, -2, 64, dtype=torch.float64)[:-1],
                    torch.linspace(0.01, 1.0, 199, dtype=torch.float64)])
+_GRID_NP = _GRID.numpy()
 
 
 class OnlineAcceptance:
@@ -221,23 +222,24 @@ class OnlineAcceptance:
     def observe(self, depths: Tensor, confidences: Tensor, accepted: Tensor, greedy: Tensor | bool = True) -> None:
         """One step's verified draft nodes (roots excluded): their depths (>= 1), path probabilities, whether
         the target accepted them and whether each is on the draft's greedy path; then the step's decay."""
-        self.n *= self.decay
-        self.k *= self.decay
-        self.csum *= self.decay
+        n, k, csum = self.n.numpy(), self.k.numpy(), self.csum.numpy()  # the counts' own memory, in place
+        n *= self.decay
+        k *= self.decay
+        csum *= self.decay
         if depths.numel():
-            c = confidences.double().cpu().clamp(0.0, 1.0)
-            d = torch.from_numpy(self._rows(depths, greedy, tuple(c.shape)).copy()).reshape(c.shape)
-            b = (torch.searchsorted(self.edges, c, right=True) - 1).clamp(0, len(BIN_EDGES) - 2)
-            flat = d * (len(BIN_EDGES) - 1) + b
-            self.n.view(-1).index_add_(0, flat, torch.ones_like(c))
-            self.k.view(-1).index_add_(0, flat, accepted.double().cpu())
-            self.csum.view(-1).index_add_(0, flat, c)
+            c = _clip(_host(confidences).astype(np.float64).reshape(-1), 0.0, 1.0)
+            flat = self._rows(depths, greedy, tuple(confidences.shape)) * (len(BIN_EDGES) - 1) + self._bins(c)
+            size = n.size
+            n.reshape(-1)[:] += np.bincount(flat, minlength=size)
+            k.reshape(-1)[:] += np.bincount(flat, _host(accepted).astype(np.float64).reshape(-1), minlength=size)
+            csum.reshape(-1)[:] += np.bincount(flat, c, minlength=size)
         self.version += 1
 
     def samples(self, depth: int) -> float:
         """Decayed count of verified nodes at this depth (both tables)."""
         d = min(max(depth, 1), self.max_depth) - 1
-        return float(self.n[d].sum() + self.n[d + self.max_depth].sum())
+        n = self.n.numpy()
+        return float(n[d].sum() + n[d + self.max_depth].sum())
 
     def _fit(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(centres, values, n, p0), each (2 * max_depth, bins) float64 arrays: the bins' mean confidences,
@@ -392,16 +394,16 @@ class OnlineAcceptance:
         if self._grid.get("version") != self._fit_version:
             self._grid = {"version": self._fit_version}
         if i not in self._grid:
-            self._grid[i] = self.estimate(_GRID, i)
+            self._grid[i] = self.estimate(_GRID, i).numpy()
         y = self._grid[i]
-        if float(y[0]) >= lam:
+        if y[0] >= lam:
             return 0.0
-        above = torch.nonzero(y >= lam)
-        if above.numel() == 0:
+        above = y >= lam
+        j = int(above.argmax())
+        if not above[j]:
             return 1.0
-        j = int(above[0])
-        x0, x1, y0, y1 = float(_GRID[j - 1]), float(_GRID[j]), float(y[j - 1]), float(y[j])
-        return min(1.0, max(0.0, x0 + (lam - y0) * (x1 - x0) / max(y1 - y0, 1e-12)))
+        x0, x1, y0, y1 = _GRID_NP[j - 1], _GRID_NP[j], y[j - 1], y[j]
+        return float(min(1.0, max(0.0, x0 + (lam - y0) * (x1 - x0) / max(y1 - y0, 1e-12))))
 
     def table(self) -> list[dict]:
         """Per depth: samples, and the estimates at confidences 0.1, 0.5, 0.9 on and off the greedy path (for
