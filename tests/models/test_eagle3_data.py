@@ -177,6 +177,40 @@ def test_training_killed_mid_checkpoint_resumes_to_the_uninterrupted_head(tmp_pa
     assert meta["train_steps"] == 6 and meta["train_windows"] == 96 and meta["heldout_windows"] == 64
 
 
+def test_a_checkpoint_is_written_as_a_head_the_runtime_loads(tmp_path, reference):
+    """eagle3_checkpoint_head.py on a run killed after its first checkpoint (step 2 of 6): the head directory holds
+    the checkpoint's weights in float16 (compared one by one with the checkpoint), the draft vocabulary's map of
+    the checkpoint, says which step it is, loads with the runtime's loader and drafts; the checkpoint is left as
+    it was (training resumes from it)."""
+    from safetensors.torch import load_file
+
+    from echo_trtllm.models.eagle3 import load_eagle3
+    from echo_trtllm.models.loader import load_model
+
+    work = tmp_path / "work"
+    assert run_dying("train_eagle3", [*TRAIN_ARGS, "--data", str(reference), "--out", str(work)], 2) == 9
+    state_file = work / "train-state.pt"
+    before = state_file.read_bytes()
+    state = torch.load(state_file, weights_only=False)
+    done = run("eagle3_checkpoint_head.py", ["--target", str(TARGET), "--state", str(state_file),
+                                             "--out", str(tmp_path / "head")])
+    assert done.returncode == 0, done.stderr
+    assert state_file.read_bytes() == before
+    written = load_file(tmp_path / "head" / "model.safetensors")
+    for name, value in state["head"].items():
+        want = value if name == "d2t" else value.to(torch.float16)
+        assert torch.equal(written[name], want), name
+    assert torch.equal(torch.nonzero(written["t2d"]).flatten(), state["dv_ids"].sort().values)
+    meta = json.loads((tmp_path / "head" / "training.json").read_text())
+    assert meta["checkpoint_step"] == 2 and meta["planned_steps"] == 6
+    target, _ = load_model(TARGET, with_tokenizer=False)
+    head = load_eagle3(tmp_path / "head", target)
+    assert head.config.draft_vocab_size == 64
+    bad = run("eagle3_checkpoint_head.py", ["--target", str(TARGET), "--state", str(tmp_path / "none.pt"),
+                                            "--out", str(tmp_path / "x")])
+    assert bad.returncode == 2 and "--state" in bad.stderr
+
+
 def test_a_checkpoint_of_other_flags_is_refused_by_name(tmp_path, reference):
     out = tmp_path / "head"
     first = run("train_eagle3.py", [*TRAIN_ARGS, "--data", str(reference), "--out", str(out)])
