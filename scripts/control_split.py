@@ -3,13 +3,16 @@ LM head: wall time around the control plane's parts of real ECHO steps (pure, ev
 target with its EAGLE-3 head, and microbenchmarks of verification and of a fused LM-head argmax at the Qwen
 target's shapes. Prints a table; writes JSON.
 
-    python scripts/control_split.py [--batch-sizes 1,16,64] [--steps 40] [--json out.json]
+    python scripts/control_split.py [--batch-sizes 1,16,64] [--steps 40] [--json out.json] [--split-only]
+        [--model <target> --head <its EAGLE-3 head> --dtype bfloat16]
 
 Part 1 wraps, by monkeypatching, the functions a step calls (their own time plus what they call): the drafting
 loop's device-side level work (`_level_on_device`, the head's forward included, and the head's forward alone), the
 replay of drafted levels on the host (`_replay`, the policy's `observe` inside it), `select` (budget allocation,
 acceptance estimates, the budget rule), `start`, building the tree (`from_levels`), packing, verification,
-learning, finishing and commit. Part 2 times, at 151,936 vocabulary entries, `verify` over 64 plain rows and over 64
+learning, finishing and commit, and inside them the acceptance estimates (the cost stop's and the selection's
+reads), the acceptance counts (learning) and the gate's thresholds (start), with how often each is called a step.
+--model / --head run it on another target and head (default: the embedded pair). Part 2 times, at 151,936 vocabulary entries, `verify` over 64 plain rows and over 64
 requests with 22 extra tree nodes, the argmax alone and the tree walk alone; and the Qwen LM head (1536 -> 151,936,
 bfloat16, prepacked) at 64 / 87 rows as one product then a float32 copy and argmax, against the same product in
 vocabulary chunks of 8,192 with each chunk's row maxima kept (no float32 copy of every row).
@@ -26,6 +29,7 @@ import time
 
 import torch
 
+import echo_trtllm.core.acceptance as acceptance_mod
 import echo_trtllm.core.policies as policies
 import echo_trtllm.core.tree as tree_mod
 import echo_trtllm.runtime.drafter as drafter_mod
@@ -47,10 +51,13 @@ WRAPPED = ((policies, "_level_on_device", "level work on the device (head forwar
            (tree_mod.SuperTree, "from_levels", "tree from levels"), (executor_mod.Executor, "_pack", "pack"),
            (executor_mod.Executor, "_verify", "verify"), (executor_mod.Executor, "_learn", "learn"),
            (executor_mod.Executor, "_finish_step", "finish"), (executor_mod.Executor, "_commit_step", "commit"),
-           (executor_mod.Executor, "_target_forward", "target forward"))
+           (executor_mod.Executor, "_target_forward", "target forward"),
+           (acceptance_mod.OnlineAcceptance, "estimate", "acceptance estimates (in stop and select)"),
+           (acceptance_mod.OnlineAcceptance, "observe", "acceptance counts (in learn)"),
+           (acceptance_mod.OnlineAcceptance, "threshold", "gate thresholds (in start)"))
 
 
-def timed(seconds: dict):
+def timed(seconds: dict, calls: dict):
     for owner, name, label in WRAPPED:
         f = getattr(owner, name)
 
@@ -60,14 +67,16 @@ def timed(seconds: dict):
                 return _f(*a, **k)
             finally:
                 seconds[_label] += time.perf_counter() - t
+                calls[_label] += 1
         setattr(owner, name, g)
 
 
-def control_split(batch_sizes: list[int], steps: int) -> list[dict]:
+def control_split(batch_sizes: list[int], steps: int, model=None, head_dir=None, dtype="float32") -> list[dict]:
     seconds: dict[str, float] = collections.defaultdict(float)
-    timed(seconds)
-    target, tok = load_model(DEFAULT_TARGET, dtype=torch.float32)
-    head = load_eagle3(DEFAULT_EAGLE3, target)
+    calls: dict[str, int] = collections.defaultdict(int)
+    timed(seconds, calls)
+    target, tok = load_model(model or DEFAULT_TARGET, dtype=dtype)
+    head = load_eagle3(head_dir or DEFAULT_EAGLE3, target)
     prompts = load_prompts("humaneval")
     out = []
     for b in batch_sizes:
@@ -80,13 +89,15 @@ def control_split(batch_sizes: list[int], steps: int) -> list[dict]:
         for _ in range(4):
             ex.step()
         seconds.clear()
+        calls.clear()
         total = control = 0.0
         for _ in range(steps):
             r = ex.step()
             total += r.timings.total
             control += r.timings.control
         row = {"batch_size": b, "step_ms": round(total / steps * 1e3, 3), "control_ms": round(control / steps * 1e3, 3),
-               "parts_ms": {k: round(v / steps * 1e3, 3) for k, v in sorted(seconds.items(), key=lambda x: -x[1])}}
+               "parts_ms": {k: round(v / steps * 1e3, 3) for k, v in sorted(seconds.items(), key=lambda x: -x[1])},
+               "calls_per_step": {k: round(calls[k] / steps, 2) for k in seconds}}
         out.append(row)
     return out
 
@@ -152,19 +163,28 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--split-only", action="store_true", help="the engine's split alone (no microbenchmarks)")
+    ap.add_argument("--model", default=None, help="target (HF directory or .gguf; default: the embedded target)")
+    ap.add_argument("--head", default=None, help="its EAGLE-3 head directory (default: the embedded head)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args(argv)
+    if (args.model is None) != (args.head is None):
+        ap.error("--model and --head go together (a head is trained for its target)")
     torch.set_num_threads(args.threads)
     with torch.inference_mode():
-        result = {"control_split": control_split([int(b) for b in args.batch_sizes.split(",")], args.steps),
-                  "accept_cost": accept_cost(), "lm_head_argmax": lm_head_argmax(),
+        split = control_split([int(b) for b in args.batch_sizes.split(",")], args.steps, args.model, args.head,
+                              args.dtype)
+        result = {"control_split": split, **({} if args.split_only else {"accept_cost": accept_cost(),
+                                                                          "lm_head_argmax": lm_head_argmax()}),
                   "command": "python scripts/control_split.py " + " ".join(sys.argv[1:] if argv is None else argv),
                   "threads": args.threads}
     for row in result["control_split"]:
         print(f"B={row['batch_size']}: step {row['step_ms']} ms, control {row['control_ms']} ms")
         for k, v in row["parts_ms"].items():
-            print(f"   {k:52s} {v:8.3f}")
-    print("acceptance:", result["accept_cost"])
-    print("LM head:", result["lm_head_argmax"])
+            print(f"   {k:52s} {v:8.3f}  ({row['calls_per_step'][k]} calls a step)")
+    if not args.split_only:
+        print("acceptance:", result["accept_cost"])
+        print("LM head:", result["lm_head_argmax"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
