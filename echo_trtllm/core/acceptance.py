@@ -219,6 +219,13 @@ class OnlineAcceptance:
         off = ~_host(greedy).astype(bool)
         return np.broadcast_to(d + self.max_depth * off, shape).reshape(-1)
 
+    def _node_rows(self, depths: Tensor | int, greedy: Tensor | bool, shape, size: int) -> np.ndarray:
+        """Each of `size` nodes' table row: per node, or one row for every node (the gate's and the drafting
+        stop's reads)."""
+        if isinstance(depths, Tensor) or isinstance(greedy, Tensor):
+            return self._rows(depths, greedy, tuple(shape))
+        return np.full(size, min(max(int(depths), 1), self.max_depth) - 1 + (0 if greedy else self.max_depth))
+
     def observe(self, depths: Tensor, confidences: Tensor, accepted: Tensor, greedy: Tensor | bool = True) -> None:
         """One step's verified draft nodes (roots excluded): their depths (>= 1), path probabilities, whether
         the target accepted them and whether each is on the draft's greedy path; then the step's decay."""
@@ -293,10 +300,7 @@ class OnlineAcceptance:
         c = _clip(confidences.detach().double().cpu().numpy().reshape(-1), 0.0, 1.0)
         if c.size == 0:
             return confidences.double()
-        if isinstance(depths, Tensor) or isinstance(greedy, Tensor):  # a table row per node
-            rows = self._rows(depths, greedy, tuple(confidences.shape))
-        else:  # one row for every node (the gate's and the drafting stop's reads)
-            rows = np.full(c.size, min(max(int(depths), 1), self.max_depth) - 1 + (0 if greedy else self.max_depth))
+        rows = self._node_rows(depths, greedy, confidences.shape, c.size)
         k = np.searchsorted(table["keys"], rows * 2.0 + c, side="right") - 1
         linear = table["l0"][k] + table["l1"][k] * (c - table["start"][k])
         exact = table["e0"][k] + table["e1"][k] * c
@@ -367,10 +371,7 @@ class OnlineAcceptance:
         c = confidences.detach().double().cpu().numpy().reshape(-1)
         if c.size == 0:
             return confidences.double()
-        if isinstance(depths, Tensor) or isinstance(greedy, Tensor):  # a table row per node
-            rows = self._rows(depths, greedy, tuple(confidences.shape))
-        else:  # one row for every node (the gate's and the drafting stop's reads)
-            rows = np.full(c.size, min(max(int(depths), 1), self.max_depth) - 1 + (0 if greedy else self.max_depth))
+        rows = self._node_rows(depths, greedy, confidences.shape, c.size)
         at = _segments_rows(centres[rows], c)  # (N, bins): one search for the fit and the prior
         fitted, prior = _lerp_rows(values[rows], *at), _lerp_rows(p0[rows], *at)
         share = self.prior_weight / (n[rows, self._bins(c)] + self.prior_weight)
