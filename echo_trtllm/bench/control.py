@@ -76,7 +76,7 @@ class MarkovDraft:
 
 def time_control(batch_size: int, k_max: int, config: EchoConfig, steps: int, warmup: int, vocab: int = 64) -> ControlTiming:
     policy = make_policy(config)
-    policy.allocator = kernels.host_allocator()  # as the runtime's executor installs it
+    kernels.install_host(policy)  # as the runtime's executor installs it
     draft = MarkovDraft(vocab, policy.max_children, seed=batch_size)
     gen = torch.Generator().manual_seed(k_max)
     samples: dict[str, list[float]] = {"batched": [], "levels": []}

@@ -212,6 +212,9 @@ class OnlineAcceptance:
         self._fit_version = -1
         self._arrays = None  # the last fit (`_fit`)
         self._table: dict | None = None  # the last fit as linear segments (`_segments_table`)
+        # the estimates' read over those segments in the plugin's host library (`kernels.host_estimate_reader`,
+        # installed by the runtime); None: NumPy (the same results)
+        self.reader = None
 
     def _rows(self, depths: Tensor | int, greedy: Tensor | bool, shape) -> np.ndarray:
         """Each node's table row (class docstring), flat, for nodes of this shape."""
@@ -301,6 +304,9 @@ class OnlineAcceptance:
         if c.size == 0:
             return confidences.double()
         rows = self._node_rows(depths, greedy, confidences.shape, c.size)
+        if self.reader is not None:  # the host library's loop over the same segments
+            out = self.reader(table, c, rows)
+            return torch.from_numpy(out).reshape(confidences.shape).to(confidences.device)
         k = np.searchsorted(table["keys"], rows * 2.0 + c, side="right") - 1
         linear = table["l0"][k] + table["l1"][k] * (c - table["start"][k])
         exact = table["e0"][k] + table["e1"][k] * c
@@ -362,7 +368,8 @@ class OnlineAcceptance:
             deep = np.zeros(rows, dtype=bool)
             deep[1:self.max_depth] = True
         self._table = {"version": self._fit_version, "keys": row * 2.0 + a, "start": a, "l0": la, "l1": slope,
-                       "share": share, "e0": e0, "e1": e1, "deep": deep}
+                       "share": share, "e0": e0, "e1": e1, "deep": deep, "rows": rows,
+                       "host": None}  # the host library's copy of the arrays (`kernels.host_estimate_reader`)
         return self._table
 
     def reference_estimate(self, confidences: Tensor, depths: Tensor | int, greedy: Tensor | bool = True) -> Tensor:

@@ -33,7 +33,7 @@ from echo_trtllm.core.pack import PackedVerifyBatch, words_per_row
 from echo_trtllm.core.pack import pack as core_pack
 from echo_trtllm.core.tree import SuperTree
 
-__all__ = ["BACKENDS", "load_library", "backend_for", "host_allocator", "gate", "allocate_budget", "pack",
+__all__ = ["BACKENDS", "load_library", "backend_for", "host_allocator", "host_estimate_reader", "install_host", "gate", "allocate_budget", "pack",
            "PluginError"]
 
 logger = logging.getLogger(__name__)
@@ -89,6 +89,49 @@ def host_allocator():
     build's where `backend_for("cpu")` picks it, else the core's. Install it as a policy's `allocator`."""
     backend = backend_for("cpu")
     return core_budget.allocate_budget if backend == "torch" else functools.partial(allocate_budget, backend=backend)
+
+
+def install_host(policy) -> None:
+    """The policy's control plane on the host library where it is built (the runtime's drafted trees are on the
+    host): its budget allocation (`host_allocator`) and, for the echo family, its acceptance estimates' read
+    (`host_estimate_reader`)."""
+    policy.allocator = host_allocator()
+    acceptance = getattr(policy, "acceptance", None)
+    if acceptance is not None:
+        acceptance.reader = host_estimate_reader()
+
+
+def host_estimate_reader():
+    """The online acceptance estimates' read on the host library (`OnlineAcceptance.reader`: the fit's compiled
+    segments, one call for all nodes), or None where the library is not built (or predates it): the estimates are
+    then read with NumPy, with the same results. The runtime installs it beside `host_allocator`."""
+    if backend_for("cpu") != "host":
+        return None
+    lib = _lib("host")
+    if not hasattr(lib, "echo_acceptance_estimate_host"):
+        return None
+    return functools.partial(_estimate_host, lib)
+
+
+_SEGMENT_ARRAYS = ("keys", "start", "l0", "l1", "share", "e0", "e1")
+
+
+def _estimate_host(lib, table: dict, confidences: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """`echo_acceptance_estimate_host` over one compiled fit (`OnlineAcceptance._segments_table`); the table's
+    arrays are marshalled once per fit and kept in it (table["host"])."""
+    if table.get("host") is None:
+        arrays = [np.ascontiguousarray(table[k], dtype=np.float64) for k in _SEGMENT_ARRAYS]
+        deep = None if table["deep"] is None else np.ascontiguousarray(table["deep"], dtype=np.uint8)
+        table["host"] = (arrays, deep, [_vp(a.ctypes.data) for a in arrays],
+                         _vp(0) if deep is None else _vp(deep.ctypes.data))
+    arrays, _, ptrs, deep_ptr = table["host"]
+    c = np.ascontiguousarray(confidences, dtype=np.float64)
+    r = np.ascontiguousarray(rows, dtype=np.int32)
+    out = np.empty(c.size, dtype=np.float64)
+    _check(lib, lib.echo_acceptance_estimate_host(_vp(c.ctypes.data), _vp(r.ctypes.data), _i32(c.size), *ptrs,
+                                                  _i32(arrays[0].size), deep_ptr, _i32(table["rows"]),
+                                                  _vp(out.ctypes.data)))
+    return out
 
 
 def _lib(backend: str) -> ctypes.CDLL:

@@ -1,5 +1,7 @@
 // C ABI, host entry points: argument checks, then the reference path of the same headers the kernels use.
 // Builds with any C++17 compiler (no CUDA needed): this is what CI tests against echo_trtllm.core.
+#include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "checks.h"
@@ -9,6 +11,17 @@
 
 using echo::index_t;
 namespace abi = echo::abi;
+
+namespace {
+
+// the last segment whose key is <= key (the caller's keys start at <= every key it asks for)
+inline int32_t segment_of(const double* keys, int32_t num_segments, double key) {
+  return static_cast<int32_t>(std::upper_bound(keys, keys + num_segments, key) - keys) - 1;
+}
+
+inline double clamp01(double x) { return std::min(std::max(x, 0.0), 1.0); }
+
+}  // namespace
 
 extern "C" {
 
@@ -106,6 +119,43 @@ int echo_pack_host(const int32_t* parents, const int32_t* cu, const uint8_t* sel
                    num_selected, n_max,       new_index.data(), cu_out,     generation_lengths, src_index,
                    parents_out,  depths_out,  position_ids, position_offsets, packed_mask};
   echo::host::pack(a);
+  return abi::ok();
+}
+
+int echo_acceptance_estimate_host(const double* confidences, const int32_t* rows, int32_t num_nodes,
+                                  const double* keys, const double* start, const double* l0, const double* l1,
+                                  const double* share, const double* e0, const double* e1, int32_t num_segments,
+                                  const uint8_t* deep, int32_t num_rows, double* out) {
+  ECHO_REQUIRE(num_nodes >= 0, "acceptance_estimate: num_nodes must be >= 0, got %d", num_nodes);
+  ECHO_REQUIRE(num_segments >= 1 && num_rows >= 1,
+               "acceptance_estimate: num_segments and num_rows must be >= 1, got %d and %d", num_segments, num_rows);
+  ECHO_REQUIRE(keys && start && l0 && l1 && share && e0 && e1 && (num_nodes == 0 || (confidences && rows && out)),
+               "acceptance_estimate: a required array is NULL (confidences, rows, keys, start, l0, l1, share, e0, "
+               "e1, out)");
+  ECHO_REQUIRE(keys[0] <= 0.0, "acceptance_estimate: the first segment must start at key 0 (row 0, confidence 0), "
+               "got %g", keys[0]);
+  for (int32_t s = 1; s < num_segments; ++s)
+    ECHO_REQUIRE(keys[s - 1] <= keys[s], "acceptance_estimate: keys must be ascending, keys[%d] = %g > keys[%d] = %g",
+                 s - 1, keys[s - 1], s, keys[s]);
+  for (int32_t i = 0; i < num_nodes; ++i) {
+    ECHO_REQUIRE(rows[i] >= 0 && rows[i] < num_rows, "acceptance_estimate: rows[%d] = %d is outside [0, %d)", i,
+                 rows[i], num_rows);
+    ECHO_REQUIRE(!std::isnan(confidences[i]), "acceptance_estimate: confidences[%d] is NaN", i);
+  }
+  for (int32_t i = 0; i < num_nodes; ++i) {
+    const double c = clamp01(confidences[i]);
+    const int32_t r = rows[i];
+    const int32_t s = segment_of(keys, num_segments, 2.0 * r + c);
+    double prior = e0[s] + e1[s] * c;
+    if (deep && deep[r]) {
+      const double d = r + 1.0;
+      const double x = std::pow(c, 1.0 / d);
+      const int32_t t = segment_of(keys, num_segments, x);
+      const double e = clamp01(l0[t] + l1[t] * (x - start[t]) + share[t] * x);
+      prior = x > 0.0 ? c * std::pow(e / x, d) : std::pow(e, d);
+    }
+    out[i] = clamp01(l0[s] + l1[s] * (c - start[s]) + share[s] * prior);
+  }
   return abi::ok();
 }
 

@@ -18,6 +18,7 @@ def _generate(default_pair, prompts, policy, calls=None):
     try:
         if calls is not None:
             calls["allocator"] = getattr(llm.executor.policy.allocator, "keywords", None)
+            calls["reader"] = llm.executor.policy.acceptance.reader
         outs = llm.generate(prompts[:6], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
         return [o.outputs[0].token_ids for o in outs]
     finally:
@@ -26,19 +27,20 @@ def _generate(default_pair, prompts, policy, calls=None):
 
 def test_the_engine_runs_allocation_and_packing_on_the_host_library(host_backend, default_pair, prompts,
                                                                     monkeypatch):
-    counted = {"allocate_budget": 0, "pack": 0}
+    counted = {"allocate_budget": 0, "pack": 0, "_estimate_host": 0}
     for name in counted:
         real = getattr(kernels, name)
 
         def wrapper(*a, _real=real, _name=name, **k):
-            if k.get("backend") == "host":
+            if k.get("backend") == "host" or _name == "_estimate_host":
                 counted[_name] += 1
             return _real(*a, **k)
         monkeypatch.setattr(kernels, name, wrapper)
     info = {}
     on_host = _generate(default_pair, prompts, "echo", info)
     assert info["allocator"] == {"backend": "host"}
-    assert counted["allocate_budget"] > 0 and counted["pack"] > 0
+    assert info["reader"] is not None  # the acceptance estimates read on the host library too
+    assert counted["allocate_budget"] > 0 and counted["pack"] > 0 and counted["_estimate_host"] > 0
     monkeypatch.setenv("ECHO_PLUGIN_HOST_LIB", "/nonexistent/libecho_host.so")
     monkeypatch.setattr(kernels, "BUILD_DIR", kernels.BUILD_DIR / "nonexistent")
     kernels.load_library.cache_clear()
@@ -47,6 +49,7 @@ def test_the_engine_runs_allocation_and_packing_on_the_host_library(host_backend
         info = {}
         on_torch = _generate(default_pair, prompts, "echo", info)
         assert info["allocator"] is None  # the core's own function
+        assert info["reader"] is None  # the estimates read with NumPy
         plain = _generate(default_pair, prompts, "ar")
     finally:
         kernels.load_library.cache_clear()

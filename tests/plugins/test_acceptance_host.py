@@ -1,0 +1,85 @@
+"""The online acceptance estimates read on the plugin's host library (`kernels.host_estimate_reader`, what the
+runtime installs) against the fit read directly (`OnlineAcceptance.reference_estimate`) and the NumPy read of the
+same segments, on random traffic with and without a calibration; bad arrays refused by name."""
+
+import numpy as np
+import pytest
+import torch
+
+from echo_trtllm import kernels
+from echo_trtllm.core.acceptance import BIN_EDGES, AcceptanceModel, OnlineAcceptance
+
+
+def _traffic(seed: int, calibrated: bool):
+    gen = torch.Generator().manual_seed(seed)
+    depth = 1 + seed % 5
+    prior = None
+    if calibrated:
+        d = torch.randint(1, depth + 1, (400,), generator=gen)
+        c = torch.rand(400, generator=gen, dtype=torch.float64) ** 2
+        prior = AcceptanceModel.from_samples(d, c, torch.rand(400, generator=gen, dtype=torch.float64) < c, 10)
+    online = OnlineAcceptance(depth, prior, prior_weight=1.0 + seed, half_life=30.0, refit_every=1 + seed % 3)
+    return online, gen, depth
+
+
+def _close_or_at_a_step(got, online, p, depths, greedy):
+    """got equals the reference to rounding, except where the reference is discontinuous (a bin edge or
+    calibration step hit exactly; for the greedy rows below depth 1 their per-token probability c^(1/d) hit one:
+    NumPy's vectorised power and the C library's may round it to either side): there it equals the reference just
+    below or just above c."""
+    want = online.reference_estimate(p, depths, greedy)
+    off = (got - want).abs() > 1e-12
+    if off.any():
+        below = online.reference_estimate(p * (1 - 1e-9), depths, greedy)
+        above = online.reference_estimate((p * (1 + 1e-9)).clamp(max=1.0), depths, greedy)
+        sides = torch.minimum((got - below).abs(), (got - above).abs())
+        assert bool((sides[off] < 1e-6).all()), (p[off], got[off], want[off])
+        assert int(off.sum()) <= max(1, p.numel() // 100)  # a few points placed on the steps, not a drift
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_the_host_library_reads_the_estimates_the_fit_gives(host_backend, seed, calibrated):
+    reader = kernels.host_estimate_reader()
+    assert reader is not None
+    online, gen, depth = _traffic(seed, calibrated)
+    numpy_read, _, _ = _traffic(seed, calibrated)
+    for step in range(10):
+        n = int(torch.randint(0, 50, (1,), generator=gen))
+        c = torch.rand(n, generator=gen, dtype=torch.float64) ** (1 + step % 5)
+        args = (torch.randint(1, depth + 3, (n,), generator=gen), c,
+                torch.rand(n, generator=gen, dtype=torch.float64) < c.sqrt(), torch.rand(n, generator=gen) < 0.6)
+        online.observe(*args)
+        numpy_read.observe(*args)
+        points = [torch.rand(64, generator=gen, dtype=torch.float64), 10 ** (-7 * torch.rand(32, generator=gen)),
+                  torch.tensor(BIN_EDGES, dtype=torch.float64), torch.tensor([0.0, 1.0, 1e-300])]
+        if calibrated:
+            points += [starts.double() for starts, _ in online.prior.fits.values()]
+        p = torch.cat(points).clamp(0, 1)
+        p = torch.cat([p, (p - 1e-12).clamp(0, 1), (p + 1e-12).clamp(0, 1)])
+        depths = torch.randint(1, depth + 2, p.shape, generator=gen)
+        greedy = torch.rand(p.shape, generator=gen) < 0.5
+        online.reader = reader
+        got = online.estimate(p, depths, greedy)
+        _close_or_at_a_step(got, online, p, depths, greedy)
+        torch.testing.assert_close(numpy_read.estimate(p, depths, greedy), online.reference_estimate(p, depths, greedy),
+                                   rtol=0, atol=1e-12)
+        for d in range(1, depth + 2):
+            _close_or_at_a_step(online.estimate(p.float(), d), online, p.float().double(), d, True)
+        online.reader = None
+        assert online.threshold(1, 0.3) == numpy_read.threshold(1, 0.3)
+
+
+def test_bad_arrays_are_refused_by_name(host_backend):
+    lib = kernels._lib("host")
+    online = OnlineAcceptance(3)
+    online.estimate(torch.tensor([0.5]), 1)
+    table = online._segments_table()
+    with pytest.raises(kernels.PluginError, match=r"rows\[1\] = 6 is outside \[0, 6\)"):
+        kernels._estimate_host(lib, table, np.array([0.5, 0.5]), np.array([0, 6]))
+    with pytest.raises(kernels.PluginError, match=r"confidences\[0\] is NaN"):
+        kernels._estimate_host(lib, table, np.array([np.nan]), np.array([0]))
+    bad = dict(table, keys=np.concatenate([[0.0], table["keys"][1:][::-1]]), host=None)
+    with pytest.raises(kernels.PluginError, match="keys must be ascending"):
+        kernels._estimate_host(lib, bad, np.array([0.5]), np.array([0]))
+    assert kernels._estimate_host(lib, table, np.zeros(0), np.zeros(0, dtype=np.int32)).shape == (0,)
