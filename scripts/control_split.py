@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     if (args.model is None) != (args.head is None):
         ap.error("--model and --head go together (a head is trained for its target)")
     torch.set_num_threads(args.threads)
-    with torch.inference_mode():
+    with torch.no_grad():  # not inference mode: a bfloat16 model's prepacked weights track their tensors' versions
         split = control_split([int(b) for b in args.batch_sizes.split(",")], args.steps, args.model, args.head,
                               args.dtype)
         result = {"control_split": split, **({} if args.split_only else {"accept_cost": accept_cost(),
