@@ -99,3 +99,21 @@ def run_seeded_sampling(target, draft, tok, policy, prompts):
         ex.step()
     assert not ex.failures, ex.last_error
     return [r.output_token_ids for r in reqs], sum(r.stats.steps for r in reqs)
+
+
+def random_online_acceptance(seed: int, depth: int, calibrated: bool, prior_weight: float, half_life: float,
+                             refit_every: int):
+    """An OnlineAcceptance of `depth` with, when calibrated, a prior fitted on 400 random samples (acceptance
+    rising with confidence), and the generator that drew them (for the traffic that follows)."""
+    import torch
+
+    from echo_trtllm.core.acceptance import AcceptanceModel, OnlineAcceptance
+
+    gen = torch.Generator().manual_seed(seed)
+    prior = None
+    if calibrated:
+        d = torch.randint(1, depth + 1, (400,), generator=gen)
+        c = torch.rand(400, generator=gen, dtype=torch.float64) ** 2
+        prior = AcceptanceModel.from_samples(d, c, torch.rand(400, generator=gen, dtype=torch.float64) < c, 10)
+    return OnlineAcceptance(depth, prior, prior_weight=prior_weight, half_life=half_life,
+                            refit_every=refit_every), gen

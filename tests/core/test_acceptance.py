@@ -300,16 +300,12 @@ def test_the_compiled_estimate_equals_the_fit_read_directly(seed, calibrated):
     docstring says (`reference_estimate`), on random traffic with and without a calibration, every table row, at
     random, tiny and boundary confidences (0, 1, the bin edges, the bins' centres, the calibration's steps and
     points just beside them), per node and one row for all, after each of several refits."""
-    from echo_trtllm.core.acceptance import BIN_EDGES, OnlineAcceptance
+    from echo_trtllm.core.acceptance import BIN_EDGES
+    from tests.helpers import random_online_acceptance
 
-    gen = torch.Generator().manual_seed(seed)
     depth = 1 + seed % 4
-    prior = None
-    if calibrated:
-        d = torch.randint(1, depth + 1, (400,), generator=gen)
-        c = torch.rand(400, generator=gen, dtype=torch.float64) ** 2
-        prior = AcceptanceModel.from_samples(d, c, torch.rand(400, generator=gen, dtype=torch.float64) < c, 10)
-    online = OnlineAcceptance(depth, prior, prior_weight=2.0 + seed, half_life=20.0, refit_every=1 + seed % 3)
+    online, gen = random_online_acceptance(seed, depth, calibrated, 2.0 + seed, 20.0, 1 + seed % 3)
+    prior = online.prior
     for step in range(12):
         n = int(torch.randint(0, 40, (1,), generator=gen))
         c = torch.rand(n, generator=gen, dtype=torch.float64) ** (1 + step % 4)

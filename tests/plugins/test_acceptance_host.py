@@ -7,18 +7,13 @@ import pytest
 import torch
 
 from echo_trtllm import kernels
-from echo_trtllm.core.acceptance import BIN_EDGES, AcceptanceModel, OnlineAcceptance
+from echo_trtllm.core.acceptance import BIN_EDGES, OnlineAcceptance
+from tests.helpers import random_online_acceptance
 
 
 def _traffic(seed: int, calibrated: bool):
-    gen = torch.Generator().manual_seed(seed)
     depth = 1 + seed % 5
-    prior = None
-    if calibrated:
-        d = torch.randint(1, depth + 1, (400,), generator=gen)
-        c = torch.rand(400, generator=gen, dtype=torch.float64) ** 2
-        prior = AcceptanceModel.from_samples(d, c, torch.rand(400, generator=gen, dtype=torch.float64) < c, 10)
-    online = OnlineAcceptance(depth, prior, prior_weight=1.0 + seed, half_life=30.0, refit_every=1 + seed % 3)
+    online, gen = random_online_acceptance(seed, depth, calibrated, 1.0 + seed, 30.0, 1 + seed % 3)
     return online, gen, depth
 
 
