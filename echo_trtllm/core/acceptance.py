@@ -375,7 +375,7 @@ class OnlineAcceptance:
     def reference_estimate(self, confidences: Tensor, depths: Tensor | int, greedy: Tensor | bool = True) -> Tensor:
         """`estimate` read straight off the fit, as the class docstring says (the oracle of the compiled read)."""
         centres, values, n, p0 = self._fit()
-        c = confidences.detach().double().cpu().numpy().reshape(-1)
+        c = _clip(confidences.detach().double().cpu().numpy().reshape(-1), 0.0, 1.0)  # probabilities, as observed
         if c.size == 0:
             return confidences.double()
         rows = self._node_rows(depths, greedy, confidences.shape, c.size)

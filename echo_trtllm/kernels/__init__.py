@@ -235,9 +235,13 @@ def allocate_budget(tree: SuperTree, spine_depth: Tensor, budget: int, max_nodes
     return BudgetAllocation(selected.bool(), phase, num_nodes.long(), taken)
 
 
+_TORCH_DTYPES = {np.float32: torch.float32, np.int32: torch.int32}
+
+
 def _host_array(t: Tensor, dtype) -> np.ndarray:
-    """A CPU tensor as a contiguous NumPy array of this dtype (its own memory where it already is one)."""
-    return np.ascontiguousarray(t.detach().numpy(), dtype=dtype)
+    """A CPU tensor as a contiguous NumPy array of this dtype (its own memory where it already is one; converted
+    by torch first, so any tensor dtype is taken, bfloat16 included)."""
+    return t.detach().to(_TORCH_DTYPES[dtype]).contiguous().numpy()
 
 
 def _allocate_budget_host(lib, tree: SuperTree, spine_depth: Tensor, budget: int, max_nodes_per_request: int | None,

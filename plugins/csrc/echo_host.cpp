@@ -140,9 +140,12 @@ int echo_acceptance_estimate_host(const double* confidences, const int32_t* rows
   for (int32_t i = 0; i < num_nodes; ++i) {
     ECHO_REQUIRE(rows[i] >= 0 && rows[i] < num_rows, "acceptance_estimate: rows[%d] = %d is outside [0, %d)", i,
                  rows[i], num_rows);
-    ECHO_REQUIRE(!std::isnan(confidences[i]), "acceptance_estimate: confidences[%d] is NaN", i);
   }
   for (int32_t i = 0; i < num_nodes; ++i) {
+    if (std::isnan(confidences[i])) {  // NaN in, NaN out (as the NumPy read gives)
+      out[i] = confidences[i];
+      continue;
+    }
     const double c = clamp01(confidences[i]);
     const int32_t r = rows[i];
     const int32_t s = segment_of(keys, num_segments, 2.0 * r + c);

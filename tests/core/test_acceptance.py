@@ -328,6 +328,9 @@ def test_the_compiled_estimate_equals_the_fit_read_directly(seed, calibrated):
                 torch.testing.assert_close(online.estimate(p, d, g), online.reference_estimate(p, d, g),
                                            rtol=0, atol=1e-12)
         assert online.estimate(p.float(), 1).dtype == torch.float64
+        odd = torch.tensor([-0.5, 1.5, float("inf"), -float("inf")], dtype=torch.float64)  # clamped alike
+        torch.testing.assert_close(online.estimate(odd, depths[:4], greedy[:4]),
+                                   online.reference_estimate(odd, depths[:4], greedy[:4]), rtol=0, atol=1e-12)
 
 
 def test_with_no_traffic_the_online_estimate_is_its_prior_exactly():

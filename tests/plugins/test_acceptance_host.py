@@ -61,8 +61,13 @@ def test_the_host_library_reads_the_estimates_the_fit_gives(host_backend, seed, 
                                    rtol=0, atol=1e-12)
         for d in range(1, depth + 2):
             _close_or_at_a_step(online.estimate(p.float(), d), online, p.float().double(), d, True)
+        for d in range(1, depth + 1):  # the gate's thresholds read through the host library
+            assert online.threshold(d, 0.3) == pytest.approx(numpy_read.threshold(d, 0.3), abs=1e-12)
+        odd = torch.tensor([-0.5, 1.5, float("inf"), -float("inf"), float("nan")], dtype=torch.float64)
+        got, want = online.estimate(odd, 1, False), online.reference_estimate(odd, 1, False)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12, equal_nan=True)
+        torch.testing.assert_close(got, numpy_read.estimate(odd, 1, False), rtol=0, atol=1e-12, equal_nan=True)
         online.reader = None
-        assert online.threshold(1, 0.3) == numpy_read.threshold(1, 0.3)
 
 
 def test_bad_arrays_are_refused_by_name(host_backend):
@@ -72,8 +77,10 @@ def test_bad_arrays_are_refused_by_name(host_backend):
     table = online._segments_table()
     with pytest.raises(kernels.PluginError, match=r"rows\[1\] = 6 is outside \[0, 6\)"):
         kernels._estimate_host(lib, table, np.array([0.5, 0.5]), np.array([0, 6]))
-    with pytest.raises(kernels.PluginError, match=r"confidences\[0\] is NaN"):
-        kernels._estimate_host(lib, table, np.array([np.nan]), np.array([0]))
+    assert np.isnan(kernels._estimate_host(lib, table, np.array([np.nan]), np.array([0]))[0])
+    shifted = dict(table, keys=table["keys"] + 0.5, host=None)
+    with pytest.raises(kernels.PluginError, match="first segment must start at key 0"):
+        kernels._estimate_host(lib, shifted, np.array([0.5]), np.array([0]))
     bad = dict(table, keys=np.concatenate([[0.0], table["keys"][1:][::-1]]), host=None)
     with pytest.raises(kernels.PluginError, match="keys must be ascending"):
         kernels._estimate_host(lib, bad, np.array([0.5]), np.array([0]))

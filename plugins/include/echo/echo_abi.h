@@ -70,7 +70,7 @@ int echo_pack_cuda(const int32_t* parents, const int32_t* cu, const uint8_t* sel
  *     out[i] = clamp(l0[s] + l1[s] (c - start[s]) + share[s] * prior, 0, 1),  prior = e0[s] + e1[s] c,
  * except on a row with deep[r] != 0 (deep may be NULL: none), where the prior is the depth-1 reading of row 0 to
  * the path's length d = r + 1: x = c^(1/d), e = clamp(l0[t] + l1[t] (x - start[t]) + share[t] x, 0, 1) at row 0's
- * segment t of x, prior = c (e / x)^d (x > 0) or e^d. */
+ * segment t of x, prior = c (e / x)^d (x > 0) or e^d. A NaN confidence gives NaN. */
 int echo_acceptance_estimate_host(const double* confidences, const int32_t* rows, int32_t num_nodes,
                                   const double* keys, const double* start, const double* l0, const double* l1,
                                   const double* share, const double* e0, const double* e1, int32_t num_segments,
