@@ -308,7 +308,7 @@ class OnlineAcceptance:
             out = self.reader(table, c, rows)
             return torch.from_numpy(out).reshape(confidences.shape).to(confidences.device)
         k = np.searchsorted(table["keys"], rows * 2.0 + c, side="right") - 1
-        linear = table["l0"][k] + table["l1"][k] * (c - table["start"][k])
+        linear = _segment_line(table, k, c)
         exact = table["e0"][k] + table["e1"][k] * c
         if table["deep"] is not None:  # greedy rows below depth 1 without a calibration: the prior from depth 1
             deep = table["deep"][rows]
@@ -321,7 +321,7 @@ class OnlineAcceptance:
         """`_from_first` read off the compiled depth-1 greedy row (row 0)."""
         x = c ** (1.0 / depth)
         k = np.searchsorted(table["keys"], x, side="right") - 1  # row 0's keys are its starts
-        e1 = _clip(table["l0"][k] + table["l1"][k] * (x - table["start"][k]) + table["share"][k] * x, 0.0, 1.0)
+        e1 = _clip(_segment_line(table, k, x) + table["share"][k] * x, 0.0, 1.0)
         ratio = np.divide(e1, x, out=np.zeros_like(x), where=x > 0)
         return np.where(x > 0, c * ratio ** depth, e1 ** depth)
 
@@ -421,6 +421,11 @@ class OnlineAcceptance:
                  "estimate@0.1/0.5/0.9": [round(v, 3) for v in self.estimate(probe, d).tolist()],
                  "off greedy path": [round(v, 3) for v in self.estimate(probe, d, False).tolist()]}
                 for d in range(1, self.max_depth + 1)]
+
+
+def _segment_line(table: dict, k: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The linear part of a compiled fit's segments k at x (`OnlineAcceptance._segments_table`)."""
+    return table["l0"][k] + table["l1"][k] * (x - table["start"][k])
 
 
 def _host(x) -> np.ndarray:

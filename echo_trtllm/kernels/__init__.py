@@ -33,8 +33,8 @@ from echo_trtllm.core.pack import PackedVerifyBatch, words_per_row
 from echo_trtllm.core.pack import pack as core_pack
 from echo_trtllm.core.tree import SuperTree
 
-__all__ = ["BACKENDS", "load_library", "backend_for", "host_allocator", "host_estimate_reader", "install_host", "gate", "allocate_budget", "pack",
-           "PluginError"]
+__all__ = ["BACKENDS", "load_library", "backend_for", "host_allocator", "host_estimate_reader", "install_host", "gate",
+           "allocate_budget", "pack", "PluginError"]
 
 logger = logging.getLogger(__name__)
 
@@ -211,8 +211,6 @@ def allocate_budget(tree: SuperTree, spine_depth: Tensor, budget: int, max_nodes
     b, n = tree.batch_size, tree.total_nodes
     if budget < b:
         raise ValueError(f"budget K_max = {budget} is below the batch size {b}: every request needs its root")
-    if backend == "host":
-        return _allocate_budget_host(lib, tree, spine_depth, budget, max_nodes_per_request, with_order)
     ins = [tree.path_probs.float().contiguous(), tree.depths.to(torch.int32).contiguous(),
            tree.parents.to(torch.int32).contiguous(), tree.cu_num_nodes.to(torch.int32).contiguous()]
     spine = spine_depth.to(device=dev, dtype=torch.int32).contiguous()
@@ -233,40 +231,6 @@ def allocate_budget(tree: SuperTree, spine_depth: Tensor, budget: int, max_nodes
         raise PluginError("allocate_budget: the plugin left an output unwritten")
     taken = order[: int(order_len.item())].long() if with_order else order.long()
     return BudgetAllocation(selected.bool(), phase, num_nodes.long(), taken)
-
-
-_TORCH_DTYPES = {np.float32: torch.float32, np.int32: torch.int32}
-
-
-def _host_array(t: Tensor, dtype) -> np.ndarray:
-    """A CPU tensor as a contiguous NumPy array of this dtype (its own memory where it already is one; converted
-    by torch first, so any tensor dtype is taken, bfloat16 included)."""
-    return t.detach().to(_TORCH_DTYPES[dtype]).contiguous().numpy()
-
-
-def _allocate_budget_host(lib, tree: SuperTree, spine_depth: Tensor, budget: int, max_nodes_per_request: int | None,
-                          with_order: bool) -> BudgetAllocation:
-    """`allocate_budget` on the host library, its arguments and results marshalled as NumPy arrays (the step's
-    control plane calls it once a step: a few array calls instead of a few dozen tensor operations)."""
-    b, n = tree.batch_size, tree.total_nodes
-    ins = [_host_array(tree.path_probs, np.float32), _host_array(tree.depths, np.int32),
-           _host_array(tree.parents, np.int32), _host_array(tree.cu_num_nodes, np.int32)]
-    spine = _host_array(spine_depth.cpu(), np.int32)
-    # sentinels, not empty memory: an output a path fails to write cannot pass for another call's result
-    selected = np.full(n, 2, dtype=np.uint8)
-    phase = np.full(n, 9, dtype=np.int8)
-    num_nodes = np.full(b, -1, dtype=np.int32)
-    order = np.empty(max(n - b, 1) if with_order else 0, dtype=np.int32)
-    order_len = np.full(1, -1, dtype=np.int32)
-    ptr = [_vp(a.ctypes.data) for a in (*ins, spine, selected, phase, num_nodes, order, order_len)]
-    _check(lib, lib.echo_allocate_budget_host(*ptr[:4], _i32(b), _i32(n), ptr[4], _i32(budget),
-                                              _i32(max_nodes_per_request or 0), *ptr[5:8],
-                                              ptr[8] if with_order else _vp(0), ptr[9]))
-    if (selected > 1).any() or (phase == 9).any() or (num_nodes < 0).any() or order_len[0] < 0:
-        raise PluginError("allocate_budget: the plugin left an output unwritten")
-    taken = order[: int(order_len[0])] if with_order else order
-    return BudgetAllocation(torch.from_numpy(selected.view(np.bool_)), torch.from_numpy(phase),
-                            torch.from_numpy(num_nodes.astype(np.int64)), torch.from_numpy(taken.astype(np.int64)))
 
 
 # ------------------------------------------------------------------------------------------------------ pack
