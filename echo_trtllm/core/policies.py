@@ -85,6 +85,9 @@ class DraftState:
     # per drafted level (level-major, like the levels): each node's slot in the fixed-shape frontier it was
     # expanded from (-1: not expanded). Set by `draft_tree_batched`; the drafter places KV entries by it.
     frontier_slots: list[Tensor] | None = None
+    # (levels, B) float32: the confidences of a step whose levels the host library replays (`EchoPolicy.replay_level`);
+    # `confidence`'s entries are its rows
+    history: Tensor | None = None
 
 
 @dataclass
@@ -423,6 +426,9 @@ class EchoPolicy(TreePolicy):
     def __init__(self, config: EchoConfig, cost_model: CostModel | None = None,
                  gate_samples: GateSamples | None = None) -> None:
         super().__init__(config, cost_model)
+        # the host library's replay of a drafted level (`kernels.host_level_replayer`, installed by
+        # `kernels.install_host`); None: `draft_tree_batched` replays in torch and calls `observe`
+        self.level_replayer = None
         calibrated = None if gate_samples is None else AcceptanceModel.from_samples(
             gate_samples.depths, gate_samples.confidences, gate_samples.accepted)
         # acceptance estimates for the budget rule, the cost-aware stop and the gate: re-learned online, starting
@@ -496,21 +502,63 @@ class EchoPolicy(TreePolicy):
     def _cost_stop(self, state: DraftState) -> None:
         if self.cost_model is None or not bool(state.active.any()) or not self.cost_model.draft_tokens:
             return
-        cost, b = self.cost_model, state.batch_size
-        n = int(state.active.sum())
-        ctx = state.context
-        step = float(cost.verify_time(b, ctx, b))
         # the verification already claimed: every request's root and its spine so far (priority 1)
-        claimed = b + int(state.spine_depth.sum())
-        seconds = (float(cost.draft_level_time(n * self.expand_width, ctx))
-                   + float(cost.verify_time(claimed + n, ctx, b)) - float(cost.verify_time(claimed, ctx, b)))
+        claimed = state.batch_size + int(state.spine_depth.sum())
         # tokens the next level may add, at most: its best nodes' path probabilities are at most this level's, so
         # their estimates at the next depth bound them (the estimates rise with the path probability at every
         # depth). The next depth's map, not this one's: a depth the calibration never saw accepted prices the
         # level that would draft it near zero
         gain = float(self.acceptance_estimates(state.confidence[-1][state.active], len(state.confidence) + 1).sum())
+        self._stop_unless_paid(state, int(state.active.sum()), claimed, gain)
+
+    def _stop_unless_paid(self, state: DraftState, n: int, claimed: int, gain: float) -> None:
+        """The cost stop's comparison: drafting stops for the batch when the next level's `gain` tokens (n requests
+        drafting, `claimed` tokens of verification claimed) are worth less than its seconds at the AR rate."""
+        cost, b, ctx = self.cost_model, state.batch_size, state.context
+        step = float(cost.verify_time(b, ctx, b))
+        seconds = (float(cost.draft_level_time(n * self.expand_width, ctx))
+                   + float(cost.verify_time(claimed + n, ctx, b)) - float(cost.verify_time(claimed, ctx, b)))
         if gain * step <= seconds * b:
             state.active = torch.zeros_like(state.active)
+
+    @property
+    def replays_on_host(self) -> bool:
+        """Whether `draft_tree_batched` replays this policy's levels with `replay_level` (the host library is
+        installed and the class keeps echo's own per-level decisions)."""
+        cls = type(self)
+        return (self.level_replayer is not None and cls.observe is EchoPolicy.observe
+                and cls._cost_stop is EchoPolicy._cost_stop and cls._budget_stop is EchoPolicy._budget_stop
+                and cls.acceptance_estimates is EchoPolicy.acceptance_estimates)
+
+    def replay_level(self, state: DraftState, prev: DraftLevel, prev_slots: Tensor, depth: int, slot_width: int,
+                     front: Tensor, fvalid: Tensor, probs: Tensor, tokens: Tensor,
+                     row_of: Tensor) -> tuple[Tensor, DraftLevel | None, Tensor | None]:
+        """One level the device drafted, replayed on the host library with this policy's decisions: what `_replay`'s
+        loop body and `observe` do, in one call (`kernels.host_level_replayer`; the torch loop is its oracle,
+        tests/plugins/test_level_replay.py). Returns the frontier slot of each node of `prev` (-1: not expanded),
+        the new level (None: an empty frontier, drafting ends) and its nodes' device slots."""
+        if state.history is None:
+            state.history = torch.zeros(max(self.max_depth, depth), state.batch_size)
+        if len(state.confidence) != depth - 1:
+            raise RuntimeError(f"replay_level: depth {depth} after {len(state.confidence)} observed levels")
+        tau = state.gate.threshold_at(depth)
+        cost = self.cost_model
+        priced = cost is not None and bool(cost.draft_tokens)
+        table = self.acceptance._segments_table() if priced else None
+        gain_row = min(max(depth + 1, 1), self.acceptance.max_depth) - 1  # the greedy row of depth + 1
+        spare = int(state.budget or 0) - state.batch_size if self.budget_stop else None
+        slot_of, ints, floats, active, n, claimed, gain = self.level_replayer(
+            prev.request_ids, prev.path_probs, prev_slots, slot_width, front, fvalid, probs, tokens, row_of, depth,
+            tau, spare, table, gain_row, state.active, state.spine_depth, state.failed_at, state.history)
+        if ints.shape[1] == 0:
+            return slot_of, None, None
+        state.confidence.append(state.history[depth - 1])
+        state.active = active
+        if priced and n > 0:
+            self._stop_unless_paid(state, n, claimed, gain)
+        level = DraftLevel(depth=depth, request_ids=ints[0], parent_ids=ints[1], token_ids=ints[2],
+                           draft_probs=floats[0], path_probs=floats[1], ranks=ints[3])
+        return slot_of, level, ints[4]
 
     def select(self, tree: SuperTree, state: DraftState) -> Tensor:
         alloc = self.allocator(
@@ -752,9 +800,20 @@ def _replay(policy: TreePolicy, state: DraftState, levels: list[DraftLevel], slo
     pad = rows.numel()  # requests off the device read the all -1 padding row of each frontier table
     row_of = torch.full((state.batch_size,), pad, dtype=torch.long)
     row_of[rows] = torch.arange(pad)
+    host = getattr(policy, "replays_on_host", False)
     for i, (depth, _, width, *_) in enumerate(pending):
         front, fvalid, probs, toks = flat[4 * i: 4 * i + 4]
         prev = levels[-1]
+        if host:  # the loop body below and policy.observe in one call of the host library
+            w, level, level_slots = policy.replay_level(state, prev, slots[-1], depth, width, front, fvalid, probs,
+                                                        toks, row_of)
+            state.frontier_slots.append(w)
+            if level is None:
+                return False
+            state.frontier_sizes.append(level.num_nodes // probs.shape[-1])
+            levels.append(level)
+            slots.append(level_slots)
+            continue
         # the frontier slot of each node of the previous level (-1: not in its request's device frontier)
         table = torch.full((pad + 1, width), -1, dtype=torch.long)
         table[:pad].scatter_(1, front, torch.where(fvalid, torch.arange(front.shape[1]), -1))

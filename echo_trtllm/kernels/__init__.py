@@ -33,8 +33,8 @@ from echo_trtllm.core.pack import PackedVerifyBatch, words_per_row
 from echo_trtllm.core.pack import pack as core_pack
 from echo_trtllm.core.tree import SuperTree
 
-__all__ = ["BACKENDS", "load_library", "backend_for", "host_allocator", "host_estimate_reader", "install_host", "gate",
-           "allocate_budget", "pack", "PluginError"]
+__all__ = ["BACKENDS", "load_library", "backend_for", "host_allocator", "host_estimate_reader", "host_level_replayer",
+           "install_host", "gate", "allocate_budget", "pack", "PluginError"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,11 +94,13 @@ def host_allocator():
 def install_host(policy) -> None:
     """The policy's control plane on the host library where it is built (the runtime's drafted trees are on the
     host): its budget allocation (`host_allocator`) and, for the echo family, its acceptance estimates' read
-    (`host_estimate_reader`)."""
+    (`host_estimate_reader`) and its replay of drafted levels (`host_level_replayer`)."""
     policy.allocator = host_allocator()
     acceptance = getattr(policy, "acceptance", None)
     if acceptance is not None:
         acceptance.reader = host_estimate_reader()
+    if hasattr(policy, "level_replayer"):
+        policy.level_replayer = host_level_replayer()
 
 
 def host_estimate_reader():
@@ -113,18 +115,86 @@ def host_estimate_reader():
     return functools.partial(_estimate_host, lib)
 
 
+def host_level_replayer():
+    """The drafted levels' replay with the echo policy's decisions on the host library (`EchoPolicy.level_replayer`:
+    one call per level for `core.policies._replay`'s loop body and the policy's gate, budget stop and cost stop's
+    tokens), or None where the library is not built (or predates it): the levels are then replayed in torch, with
+    the same results. `install_host` installs it."""
+    if backend_for("cpu") != "host":
+        return None
+    lib = _lib("host")
+    if not hasattr(lib, "echo_replay_level_host"):
+        return None
+    return functools.partial(_replay_level_host, lib)
+
+
 _SEGMENT_ARRAYS = ("keys", "start", "l0", "l1", "share", "e0", "e1")
+
+
+class _Segments(ctypes.Structure):
+    """echo_abi.h's echo_segments."""
+
+    _fields_ = [(k, _vp) for k in _SEGMENT_ARRAYS] + [("num_segments", _i32), ("deep", _vp), ("num_rows", _i32)]
+
+
+def _host_segments(table: dict) -> tuple:
+    """One compiled fit's arrays marshalled for the library, once per fit (kept in table["host"]): (arrays, deep,
+    their pointers, deep's pointer, the echo_segments struct)."""
+    if table.get("host") is None:
+        arrays = [np.ascontiguousarray(table[k], dtype=np.float64) for k in _SEGMENT_ARRAYS]
+        deep = None if table["deep"] is None else np.ascontiguousarray(table["deep"], dtype=np.uint8)
+        ptrs = [_vp(a.ctypes.data) for a in arrays]
+        deep_ptr = _vp(0) if deep is None else _vp(deep.ctypes.data)
+        struct = _Segments(*[a.ctypes.data for a in arrays], arrays[0].size,
+                           None if deep is None else deep.ctypes.data, table["rows"])
+        table["host"] = (arrays, deep, ptrs, deep_ptr, struct)
+    return table["host"]
+
+
+def _replay_level_host(lib, prev_request_ids: Tensor, prev_path_probs: Tensor, prev_slots: Tensor, slot_width: int,
+                       front: Tensor, fvalid: Tensor, probs: Tensor, tokens: Tensor, row_of: Tensor, depth: int,
+                       tau: float | None, budget_spare: int | None, table: dict | None, gain_row: int,
+                       active: Tensor, spine_depth: Tensor, failed_at: Tensor, history: Tensor):
+    """`echo_replay_level_host` (echo_abi.h) on host tensors. spine_depth and failed_at (int64) are updated in place
+    and history's row depth - 1 is written. budget_spare None: no budget stop; table: the acceptance fit for the
+    cost stop's tokens (None: not read). Returns (slot of each previous node in the frontier (-1: not expanded),
+    the new level's (request, parent, token, rank, slot) int64 and (draft prob, path prob) float32 as tensors of
+    its nodes, the new active mask, active requests, claimed tokens, the active requests' estimated tokens)."""
+    prev_request_ids, prev_slots = prev_request_ids.long().contiguous(), prev_slots.long().contiguous()
+    prev_path_probs, row_of = prev_path_probs.float().contiguous(), row_of.long().contiguous()
+    active = active.bool().contiguous()
+    front = front.long().contiguous()
+    fvalid = fvalid.to(torch.uint8).contiguous()
+    probs = probs.float().contiguous()
+    tokens = tokens.long().contiguous()
+    m = prev_request_ids.numel()
+    rows, width = front.shape
+    k = probs.shape[-1]
+    b = active.numel()
+    if spine_depth.dtype != torch.long or failed_at.dtype != torch.long or history.dtype != torch.float32:
+        raise TypeError("spine_depth and failed_at must be int64 and history float32")
+    ints = torch.empty(5, m * k, dtype=torch.long)
+    floats = torch.empty(2, m * k, dtype=torch.float32)
+    slot_of = torch.empty(m, dtype=torch.long)
+    active_out = torch.empty(b, dtype=torch.bool)
+    nf, na, claimed, gain = _i32(0), _i32(0), ctypes.c_int64(0), ctypes.c_double(0.0)
+    fit = None if table is None else ctypes.byref(_host_segments(table)[4])
+    _check(lib, lib.echo_replay_level_host(
+        _ptr(prev_request_ids), _ptr(prev_path_probs), _ptr(prev_slots), _i32(m), _i32(slot_width), _ptr(front),
+        _ptr(fvalid), _ptr(probs), _ptr(tokens), _i32(rows), _i32(width), _i32(k), _ptr(row_of), _i32(b),
+        _i32(depth), _i32(history.shape[0]), _i32(tau is not None), _f32(0.0 if tau is None else tau),
+        _i32(budget_spare is not None), _i32(budget_spare or 0), fit, _i32(gain_row), _ptr(active),
+        _ptr(active_out), _ptr(spine_depth), _ptr(failed_at), _ptr(history), _ptr(slot_of), _ptr(ints[0]),
+        _ptr(ints[1]), _ptr(ints[2]), _ptr(floats[0]), _ptr(floats[1]), _ptr(ints[3]), _ptr(ints[4]),
+        ctypes.byref(nf), ctypes.byref(na), ctypes.byref(claimed), ctypes.byref(gain)))
+    size = nf.value * k
+    return (slot_of, ints[:, :size], floats[:, :size], active_out, na.value, claimed.value, gain.value)
 
 
 def _estimate_host(lib, table: dict, confidences: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """`echo_acceptance_estimate_host` over one compiled fit (`OnlineAcceptance._segments_table`); the table's
     arrays are marshalled once per fit and kept in it (table["host"])."""
-    if table.get("host") is None:
-        arrays = [np.ascontiguousarray(table[k], dtype=np.float64) for k in _SEGMENT_ARRAYS]
-        deep = None if table["deep"] is None else np.ascontiguousarray(table["deep"], dtype=np.uint8)
-        table["host"] = (arrays, deep, [_vp(a.ctypes.data) for a in arrays],
-                         _vp(0) if deep is None else _vp(deep.ctypes.data))
-    arrays, _, ptrs, deep_ptr = table["host"]
+    arrays, _, ptrs, deep_ptr, _ = _host_segments(table)
     c = np.ascontiguousarray(confidences, dtype=np.float64)
     r = np.ascontiguousarray(rows, dtype=np.int32)
     out = np.empty(c.size, dtype=np.float64)

@@ -2,6 +2,8 @@
 // Builds with any C++17 compiler (no CUDA needed): this is what CI tests against echo_trtllm.core.
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <limits>
 #include <vector>
 
 #include "checks.h"
@@ -20,6 +22,35 @@ inline int32_t segment_of(const double* keys, int32_t num_segments, double key) 
 }
 
 inline double clamp01(double x) { return std::min(std::max(x, 0.0), 1.0); }
+
+// one node's estimate off the compiled fit (echo_abi.h, echo_acceptance_estimate_host): c clamped, NaN -> NaN
+inline double estimate_one(const echo_segments& f, double c, int32_t r) {
+  if (std::isnan(c)) return c;
+  c = clamp01(c);
+  const int32_t s = segment_of(f.keys, f.num_segments, 2.0 * r + c);
+  double prior = f.e0[s] + f.e1[s] * c;
+  if (f.deep && f.deep[r]) {
+    const double d = r + 1.0;
+    const double x = std::pow(c, 1.0 / d);
+    const int32_t t = segment_of(f.keys, f.num_segments, x);
+    const double e = clamp01(f.l0[t] + f.l1[t] * (x - f.start[t]) + f.share[t] * x);
+    prior = x > 0.0 ? c * std::pow(e / x, d) : std::pow(e, d);
+  }
+  return clamp01(f.l0[s] + f.l1[s] * (c - f.start[s]) + f.share[s] * prior);
+}
+
+int check_segments(const echo_segments& f, const char* who) {
+  ECHO_REQUIRE(f.num_segments >= 1 && f.num_rows >= 1, "%s: num_segments and num_rows must be >= 1, got %d and %d",
+               who, f.num_segments, f.num_rows);
+  ECHO_REQUIRE(f.keys && f.start && f.l0 && f.l1 && f.share && f.e0 && f.e1,
+               "%s: a required segment array is NULL (keys, start, l0, l1, share, e0, e1)", who);
+  ECHO_REQUIRE(f.keys[0] <= 0.0, "%s: the first segment must start at key 0 (row 0, confidence 0), got %g", who,
+               f.keys[0]);
+  for (int32_t s = 1; s < f.num_segments; ++s)
+    ECHO_REQUIRE(f.keys[s - 1] <= f.keys[s], "%s: keys must be ascending, keys[%d] = %g > keys[%d] = %g", who, s - 1,
+                 f.keys[s - 1], s, f.keys[s]);
+  return abi::ok();
+}
 
 }  // namespace
 
@@ -127,37 +158,141 @@ int echo_acceptance_estimate_host(const double* confidences, const int32_t* rows
                                   const double* share, const double* e0, const double* e1, int32_t num_segments,
                                   const uint8_t* deep, int32_t num_rows, double* out) {
   ECHO_REQUIRE(num_nodes >= 0, "acceptance_estimate: num_nodes must be >= 0, got %d", num_nodes);
-  ECHO_REQUIRE(num_segments >= 1 && num_rows >= 1,
-               "acceptance_estimate: num_segments and num_rows must be >= 1, got %d and %d", num_segments, num_rows);
-  ECHO_REQUIRE(keys && start && l0 && l1 && share && e0 && e1 && (num_nodes == 0 || (confidences && rows && out)),
-               "acceptance_estimate: a required array is NULL (confidences, rows, keys, start, l0, l1, share, e0, "
-               "e1, out)");
-  ECHO_REQUIRE(keys[0] <= 0.0, "acceptance_estimate: the first segment must start at key 0 (row 0, confidence 0), "
-               "got %g", keys[0]);
-  for (int32_t s = 1; s < num_segments; ++s)
-    ECHO_REQUIRE(keys[s - 1] <= keys[s], "acceptance_estimate: keys must be ascending, keys[%d] = %g > keys[%d] = %g",
-                 s - 1, keys[s - 1], s, keys[s]);
+  ECHO_REQUIRE(num_nodes == 0 || (confidences && rows && out),
+               "acceptance_estimate: a required array is NULL (confidences, rows, out)");
+  const echo_segments fit{keys, start, l0, l1, share, e0, e1, num_segments, deep, num_rows};
+  if (int rc = check_segments(fit, "acceptance_estimate")) return rc;
   for (int32_t i = 0; i < num_nodes; ++i) {
     ECHO_REQUIRE(rows[i] >= 0 && rows[i] < num_rows, "acceptance_estimate: rows[%d] = %d is outside [0, %d)", i,
                  rows[i], num_rows);
   }
-  for (int32_t i = 0; i < num_nodes; ++i) {
-    if (std::isnan(confidences[i])) {  // NaN in, NaN out (as the NumPy read gives)
-      out[i] = confidences[i];
-      continue;
+  for (int32_t i = 0; i < num_nodes; ++i) out[i] = estimate_one(fit, confidences[i], rows[i]);
+  return abi::ok();
+}
+
+int echo_replay_level_host(const int64_t* prev_request_ids, const float* prev_path_probs, const int64_t* prev_slots,
+                           int32_t num_prev, int32_t slot_width, const int64_t* front, const uint8_t* fvalid,
+                           const float* probs, const int64_t* tokens, int32_t num_rows, int32_t width,
+                           int32_t children, const int64_t* row_of, int32_t batch_size, int32_t depth,
+                           int32_t max_levels, int32_t has_tau, float tau, int32_t budget_stop, int32_t budget_spare,
+                           const echo_segments* fit, int32_t gain_row, const uint8_t* active_in, uint8_t* active_out,
+                           int64_t* spine_depth, int64_t* failed_at, float* history, int64_t* out_slot_of,
+                           int64_t* out_request_ids, int64_t* out_parent_ids, int64_t* out_token_ids,
+                           float* out_draft_probs, float* out_path_probs, int64_t* out_ranks, int64_t* out_slots,
+                           int32_t* num_frontier, int32_t* num_active, int64_t* claimed, double* gain) {
+  const char* who = "replay_level";
+  ECHO_REQUIRE(batch_size >= 1 && num_prev >= 0 && num_rows >= 0 && width >= 1 && children >= 1 && slot_width >= 1,
+               "%s: batch_size, width, children and slot_width must be >= 1 and num_prev, num_rows >= 0, got %d, %d, "
+               "%d, %d, %d, %d", who, batch_size, width, children, slot_width, num_prev, num_rows);
+  ECHO_REQUIRE(depth >= 1 && depth <= max_levels, "%s: depth must be in [1, max_levels = %d], got %d", who,
+               max_levels, depth);
+  ECHO_REQUIRE(budget_spare >= 0, "%s: budget_spare must be >= 0, got %d", who, budget_spare);
+  ECHO_REQUIRE(row_of && active_in && active_out && spine_depth && failed_at && history && num_frontier &&
+                   num_active && claimed && gain,
+               "%s: a required array is NULL (row_of, active_in, active_out, spine_depth, failed_at, history, "
+               "num_frontier, num_active, claimed, gain)", who);
+  ECHO_REQUIRE(num_prev == 0 || (prev_request_ids && prev_path_probs && prev_slots && out_slot_of && out_request_ids &&
+                                 out_parent_ids && out_token_ids && out_draft_probs && out_path_probs && out_ranks &&
+                                 out_slots),
+               "%s: a required level array is NULL", who);
+  ECHO_REQUIRE(num_rows == 0 || (front && fvalid && probs && tokens),
+               "%s: a required device array is NULL (front, fvalid, probs, tokens)", who);
+  if (fit) {
+    if (int rc = check_segments(*fit, who)) return rc;
+    ECHO_REQUIRE(gain_row >= 0 && gain_row < fit->num_rows, "%s: gain_row = %d is outside [0, %d)", who, gain_row,
+                 fit->num_rows);
+  }
+  for (int32_t b = 0; b < batch_size; ++b)
+    ECHO_REQUIRE(row_of[b] >= 0 && row_of[b] <= num_rows, "%s: row_of[%d] = %lld is outside [0, num_rows = %d]", who,
+                 b, static_cast<long long>(row_of[b]), num_rows);
+  for (int64_t i = 0; i < static_cast<int64_t>(num_rows) * width; ++i)
+    ECHO_REQUIRE(front[i] >= 0 && front[i] < slot_width, "%s: front[%lld] = %lld is outside [0, slot_width = %d)", who,
+                 static_cast<long long>(i), static_cast<long long>(front[i]), slot_width);
+  for (int32_t i = 0; i < num_prev; ++i) {
+    ECHO_REQUIRE(prev_request_ids[i] >= 0 && prev_request_ids[i] < batch_size,
+                 "%s: prev_request_ids[%d] = %lld is outside [0, %d)", who, i,
+                 static_cast<long long>(prev_request_ids[i]), batch_size);
+    ECHO_REQUIRE(prev_slots[i] >= 0 && prev_slots[i] < slot_width, "%s: prev_slots[%d] = %lld is outside [0, %d)",
+                 who, i, static_cast<long long>(prev_slots[i]), slot_width);
+  }
+
+  // the frontier slot of each previous node in its row's device frontier (-1: none); the padding row stays -1
+  std::vector<int64_t> table(static_cast<size_t>(num_rows + 1) * slot_width, -1);
+  for (int32_t r = 0; r < num_rows; ++r)
+    for (int32_t j = 0; j < width; ++j)
+      table[static_cast<size_t>(r) * slot_width + front[static_cast<size_t>(r) * width + j]] =
+          fvalid[static_cast<size_t>(r) * width + j] ? j : -1;
+  int32_t f = 0;
+  for (int32_t i = 0; i < num_prev; ++i) {
+    const int64_t req = prev_request_ids[i];
+    const int64_t r = row_of[req];
+    const int64_t w = active_in[req] ? table[static_cast<size_t>(r) * slot_width + prev_slots[i]] : -1;
+    out_slot_of[i] = w;
+    if (w < 0) continue;
+    const size_t src = (static_cast<size_t>(r) * width + w) * children;
+    for (int32_t j = 0; j < children; ++j) {
+      const size_t o = static_cast<size_t>(f) * children + j;
+      const float p = probs[src + j];
+      out_request_ids[o] = req;
+      out_parent_ids[o] = i;
+      out_token_ids[o] = tokens[src + j];
+      out_draft_probs[o] = p;
+      out_path_probs[o] = prev_path_probs[i] * p;
+      out_ranks[o] = j;
+      out_slots[o] = w * children + j;
     }
-    const double c = clamp01(confidences[i]);
-    const int32_t r = rows[i];
-    const int32_t s = segment_of(keys, num_segments, 2.0 * r + c);
-    double prior = e0[s] + e1[s] * c;
-    if (deep && deep[r]) {
-      const double d = r + 1.0;
-      const double x = std::pow(c, 1.0 / d);
-      const int32_t t = segment_of(keys, num_segments, x);
-      const double e = clamp01(l0[t] + l1[t] * (x - start[t]) + share[t] * x);
-      prior = x > 0.0 ? c * std::pow(e / x, d) : std::pow(e, d);
+    ++f;
+  }
+  *num_frontier = f;
+  *num_active = 0;
+  *claimed = 0;
+  *gain = 0.0;
+  if (f == 0) return abi::ok();
+
+  // the level's confidence per request, then the gate, the spine and the budget stop (EchoPolicy.observe)
+  float* c = history + static_cast<size_t>(depth - 1) * batch_size;
+  std::fill(c, c + batch_size, 0.0f);
+  for (int64_t o = 0; o < static_cast<int64_t>(f) * children; ++o) {
+    const int64_t req = out_request_ids[o];
+    c[req] = std::max(c[req], out_path_probs[o]);
+  }
+  int32_t n = 0;
+  for (int32_t b = 0; b < batch_size; ++b) {
+    bool a = active_in[b] != 0;
+    if (has_tau && a && !(c[b] > tau)) {
+      failed_at[b] = depth;
+      a = false;
     }
-    out[i] = clamp01(l0[s] + l1[s] * (c - start[s]) + share[s] * prior);
+    if (a) spine_depth[b] = depth;
+    active_out[b] = a;
+    n += a;
+  }
+  if (budget_stop && n > 0 && static_cast<int64_t>(depth) * n > budget_spare) {
+    float bar = std::numeric_limits<float>::infinity();
+    if (budget_spare > 0) {
+      std::vector<float> seen;
+      seen.reserve(static_cast<size_t>(depth) * n);
+      for (int32_t d = 0; d < depth; ++d)
+        for (int32_t b = 0; b < batch_size; ++b)
+          if (active_out[b]) seen.push_back(history[static_cast<size_t>(d) * batch_size + b]);
+      std::nth_element(seen.begin(), seen.begin() + (budget_spare - 1), seen.end(), std::greater<float>());
+      bar = seen[budget_spare - 1];
+    }
+    n = 0;
+    for (int32_t b = 0; b < batch_size; ++b) {
+      active_out[b] = active_out[b] && c[b] >= bar;
+      n += active_out[b];
+    }
+  }
+  int64_t spine = 0;
+  for (int32_t b = 0; b < batch_size; ++b) spine += spine_depth[b];
+  *num_active = n;
+  *claimed = batch_size + spine;
+  if (fit && n > 0) {
+    double g = 0.0;
+    for (int32_t b = 0; b < batch_size; ++b)
+      if (active_out[b]) g += estimate_one(*fit, static_cast<double>(c[b]), gain_row);
+    *gain = g;
   }
   return abi::ok();
 }

@@ -1,5 +1,5 @@
 """The runtime's control plane on the plugin's host library (echo_trtllm.kernels.backend_for("cpu") == "host"
-where it is built): the engine's budget allocation and packing run there, and what it emits is what the same
+where it is built): the engine's budget allocation, packing, acceptance estimates and the replay of drafted levels run there, and what it emits is what the same
 engine emits on the core's PyTorch reference, and what plain AR emits (greedy)."""
 
 import pytest
@@ -19,6 +19,7 @@ def _generate(default_pair, prompts, policy, calls=None):
         if calls is not None:
             calls["allocator"] = getattr(llm.executor.policy.allocator, "keywords", None)
             calls["reader"] = llm.executor.policy.acceptance.reader
+            calls["replays"] = llm.executor.policy.replays_on_host
         outs = llm.generate(prompts[:6], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
         return [o.outputs[0].token_ids for o in outs]
     finally:
@@ -27,12 +28,12 @@ def _generate(default_pair, prompts, policy, calls=None):
 
 def test_the_engine_runs_allocation_and_packing_on_the_host_library(host_backend, default_pair, prompts,
                                                                     monkeypatch):
-    counted = {"allocate_budget": 0, "pack": 0, "_estimate_host": 0}
+    counted = {"allocate_budget": 0, "pack": 0, "_estimate_host": 0, "_replay_level_host": 0}
     for name in counted:
         real = getattr(kernels, name)
 
         def wrapper(*a, _real=real, _name=name, **k):
-            if k.get("backend") == "host" or _name == "_estimate_host":
+            if k.get("backend") == "host" or _name.endswith("_host"):
                 counted[_name] += 1
             return _real(*a, **k)
         monkeypatch.setattr(kernels, name, wrapper)
@@ -40,7 +41,8 @@ def test_the_engine_runs_allocation_and_packing_on_the_host_library(host_backend
     on_host = _generate(default_pair, prompts, "echo", info)
     assert info["allocator"] == {"backend": "host"}
     assert info["reader"] is not None  # the acceptance estimates read on the host library too
-    assert counted["allocate_budget"] > 0 and counted["pack"] > 0 and counted["_estimate_host"] > 0
+    assert info["replays"]  # and the drafted levels replayed there
+    assert all(n > 0 for n in counted.values()), counted
     monkeypatch.setenv("ECHO_PLUGIN_HOST_LIB", "/nonexistent/libecho_host.so")
     monkeypatch.setattr(kernels, "BUILD_DIR", kernels.BUILD_DIR / "nonexistent")
     kernels.load_library.cache_clear()
@@ -50,6 +52,7 @@ def test_the_engine_runs_allocation_and_packing_on_the_host_library(host_backend
         on_torch = _generate(default_pair, prompts, "echo", info)
         assert info["allocator"] is None  # the core's own function
         assert info["reader"] is None  # the estimates read with NumPy
+        assert not info["replays"]  # the levels replayed in torch
         plain = _generate(default_pair, prompts, "ar")
     finally:
         kernels.load_library.cache_clear()

@@ -76,6 +76,48 @@ int echo_acceptance_estimate_host(const double* confidences, const int32_t* rows
                                   const double* share, const double* e0, const double* e1, int32_t num_segments,
                                   const uint8_t* deep, int32_t num_rows, double* out);
 
+/* The online acceptance fit compiled into segments (echo_acceptance_estimate_host's arrays, one struct). */
+typedef struct {
+  const double *keys, *start, *l0, *l1, *share, *e0, *e1;
+  int32_t num_segments;
+  const uint8_t* deep; /* NULL: no row reads the depth-1 prior */
+  int32_t num_rows;
+} echo_segments;
+
+/* One drafted level replayed on the host with ECHO's per-level decisions (echo_trtllm.core.policies._replay, one
+ * level, then EchoPolicy.observe without the cost stop's last comparison), in one call.
+ *
+ * The previous level: prev_request_ids, prev_path_probs, prev_slots (each node's slot in its row's device level,
+ * slots < slot_width), num_prev nodes. The device's level for its num_rows drafting rows: front (R, W) the
+ * frontier's slots in the previous level, fvalid (R, W), probs and tokens (R, W, K). row_of (B,): each request's
+ * device row, num_rows for a request off the device.
+ *
+ * A previous node is expanded iff its request is active and its slot is in its row's valid frontier; out_slot_of
+ * (num_prev) is its frontier slot or -1. The expanded nodes' K children each, frontier-major, best first, go to the
+ * out_* arrays (room for num_prev * K): request, parent (index into the previous level), token, draft probability,
+ * path probability (parent's x own, float32), rank, device slot (w * K + j). *num_frontier: expanded nodes; 0 ends
+ * drafting and nothing below runs.
+ *
+ * Then the level's decisions on the batch (B = batch_size): confidence (B) = each request's best path probability
+ * at this level (0 where none), also written to history row depth - 1 ((max_levels, B), the earlier rows are
+ * this step's earlier levels); with has_tau, a request fails the gate unless confidence > tau (failed_at = depth);
+ * spine_depth = depth where still active; with budget_stop, when the active requests' confidences over the levels
+ * so far outnumber budget_spare, a request stops unless its confidence at this level is >= their
+ * budget_spare-th largest (budget_spare 0: every request stops). active_out (B) is the result (active_in is not
+ * written). Finally *num_active, *claimed = B + sum of spine_depth, and with fit != NULL *gain = the sum of
+ * the active requests' acceptance estimates at this level's confidence on fit row gain_row (the cost stop's
+ * tokens); the caller compares them with the step's prices. */
+int echo_replay_level_host(const int64_t* prev_request_ids, const float* prev_path_probs, const int64_t* prev_slots,
+                           int32_t num_prev, int32_t slot_width, const int64_t* front, const uint8_t* fvalid,
+                           const float* probs, const int64_t* tokens, int32_t num_rows, int32_t width,
+                           int32_t children, const int64_t* row_of, int32_t batch_size, int32_t depth,
+                           int32_t max_levels, int32_t has_tau, float tau, int32_t budget_stop, int32_t budget_spare,
+                           const echo_segments* fit, int32_t gain_row, const uint8_t* active_in, uint8_t* active_out,
+                           int64_t* spine_depth, int64_t* failed_at, float* history, int64_t* out_slot_of,
+                           int64_t* out_request_ids, int64_t* out_parent_ids, int64_t* out_token_ids,
+                           float* out_draft_probs, float* out_path_probs, int64_t* out_ranks, int64_t* out_slots,
+                           int32_t* num_frontier, int32_t* num_active, int64_t* claimed, double* gain);
+
 #ifdef __cplusplus
 }
 #endif

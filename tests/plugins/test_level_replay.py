@@ -1,0 +1,145 @@
+"""The drafted levels replayed on the plugin's host library with the echo policy's decisions
+(`kernels.host_level_replayer`, what the runtime installs) against the torch replay and `EchoPolicy.observe`, the
+oracle: the same candidates, selection, gate failures, spines, confidences and frontier slots, step after step while
+the policy learns online; bad arrays refused by name."""
+
+import pytest
+import torch
+
+from echo_trtllm import kernels
+from echo_trtllm.core import EchoConfig, make_policy
+from echo_trtllm.core.policies import EchoPolicy, draft_tree_batched
+from tests.core.test_batched_drafting import COST, MarkovLevels, same_result, tied_table
+from tests.helpers import markov_draft_fn
+
+ECHO_CASES = [
+    EchoConfig(policy="echo", beam_width=3, top_k=3, max_depth=5, k_max=40, gate_depths=(1, 3, 5),
+               gate_thresholds=(0.3, 0.1, 0.02)),
+    EchoConfig(policy="echo", beam_width=2, top_k=4, max_depth=6, k_max=12, gate_depths=(2, 4),
+               gate_thresholds=(0.2, 0.05)),
+    EchoConfig(policy="echo", beam_width=2, top_k=2, max_depth=6, k_max=256),  # the online gate, a loose budget
+    EchoConfig(policy="echo-dense", beam_width=3, top_k=2, max_depth=4, k_max=30),
+    EchoConfig(policy="echo-fixed", beam_width=4, top_k=3, max_depth=5, k_max=60, fixed_threshold=0.05),
+    EchoConfig(policy="echo-no-budget-stop", beam_width=2, top_k=3, max_depth=5, k_max=20),
+]
+
+
+class Counting:
+    """The host replayer, counting its calls (the host path must be the one taken)."""
+
+    def __init__(self, replayer):
+        self.replayer, self.calls = replayer, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.replayer(*args)
+
+
+def _learn(policies, result, gen):
+    """Both policies learn the same random verification outcome of the step (accepted: a prefix of each request's
+    nodes in node order, so deeper nodes are accepted less often)."""
+    sel = result.selected
+    accepted = []
+    for r in range(sel.batch_size):
+        lo, hi = int(sel.cu_num_nodes[r]), int(sel.cu_num_nodes[r + 1])
+        keep = int(torch.randint(0, hi - lo + 1, (1,), generator=gen))
+        accepted += list(range(lo, lo + max(keep, 1)))
+    ids = torch.tensor(accepted, dtype=torch.long)
+    for p in policies:
+        p.learn(sel, ids)
+
+
+@pytest.mark.parametrize("config", ECHO_CASES, ids=lambda c: f"{c.policy}-k{c.k_max}")
+@pytest.mark.parametrize("batch_size", [1, 5, 16])
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("cost", [None, COST], ids=["unpriced", "priced"])
+def test_the_host_replay_decides_what_the_torch_replay_decides(host_backend, config, batch_size, tied, cost):
+    vocab = 40
+    table = tied_table(vocab, batch_size) if tied else markov_draft_fn(vocab, seed=batch_size).table
+    reference, host = make_policy(config, cost), make_policy(config, cost)
+    counting = Counting(kernels.host_level_replayer())
+    host.level_replayer = counting
+    assert host.replays_on_host and not reference.replays_on_host
+    gen = torch.Generator().manual_seed(batch_size)
+    budget = batch_size + config.k_max
+    for step in range(12):  # the online estimates and the gate learn between steps
+        roots = torch.randint(0, vocab, (batch_size,), generator=gen)
+        every = step % 2 == 0  # a CPU drafter syncs every level; a GPU one at the first gate only
+        want = draft_tree_batched(reference, roots, MarkovLevels(table, roots, reference.max_children), budget,
+                                  context=100.0 + step, sync_every_level=every)
+        got = draft_tree_batched(host, roots, MarkovLevels(table, roots, host.max_children), budget,
+                                 context=100.0 + step, sync_every_level=every)
+        same_result(got, want)
+        assert len(got.state.confidence) == len(want.state.confidence)
+        for a, b in zip(got.state.confidence, want.state.confidence):
+            assert torch.equal(a, b)
+        assert len(got.state.frontier_slots) == len(want.state.frontier_slots)
+        for a, b in zip(got.state.frontier_slots, want.state.frontier_slots):
+            assert torch.equal(a, b)
+        _learn((reference, host), want, gen)
+    assert counting.calls > 0
+
+
+def test_a_policy_that_decides_otherwise_is_replayed_in_torch(host_backend):
+    class Mine(EchoPolicy):
+        def observe(self, level, state):
+            super().observe(level, state)
+
+    policy = Mine(EchoConfig(policy="echo", beam_width=2, top_k=2, max_depth=4, k_max=20))
+    kernels.install_host(policy)
+    assert policy.level_replayer is not None and not policy.replays_on_host
+    plain = make_policy(EchoConfig(policy="echo", beam_width=2, top_k=2, max_depth=4, k_max=20))
+    kernels.install_host(plain)
+    assert plain.replays_on_host
+
+
+def _args(**change):
+    """A valid one-level call (two requests, one row each drafting two slots of two children), with changes."""
+    args = dict(prev_request_ids=torch.tensor([0, 1]), prev_path_probs=torch.tensor([1.0, 1.0]),
+                prev_slots=torch.tensor([0, 0]), slot_width=1, front=torch.zeros(2, 1, dtype=torch.long),
+                fvalid=torch.ones(2, 1, dtype=torch.bool), probs=torch.tensor([[[0.6, 0.3]], [[0.5, 0.4]]]),
+                tokens=torch.tensor([[[3, 4]], [[5, 6]]]), row_of=torch.tensor([0, 1]), depth=1, tau=0.55,
+                budget_spare=4, table=None, gain_row=0, active=torch.ones(2, dtype=torch.bool),
+                spine_depth=torch.zeros(2, dtype=torch.long), failed_at=torch.zeros(2, dtype=torch.long),
+                history=torch.zeros(3, 2))
+    args.update(change)
+    return args
+
+
+def test_one_level_by_hand(host_backend):
+    replay = kernels.host_level_replayer()
+    a = _args()
+    slot_of, ints, floats, active, n, claimed, gain = replay(*a.values())
+    assert slot_of.tolist() == [0, 0]
+    assert ints.tolist() == [[0, 0, 1, 1], [0, 0, 1, 1], [3, 4, 5, 6], [0, 1, 0, 1], [0, 1, 0, 1]]
+    assert torch.allclose(floats, torch.tensor([[0.6, 0.3, 0.5, 0.4]] * 2))
+    assert active.tolist() == [True, False] and (n, claimed, gain) == (1, 3, 0.0)  # 0.5 fails tau = 0.55
+    assert a["failed_at"].tolist() == [0, 1] and a["spine_depth"].tolist() == [1, 0]
+    assert torch.allclose(a["history"][0], torch.tensor([0.6, 0.5]))
+    # the gate is strict: a confidence equal to tau fails it
+    assert replay(*_args(tau=0.5, budget_spare=8).values())[3].tolist() == [True, False]
+
+
+def test_the_budget_stop_by_hand(host_backend):
+    """Level 2 of two requests: confidences 0.9, 0.2 at level 1 and 0.6, 0.5 now; with 3 tokens spare the bar is
+    the 3rd best of the four (0.5): both go on; with 1 spare the bar is 0.9: both stop; with 4 nobody is ranked."""
+    replay = kernels.host_level_replayer()
+    for spare, want in ((3, [True, True]), (2, [True, False]), (1, [False, False]), (4, [True, True])):
+        history = torch.zeros(3, 2)
+        history[0] = torch.tensor([0.9, 0.2])
+        a = _args(depth=2, tau=None, budget_spare=spare, history=history)
+        assert replay(*a.values())[3].tolist() == want, spare
+        assert a["spine_depth"].tolist() == [2, 2]  # the spine grows before the budget stop
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(front=torch.tensor([[1], [0]])), "front\\[0\\] = 1 is outside"),
+    (dict(row_of=torch.tensor([0, 3])), "row_of\\[1\\] = 3 is outside"),
+    (dict(prev_request_ids=torch.tensor([0, 2])), "prev_request_ids\\[1\\] = 2 is outside"),
+    (dict(prev_slots=torch.tensor([0, -1])), "prev_slots\\[1\\] = -1 is outside"),
+    (dict(depth=4), "depth must be in \\[1, max_levels = 3\\]"),
+    (dict(budget_spare=-1), "budget_spare must be >= 0"),
+])
+def test_bad_arrays_are_refused_by_name(host_backend, change, message):
+    with pytest.raises(kernels.PluginError, match=message):
+        kernels.host_level_replayer()(*_args(**change).values())
