@@ -240,12 +240,17 @@ def budget_rates(estimates: Tensor, batch_size: int, cost: CostModel, spent_seco
     (the module docstring's rate; n = 0 verifies the roots only)."""
     if estimates.ndim != 1:
         raise ValueError(f"estimates must be 1-D, got shape {tuple(estimates.shape)}")
-    n = torch.arange(estimates.numel() + 1, dtype=torch.float64)  # tokens taken
     gain = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(estimates.double(), 0)])
+    return (batch_size + gain) / budget_seconds(estimates.numel(), batch_size, cost, spent_seconds, context)
+
+
+def budget_seconds(count: int, batch_size: int, cost: CostModel, spent_seconds: float = 0.0,
+                   context: float | None = None) -> Tensor:
+    """Seconds of the step for n = 0, 1, ..., count candidates verified beyond the roots (`budget_rates`'s
+    denominator)."""
+    n = torch.arange(count + 1, dtype=torch.float64)  # tokens taken
     speculative = n > 0
-    seconds = spent_seconds + cost.control_seconds * speculative + cost.verify_time(batch_size + n, context,
-                                                                                    batch_size)
-    return (batch_size + gain) / seconds
+    return spent_seconds + cost.control_seconds * speculative + cost.verify_time(batch_size + n, context, batch_size)
 
 
 def choose_budget(estimates: Tensor, batch_size: int, cost: CostModel, spent_seconds: float = 0.0,

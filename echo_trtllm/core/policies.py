@@ -35,7 +35,7 @@ from torch import Tensor
 from .budget import BudgetAllocation, allocate_budget, greedy_fill
 from .config import EchoConfig
 from .acceptance import AcceptanceModel, OnlineAcceptance
-from .cost import CostModel, choose_budget
+from .cost import CostModel, budget_seconds, choose_budget
 from .gating import GATE_REFRESH, GateConfig, GateSamples, GateSchedule, best_path_confidence, gate
 from .tree import DraftLevel, DraftTopK, SuperTree, expand_level, priority_order, root_level
 
@@ -429,6 +429,9 @@ class EchoPolicy(TreePolicy):
         # the host library's replay of a drafted level (`kernels.host_level_replayer`, installed by
         # `kernels.install_host`); None: `draft_tree_batched` replays in torch and calls `observe`
         self.level_replayer = None
+        # the host library's allocation and budget rule in one call (`kernels.host_selector`); None: `allocator`
+        # then `choose_budget`
+        self.selector = None
         calibrated = None if gate_samples is None else AcceptanceModel.from_samples(
             gate_samples.depths, gate_samples.confidences, gate_samples.accepted)
         # acceptance estimates for the budget rule, the cost-aware stop and the gate: re-learned online, starting
@@ -535,7 +538,7 @@ class EchoPolicy(TreePolicy):
                      row_of: Tensor) -> tuple[Tensor, DraftLevel | None, Tensor | None]:
         """One level the device drafted, replayed on the host library with this policy's decisions: what `_replay`'s
         loop body and `observe` do, in one call (`kernels.host_level_replayer`; the torch loop is its oracle,
-        tests/plugins/test_level_replay.py). Returns the frontier slot of each node of `prev` (-1: not expanded),
+        tests/plugins/test_echo_host.py). Returns the frontier slot of each node of `prev` (-1: not expanded),
         the new level (None: an empty frontier, drafting ends) and its nodes' device slots."""
         if state.history is None:
             state.history = torch.zeros(max(self.max_depth, depth), state.batch_size)
@@ -561,9 +564,19 @@ class EchoPolicy(TreePolicy):
         return slot_of, level, ints[4]
 
     def select(self, tree: SuperTree, state: DraftState) -> Tensor:
-        alloc = self.allocator(
-            tree, state.spine_depth.to(tree.token_ids.device), int(state.budget), self.config.max_nodes_per_request
-        )
+        spine = state.spine_depth.to(tree.token_ids.device)
+        if (self.cost_model is not None and self.selector is not None
+                and type(self).acceptance_estimates is EchoPolicy.acceptance_estimates):
+            # the allocation and the budget rule below in one call of the host library
+            # (tests/plugins/test_echo_host.py)
+            drafted = self.cost_model.drafting_time(state.frontier_sizes, state.context)
+            seconds = budget_seconds(tree.total_nodes - state.batch_size, state.batch_size, self.cost_model,
+                                     drafted, state.context)
+            state.allocation = self.selector(tree, spine, int(state.budget), self.config.max_nodes_per_request,
+                                             choose=(self.acceptance._segments_table(), self.acceptance.max_depth,
+                                                     seconds))
+            return state.allocation.selected
+        alloc = self.allocator(tree, spine, int(state.budget), self.config.max_nodes_per_request)
         if self.cost_model is not None and alloc.order.numel():
             drafted = self.cost_model.drafting_time(state.frontier_sizes, state.context)  # sunk this step
             order = alloc.order

@@ -34,7 +34,7 @@ from echo_trtllm.core.pack import pack as core_pack
 from echo_trtllm.core.tree import SuperTree
 
 __all__ = ["BACKENDS", "load_library", "backend_for", "host_allocator", "host_estimate_reader", "host_level_replayer",
-           "install_host", "gate", "allocate_budget", "pack", "PluginError"]
+           "host_selector", "install_host", "gate", "allocate_budget", "pack", "PluginError"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,13 +94,16 @@ def host_allocator():
 def install_host(policy) -> None:
     """The policy's control plane on the host library where it is built (the runtime's drafted trees are on the
     host): its budget allocation (`host_allocator`) and, for the echo family, its acceptance estimates' read
-    (`host_estimate_reader`) and its replay of drafted levels (`host_level_replayer`)."""
+    (`host_estimate_reader`), its replay of drafted levels (`host_level_replayer`) and its selection
+    (`host_selector`)."""
     policy.allocator = host_allocator()
     acceptance = getattr(policy, "acceptance", None)
     if acceptance is not None:
         acceptance.reader = host_estimate_reader()
     if hasattr(policy, "level_replayer"):
         policy.level_replayer = host_level_replayer()
+    if hasattr(policy, "selector"):
+        policy.selector = host_selector()
 
 
 def host_estimate_reader():
@@ -113,6 +116,15 @@ def host_estimate_reader():
     if not hasattr(lib, "echo_acceptance_estimate_host"):
         return None
     return functools.partial(_estimate_host, lib)
+
+
+def host_selector():
+    """The echo policy's selection on the host library (`EchoPolicy.selector`: the budget allocation and the budget
+    rule in one call, `allocate_budget(..., choose=...)`), or None where the library is not built (or predates it).
+    `install_host` installs it."""
+    if backend_for("cpu") != "host" or not hasattr(_lib("host"), "echo_select_host"):
+        return None
+    return functools.partial(allocate_budget, backend="host")
 
 
 def host_level_replayer():
@@ -269,11 +281,16 @@ def gate(path_probs: Tensor, request_ids: Tensor, batch_size: int, active: Tenso
 # ---------------------------------------------------------------------------------------------------- budget
 
 def allocate_budget(tree: SuperTree, spine_depth: Tensor, budget: int, max_nodes_per_request: int | None = None,
-                    backend: str | None = None, with_order: bool = True) -> BudgetAllocation:
+                    backend: str | None = None, with_order: bool = True,
+                    choose: tuple | None = None) -> BudgetAllocation:
     """echo_trtllm.core.budget.allocate_budget, on the chosen backend (equal results). with_order=False: the
     plugin's fused allocation (N <= 16384), which does not produce the taken order: `order` comes back empty and
-    the other fields equal the core's."""
+    the other fields equal the core's. choose (host only): (acceptance fit table, its max depth, seconds (n,) of the
+    step verifying n = 0, 1, ... more tokens): the allocation cut by the budget rule in the same call
+    (`echo_select_host`; `core.cost.choose_budget` then `BudgetAllocation.truncated` is its oracle)."""
     backend = _resolve(backend, tree.path_probs.device)
+    if choose is not None and backend != "host":
+        raise ValueError(f"choose= runs on the host library only, not on backend {backend!r}")
     if backend == "torch":
         return core_budget.allocate_budget(tree, spine_depth, budget, max_nodes_per_request)
     lib = _lib(backend)
@@ -292,7 +309,13 @@ def allocate_budget(tree: SuperTree, spine_depth: Tensor, budget: int, max_nodes
     order_len = torch.full((1,), -1, dtype=torch.int32, device=dev)
     args = [*map(_ptr, ins), _i32(b), _i32(n), _ptr(spine), _i32(budget), _i32(max_nodes_per_request or 0),
             _ptr(selected), _ptr(phase), _ptr(num_nodes), _ptr(order if with_order else None), _ptr(order_len)]
-    if backend == "host":
+    if choose is not None:
+        table, max_depth, seconds = choose
+        greedy = tree.on_greedy_path.to(torch.uint8).contiguous()
+        seconds = seconds.double().contiguous()
+        _check(lib, lib.echo_select_host(*args, _ptr(greedy), ctypes.byref(_host_segments(table)[4]),
+                                         _i32(max_depth), _ptr(seconds), _i32(seconds.numel())))
+    elif backend == "host":
         _check(lib, lib.echo_allocate_budget_host(*args))
     else:
         ws, nbytes = _workspace(lib, "echo_allocate_budget_workspace_bytes", n, b, device=dev)

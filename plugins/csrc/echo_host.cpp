@@ -113,6 +113,51 @@ int echo_allocate_budget_host(const float* path_probs, const int32_t* depths, co
   return abi::ok();
 }
 
+int echo_select_host(const float* path_probs, const int32_t* depths, const int32_t* parents, const int32_t* cu,
+                     int32_t batch_size, int32_t num_nodes, const int32_t* spine_depth, int32_t budget,
+                     int32_t max_nodes_per_request, uint8_t* selected, int8_t* phase, int32_t* num_nodes_out,
+                     int32_t* order, int32_t* order_len, const uint8_t* greedy, const echo_segments* fit,
+                     int32_t max_depth, const double* seconds, int32_t num_seconds) {
+  const char* who = "select";
+  ECHO_REQUIRE(order && greedy && fit && seconds, "%s: a required array is NULL (order, greedy, fit, seconds)", who);
+  ECHO_REQUIRE(max_depth >= 1 && 2 * max_depth <= fit->num_rows,
+               "%s: max_depth must be >= 1 with 2 * max_depth <= the fit's rows (%d), got %d", who, fit->num_rows,
+               max_depth);
+  ECHO_REQUIRE(num_seconds >= num_nodes - batch_size + 1,
+               "%s: seconds must hold one entry per candidate count 0 .. num_nodes - batch_size = %d, got %d", who,
+               num_nodes - batch_size, num_seconds);
+  if (int rc = check_segments(*fit, who)) return rc;
+  if (int rc = echo_allocate_budget_host(path_probs, depths, parents, cu, batch_size, num_nodes, spine_depth, budget,
+                                         max_nodes_per_request, selected, phase, num_nodes_out, order, order_len))
+    return rc;
+  const int32_t taken = *order_len;
+  if (taken == 0) return abi::ok();
+  // the expected tokens per second of verifying the roots and the first n taken nodes; the first maximum
+  double gain = 0.0;
+  int32_t best = 0;
+  double best_rate = batch_size / seconds[0];
+  for (int32_t n = 1; n <= taken; ++n) {
+    const int32_t i = order[n - 1];
+    const int32_t d = std::min(std::max(depths[i], 1), max_depth) - 1;
+    gain += estimate_one(*fit, static_cast<double>(path_probs[i]), d + (greedy[i] ? 0 : max_depth));
+    const double rate = (batch_size + gain) / seconds[n];
+    if (rate > best_rate) {
+      best_rate = rate;
+      best = n;
+    }
+  }
+  // keep the first `best` taken nodes: the others leave the selection
+  for (int32_t n = best; n < taken; ++n) {
+    const int32_t i = order[n];
+    selected[i] = 0;
+    phase[i] = -1;
+    const int32_t r = static_cast<int32_t>(std::upper_bound(cu, cu + batch_size + 1, i) - cu) - 1;
+    num_nodes_out[r] -= 1;
+  }
+  *order_len = best;
+  return abi::ok();
+}
+
 int echo_pack_host(const int32_t* parents, const int32_t* cu, const uint8_t* selected, const int32_t* context_lengths,
                    int32_t batch_size, int32_t num_nodes, int32_t num_selected, int32_t n_max, int32_t* cu_out,
                    int32_t* generation_lengths, int32_t* src_index, int32_t* parents_out, int32_t* depths_out,

@@ -20,6 +20,7 @@ def _generate(default_pair, prompts, policy, calls=None):
             calls["allocator"] = getattr(llm.executor.policy.allocator, "keywords", None)
             calls["reader"] = llm.executor.policy.acceptance.reader
             calls["replays"] = llm.executor.policy.replays_on_host
+            calls["selector"] = llm.executor.policy.selector
         outs = llm.generate(prompts[:6], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
         return [o.outputs[0].token_ids for o in outs]
     finally:
@@ -41,7 +42,7 @@ def test_the_engine_runs_allocation_and_packing_on_the_host_library(host_backend
     on_host = _generate(default_pair, prompts, "echo", info)
     assert info["allocator"] == {"backend": "host"}
     assert info["reader"] is not None  # the acceptance estimates read on the host library too
-    assert info["replays"]  # and the drafted levels replayed there
+    assert info["replays"] and info["selector"] is not None  # and the drafted levels replayed, the tree selected
     assert all(n > 0 for n in counted.values()), counted
     monkeypatch.setenv("ECHO_PLUGIN_HOST_LIB", "/nonexistent/libecho_host.so")
     monkeypatch.setattr(kernels, "BUILD_DIR", kernels.BUILD_DIR / "nonexistent")
@@ -52,7 +53,7 @@ def test_the_engine_runs_allocation_and_packing_on_the_host_library(host_backend
         on_torch = _generate(default_pair, prompts, "echo", info)
         assert info["allocator"] is None  # the core's own function
         assert info["reader"] is None  # the estimates read with NumPy
-        assert not info["replays"]  # the levels replayed in torch
+        assert not info["replays"] and info["selector"] is None  # the levels replayed, the tree selected in torch
         plain = _generate(default_pair, prompts, "ar")
     finally:
         kernels.load_library.cache_clear()

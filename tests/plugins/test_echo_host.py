@@ -1,7 +1,9 @@
-"""The drafted levels replayed on the plugin's host library with the echo policy's decisions
-(`kernels.host_level_replayer`, what the runtime installs) against the torch replay and `EchoPolicy.observe`, the
-oracle: the same candidates, selection, gate failures, spines, confidences and frontier slots, step after step while
-the policy learns online; bad arrays refused by name."""
+"""The echo policy's decisions on the plugin's host library, as the runtime installs them: the drafted levels
+replayed with the gate and the stops (`kernels.host_level_replayer`) against the torch replay and
+`EchoPolicy.observe`, and the selection (`kernels.host_selector`: allocation and budget rule in one call) against the
+allocator, `choose_budget` and `truncated`, the oracles: the same candidates, selection, allocation, gate failures,
+spines, confidences and frontier slots, step after step while the policy learns online; bad arrays refused by
+name."""
 
 import pytest
 import torch
@@ -30,9 +32,9 @@ class Counting:
     def __init__(self, replayer):
         self.replayer, self.calls = replayer, 0
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         self.calls += 1
-        return self.replayer(*args)
+        return self.replayer(*args, **kwargs)
 
 
 def _learn(policies, result, gen):
@@ -53,13 +55,24 @@ def _learn(policies, result, gen):
 @pytest.mark.parametrize("batch_size", [1, 5, 16])
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("cost", [None, COST], ids=["unpriced", "priced"])
-def test_the_host_replay_decides_what_the_torch_replay_decides(host_backend, config, batch_size, tied, cost):
+@pytest.mark.parametrize("parts", ["replay", "select", "both"])
+def test_the_host_library_decides_what_the_torch_oracle_decides(host_backend, config, batch_size, tied, cost, parts):
+    """replay: the levels replayed on the host library (`replay_level`) against the torch replay and `observe`;
+    select: the allocation and budget rule in one call (`selector`) against the allocator, `choose_budget` and
+    `truncated`; both: as the runtime installs them."""
     vocab = 40
     table = tied_table(vocab, batch_size) if tied else markov_draft_fn(vocab, seed=batch_size).table
     reference, host = make_policy(config, cost), make_policy(config, cost)
-    counting = Counting(kernels.host_level_replayer())
-    host.level_replayer = counting
-    assert host.replays_on_host and not reference.replays_on_host
+    counting = Counting(kernels.host_level_replayer() if parts != "select" else kernels.host_selector())
+    if parts == "replay":
+        host.level_replayer = counting
+    elif parts == "select":
+        host.selector = counting
+    else:
+        kernels.install_host(host)
+        host.level_replayer = counting
+        assert host.selector is not None
+    assert host.replays_on_host == (parts != "select") and not reference.replays_on_host
     gen = torch.Generator().manual_seed(batch_size)
     budget = batch_size + config.k_max
     for step in range(12):  # the online estimates and the gate learn between steps
@@ -76,8 +89,10 @@ def test_the_host_replay_decides_what_the_torch_replay_decides(host_backend, con
         assert len(got.state.frontier_slots) == len(want.state.frontier_slots)
         for a, b in zip(got.state.frontier_slots, want.state.frontier_slots):
             assert torch.equal(a, b)
+        for name in ("selected", "phase", "num_nodes", "order"):
+            assert torch.equal(getattr(got.state.allocation, name), getattr(want.state.allocation, name)), name
         _learn((reference, host), want, gen)
-    assert counting.calls > 0
+    assert counting.calls > 0 or (parts == "select" and cost is None)  # unpriced: the allocator alone
 
 
 def test_a_policy_that_decides_otherwise_is_replayed_in_torch(host_backend):
@@ -143,3 +158,44 @@ def test_the_budget_stop_by_hand(host_backend):
 def test_bad_arrays_are_refused_by_name(host_backend, change, message):
     with pytest.raises(kernels.PluginError, match=message):
         kernels.host_level_replayer()(*_args(**change).values())
+
+
+def test_the_budget_rule_keeps_the_smaller_budget_on_a_tie(host_backend):
+    """One request, its root and one child of path probability 0.5 estimated at 0.5 (no evidence yet: the draft's
+    own probability); verifying it takes 1.5x the root's seconds: both budgets give 1 token per second, and the
+    rule keeps the smaller (`choose_budget`: the first maximum)."""
+    from echo_trtllm.core import DraftTopK
+    from echo_trtllm.core.acceptance import OnlineAcceptance
+    from echo_trtllm.core.tree import SuperTree, expand_level, root_level
+
+    root = root_level(torch.tensor([7]))
+    child = expand_level(root, torch.tensor([0]), DraftTopK(torch.tensor([[0.5]]), torch.tensor([[3]])), 1)
+    tree = SuperTree.from_levels([root, child])
+    online = OnlineAcceptance(2)
+    assert float(online.estimate(torch.tensor([0.5]), 1)) == 0.5
+    for seconds, kept in (([1.0, 1.5], 0), ([1.0, 1.4], 1)):
+        alloc = kernels.allocate_budget(tree, torch.tensor([1]), 2, backend="host",
+                                        choose=(online._segments_table(), 2, torch.tensor(seconds)))
+        assert alloc.order.numel() == kept and alloc.num_nodes.tolist() == [1 + kept]
+        assert alloc.selected.tolist() == [True, bool(kept)] and alloc.phase.tolist() == [0, 1 if kept else -1]
+
+
+@pytest.mark.parametrize("max_depth, seconds, message", [
+    (2, [1.0], "seconds must hold one entry per candidate count 0 .. num_nodes - batch_size = 1, got 1"),
+    (3, [1.0, 1.4], "max_depth must be >= 1 with 2 \\* max_depth <= the fit's rows \\(4\\), got 3"),
+    (0, [1.0, 1.4], "max_depth must be >= 1"),
+])
+def test_bad_selection_arguments_are_refused_by_name(host_backend, max_depth, seconds, message):
+    from echo_trtllm.core import DraftTopK
+    from echo_trtllm.core.acceptance import OnlineAcceptance
+    from echo_trtllm.core.tree import SuperTree, expand_level, root_level
+
+    root = root_level(torch.tensor([7]))
+    tree = SuperTree.from_levels([root, expand_level(root, torch.tensor([0]),
+                                                     DraftTopK(torch.tensor([[0.5]]), torch.tensor([[3]])), 1)])
+    with pytest.raises(kernels.PluginError, match=message):
+        kernels.allocate_budget(tree, torch.tensor([1]), 2, backend="host",
+                                choose=(OnlineAcceptance(2)._segments_table(), max_depth, torch.tensor(seconds)))
+    with pytest.raises(ValueError, match="choose= runs on the host library only"):
+        kernels.allocate_budget(tree, torch.tensor([1]), 2, backend="torch",
+                                choose=(OnlineAcceptance(2)._segments_table(), 2, torch.tensor(seconds)))
