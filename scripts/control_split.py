@@ -30,6 +30,8 @@ import time
 import torch
 
 import echo_trtllm.core.acceptance as acceptance_mod
+import echo_trtllm.core.controller as controller_mod
+import echo_trtllm.core.prices as prices_mod
 import echo_trtllm.core.policies as policies
 import echo_trtllm.core.tree as tree_mod
 import echo_trtllm.runtime.drafter as drafter_mod
@@ -54,7 +56,12 @@ WRAPPED = ((policies, "_level_on_device", "level work on the device (head forwar
            (executor_mod.Executor, "_target_forward", "target forward"),
            (acceptance_mod.OnlineAcceptance, "estimate", "acceptance estimates (in stop and select)"),
            (acceptance_mod.OnlineAcceptance, "observe", "acceptance counts (in learn)"),
-           (acceptance_mod.OnlineAcceptance, "threshold", "gate thresholds (in start)"))
+           (acceptance_mod.OnlineAcceptance, "threshold", "gate thresholds (in start)"),
+           (prices_mod.StepCostModel, "observe", "step prices (in learn)"),
+           (controller_mod.SpeculationController, "observe", "controller (in learn)"),
+           (policies.EchoPolicy, "learn", "acceptance (in learn)"),
+           (drafter_mod.Drafter, "commit", "draft cache commit (in commit)"),
+           (tree_mod.SuperTree, "select", "tree select (in select and result)"))
 
 
 def timed(seconds: dict, calls: dict):

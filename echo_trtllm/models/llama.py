@@ -164,13 +164,17 @@ class KVCache:
     # a tensor-parallel group's leader replays compactions on the other ranks through this (models/tp.py); its id
     mirror: object | None = field(default=None, repr=False)
     mirror_id: int = -1
+    # (2 L, slots, H_kv, C, hd): every layer's keys then values in one tensor, of which `keys` and `values` are
+    # views (`allocate`): a compaction moves the entries of every layer in one gather and one write, where one
+    # per layer and tensor cost 2 L small operations a step. None: the per-layer lists only (the oracle)
+    store: Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def allocate(cls, config: ModelConfig, slots: int, capacity: int, dtype: torch.dtype, device) -> "KVCache":
         shape = (slots, config.num_key_value_heads, capacity, config.head_dim)
         n = config.num_hidden_layers
-        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)],
-                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)])
+        store = torch.zeros((2 * n, *shape), dtype=dtype, device=device)
+        return cls(list(store[:n].unbind(0)), list(store[n:].unbind(0)), store=store)
 
     @property
     def capacity(self) -> int:
@@ -190,6 +194,9 @@ class KVCache:
         dev = self.keys[0].device
         if slots.device != dev:  # the indices cross once, not once per layer (each a wait for the device there)
             slots, src, dst = torch.stack([slots, src, dst]).to(dev, non_blocking=True).unbind(0)
+        if self.store is not None:
+            self.store[:, slots, :, dst] = self.store[:, slots, :, src]  # (M, 2 L, H_kv, hd) read, then written
+            return
         for cache in (*self.keys, *self.values):
             cache[slots, :, dst] = cache[slots, :, src]
 
