@@ -215,6 +215,9 @@ class OnlineAcceptance:
         # the estimates' read over those segments in the plugin's host library (`kernels.host_estimate_reader`,
         # installed by the runtime); None: NumPy (the same results)
         self.reader = None
+        # the counts' update over a verified tree in the host library (`kernels.host_acceptance_counter`, installed
+        # by the runtime); None: `observe` with NumPy (the same results)
+        self.counter = None
 
     def _rows(self, depths: Tensor | int, greedy: Tensor | bool, shape) -> np.ndarray:
         """Each node's table row (class docstring), flat, for nodes of this shape."""
@@ -244,6 +247,19 @@ class OnlineAcceptance:
             k.reshape(-1)[:] += np.bincount(flat, _host(accepted).astype(np.float64).reshape(-1), minlength=size)
             csum.reshape(-1)[:] += np.bincount(flat, c, minlength=size)
         self.version += 1
+
+    def observe_nodes(self, depths: Tensor, confidences: Tensor, greedy: Tensor, accepted_node_ids: Tensor) -> None:
+        """`observe` over one verified tree's nodes (depths, path probabilities, on the greedy path or not, roots
+        included: they are skipped) and the ids of the accepted ones: on the host library when installed
+        (`counter`), else through `observe`."""
+        if self.counter is not None:
+            self.counter(self, depths, confidences, greedy, accepted_node_ids)
+            self.version += 1
+            return
+        drafts = depths > 0
+        accepted = torch.zeros(depths.numel(), dtype=torch.bool)
+        accepted[accepted_node_ids.cpu()] = True
+        self.observe(depths[drafts].cpu(), confidences[drafts].cpu(), accepted[drafts], greedy[drafts].cpu())
 
     def samples(self, depth: int) -> float:
         """Decayed count of verified nodes at this depth (both tables)."""

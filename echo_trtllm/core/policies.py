@@ -442,11 +442,8 @@ class EchoPolicy(TreePolicy):
         self.gates = GateSchedule(config, cost_model, gate_samples, self.acceptance)
 
     def learn(self, selected: SuperTree, accepted_node_ids: Tensor) -> None:
-        drafts = selected.depths > 0
-        accepted = torch.zeros(selected.total_nodes, dtype=torch.bool)
-        accepted[accepted_node_ids.cpu()] = True
-        self.acceptance.observe(selected.depths[drafts].cpu(), selected.path_probs[drafts].cpu(), accepted[drafts],
-                                selected.on_greedy_path[drafts].cpu())
+        self.acceptance.observe_nodes(selected.depths, selected.path_probs, selected.on_greedy_path,
+                                      accepted_node_ids)
 
     def acceptance_estimates(self, path_probs: Tensor, depths: Tensor | int, greedy: Tensor | bool = True) -> Tensor:
         """Nodes' chances of acceptance; greedy: whether each is on the draft's greedy path (a level's best node,

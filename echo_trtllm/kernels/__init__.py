@@ -34,7 +34,7 @@ from echo_trtllm.core.pack import pack as core_pack
 from echo_trtllm.core.tree import SuperTree
 
 __all__ = ["BACKENDS", "load_library", "backend_for", "host_allocator", "host_estimate_reader", "host_level_replayer",
-           "host_selector", "install_host", "gate", "allocate_budget", "pack", "PluginError"]
+           "host_selector", "host_acceptance_counter", "install_host", "gate", "allocate_budget", "pack", "PluginError"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +94,13 @@ def host_allocator():
 def install_host(policy) -> None:
     """The policy's control plane on the host library where it is built (the runtime's drafted trees are on the
     host): its budget allocation (`host_allocator`) and, for the echo family, its acceptance estimates' read
-    (`host_estimate_reader`), its replay of drafted levels (`host_level_replayer`) and its selection
-    (`host_selector`)."""
+    (`host_estimate_reader`) and counts' update (`host_acceptance_counter`), its replay of drafted levels
+    (`host_level_replayer`) and its selection (`host_selector`)."""
     policy.allocator = host_allocator()
     acceptance = getattr(policy, "acceptance", None)
     if acceptance is not None:
         acceptance.reader = host_estimate_reader()
+        acceptance.counter = host_acceptance_counter()
     if hasattr(policy, "level_replayer"):
         policy.level_replayer = host_level_replayer()
     if hasattr(policy, "selector"):
@@ -116,6 +117,30 @@ def host_estimate_reader():
     if not hasattr(lib, "echo_acceptance_estimate_host"):
         return None
     return functools.partial(_estimate_host, lib)
+
+
+def host_acceptance_counter():
+    """The online acceptance counts' update over a verified tree on the host library (`OnlineAcceptance.counter`:
+    one call for `observe_nodes`), or None where the library is not built (or predates it). `install_host`
+    installs it."""
+    if backend_for("cpu") != "host" or not hasattr(_lib("host"), "echo_acceptance_observe_host"):
+        return None
+    return functools.partial(_observe_host, _lib("host"))
+
+
+def _observe_host(lib, online, depths: Tensor, confidences: Tensor, greedy: Tensor, accepted_node_ids: Tensor) -> None:
+    """`echo_acceptance_observe_host` on an `OnlineAcceptance`'s counts (updated in place)."""
+    depths = depths.cpu().long().contiguous()
+    conf = confidences.detach().cpu().float().contiguous()
+    greedy = greedy.cpu().to(torch.uint8).contiguous()
+    ids = accepted_node_ids.cpu().long().contiguous()
+    for t in (online.n, online.k, online.csum, online.edges):
+        if t.dtype != torch.float64 or not t.is_contiguous():
+            raise TypeError("the acceptance counts and edges must be contiguous float64")
+    _check(lib, lib.echo_acceptance_observe_host(
+        _ptr(depths), _ptr(conf), _ptr(greedy), _i32(depths.numel()), _ptr(ids), _i32(ids.numel()),
+        _i32(online.max_depth), _ptr(online.edges), _i32(online.edges.numel() - 1), ctypes.c_double(online.decay),
+        _ptr(online.n), _ptr(online.k), _ptr(online.csum)))
 
 
 def host_selector():

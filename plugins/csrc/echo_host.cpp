@@ -342,4 +342,54 @@ int echo_replay_level_host(const int64_t* prev_request_ids, const float* prev_pa
   return abi::ok();
 }
 
+int echo_acceptance_observe_host(const int64_t* depths, const float* confidences, const uint8_t* greedy,
+                                 int32_t num_nodes, const int64_t* accepted_ids, int32_t num_accepted,
+                                 int32_t max_depth, const double* edges, int32_t num_bins, double decay, double* n,
+                                 double* k, double* csum) {
+  const char* who = "acceptance_observe";
+  ECHO_REQUIRE(num_nodes >= 0 && num_accepted >= 0, "%s: num_nodes and num_accepted must be >= 0, got %d and %d",
+               who, num_nodes, num_accepted);
+  ECHO_REQUIRE(max_depth >= 1 && num_bins >= 1, "%s: max_depth and num_bins must be >= 1, got %d and %d", who,
+               max_depth, num_bins);
+  ECHO_REQUIRE(edges && n && k && csum, "%s: a required array is NULL (edges, n, k, csum)", who);
+  ECHO_REQUIRE(num_nodes == 0 || (depths && confidences && greedy), "%s: a required node array is NULL", who);
+  ECHO_REQUIRE(num_accepted == 0 || accepted_ids, "%s: accepted_ids is NULL", who);
+  ECHO_REQUIRE(decay >= 0.0 && decay <= 1.0, "%s: decay must be in [0, 1], got %g", who, decay);
+  std::vector<uint8_t> accepted(static_cast<size_t>(num_nodes), 0);
+  for (int32_t i = 0; i < num_accepted; ++i) {
+    ECHO_REQUIRE(accepted_ids[i] >= 0 && accepted_ids[i] < num_nodes, "%s: accepted_ids[%d] = %lld is outside [0, %d)",
+                 who, i, static_cast<long long>(accepted_ids[i]), num_nodes);
+    accepted[accepted_ids[i]] = 1;
+  }
+  const size_t cells = static_cast<size_t>(2 * max_depth) * num_bins;
+  for (size_t j = 0; j < cells; ++j) {
+    n[j] *= decay;
+    k[j] *= decay;
+    csum[j] *= decay;
+  }
+  // the step's sums per cell first, then added (as NumPy adds a bincount): the same rounding
+  std::vector<double> dn(cells, 0.0), dk(cells, 0.0), dc(cells, 0.0);
+  bool any = false;
+  for (int32_t i = 0; i < num_nodes; ++i) {
+    if (depths[i] <= 0) continue;  // a root is not a draft
+    any = true;
+    const double c = clamp01(static_cast<double>(confidences[i]));
+    const int64_t d = std::min<int64_t>(depths[i], max_depth) - 1;
+    const int64_t row = d + (greedy[i] ? 0 : max_depth);
+    int32_t bin = static_cast<int32_t>(std::upper_bound(edges, edges + num_bins + 1, c) - edges) - 1;
+    bin = std::min(std::max(bin, 0), num_bins - 1);
+    const size_t cell = static_cast<size_t>(row) * num_bins + bin;
+    dn[cell] += 1.0;
+    dk[cell] += accepted[i] ? 1.0 : 0.0;
+    dc[cell] += c;
+  }
+  if (any)
+    for (size_t j = 0; j < cells; ++j) {
+      n[j] += dn[j];
+      k[j] += dk[j];
+      csum[j] += dc[j];
+    }
+  return abi::ok();
+}
+
 }  // extern "C"

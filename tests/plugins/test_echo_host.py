@@ -199,3 +199,39 @@ def test_bad_selection_arguments_are_refused_by_name(host_backend, max_depth, se
     with pytest.raises(ValueError, match="choose= runs on the host library only"):
         kernels.allocate_budget(tree, torch.tensor([1]), 2, backend="torch",
                                 choose=(OnlineAcceptance(2)._segments_table(), 2, torch.tensor(seconds)))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_acceptance_counts_update_as_numpy_does(host_backend, seed):
+    """`OnlineAcceptance.observe_nodes` on the host library (`kernels.host_acceptance_counter`) against its NumPy
+    path (`observe`): the same decayed counts, bit for bit, step after step; roots skipped, depths past the table's
+    clamped, confidences outside [0, 1] clamped."""
+    from echo_trtllm.core.acceptance import OnlineAcceptance
+
+    gen = torch.Generator().manual_seed(seed)
+    depth = 2 + seed
+    host, numpy_ = OnlineAcceptance(depth, half_life=7.0 + seed), OnlineAcceptance(depth, half_life=7.0 + seed)
+    host.counter = kernels.host_acceptance_counter()
+    assert host.counter is not None and numpy_.counter is None
+    for step in range(15):
+        m = int(torch.randint(0, 40, (1,), generator=gen))  # step 0 may verify roots only
+        depths = torch.randint(0, depth + 3, (m,), generator=gen)
+        conf = torch.rand(m, generator=gen) * 1.2 - 0.1
+        greedy = torch.rand(m, generator=gen) < 0.5
+        accepted = torch.nonzero(torch.rand(m, generator=gen) < 0.4, as_tuple=True)[0]
+        for online in (host, numpy_):
+            online.observe_nodes(depths, conf, greedy, accepted)
+        for name in ("n", "k", "csum"):
+            assert torch.equal(getattr(host, name), getattr(numpy_, name)), (step, name)
+        assert host.version == numpy_.version == step + 1
+    assert float(host.n.sum()) > 0
+
+
+def test_an_accepted_id_outside_the_tree_is_refused(host_backend):
+    from echo_trtllm.core.acceptance import OnlineAcceptance
+
+    online = OnlineAcceptance(2)
+    online.counter = kernels.host_acceptance_counter()
+    with pytest.raises(kernels.PluginError, match="accepted_ids\\[1\\] = 3 is outside \\[0, 3\\)"):
+        online.observe_nodes(torch.tensor([0, 1, 2]), torch.tensor([1.0, 0.5, 0.2]), torch.tensor([True] * 3),
+                             torch.tensor([0, 3]))

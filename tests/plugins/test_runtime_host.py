@@ -1,6 +1,7 @@
 """The runtime's control plane on the plugin's host library (echo_trtllm.kernels.backend_for("cpu") == "host"
-where it is built): the engine's budget allocation, packing, acceptance estimates and the replay of drafted levels run there, and what it emits is what the same
-engine emits on the core's PyTorch reference, and what plain AR emits (greedy)."""
+where it is built): the engine's budget allocation, packing, acceptance estimates and counts and the replay of
+drafted levels run there, and what it emits is what the same engine emits on the core's PyTorch reference, and what
+plain AR emits (greedy)."""
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ def _generate(default_pair, prompts, policy, calls=None):
             calls["reader"] = llm.executor.policy.acceptance.reader
             calls["replays"] = llm.executor.policy.replays_on_host
             calls["selector"] = llm.executor.policy.selector
+            calls["counter"] = llm.executor.policy.acceptance.counter
         outs = llm.generate(prompts[:6], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
         return [o.outputs[0].token_ids for o in outs]
     finally:
@@ -29,7 +31,7 @@ def _generate(default_pair, prompts, policy, calls=None):
 
 def test_the_engine_runs_allocation_and_packing_on_the_host_library(host_backend, default_pair, prompts,
                                                                     monkeypatch):
-    counted = {"allocate_budget": 0, "pack": 0, "_estimate_host": 0, "_replay_level_host": 0}
+    counted = {"allocate_budget": 0, "pack": 0, "_estimate_host": 0, "_replay_level_host": 0, "_observe_host": 0}
     for name in counted:
         real = getattr(kernels, name)
 
@@ -43,6 +45,7 @@ def test_the_engine_runs_allocation_and_packing_on_the_host_library(host_backend
     assert info["allocator"] == {"backend": "host"}
     assert info["reader"] is not None  # the acceptance estimates read on the host library too
     assert info["replays"] and info["selector"] is not None  # and the drafted levels replayed, the tree selected
+    assert info["counter"] is not None  # and the acceptance counted there
     assert all(n > 0 for n in counted.values()), counted
     monkeypatch.setenv("ECHO_PLUGIN_HOST_LIB", "/nonexistent/libecho_host.so")
     monkeypatch.setattr(kernels, "BUILD_DIR", kernels.BUILD_DIR / "nonexistent")
@@ -54,6 +57,7 @@ def test_the_engine_runs_allocation_and_packing_on_the_host_library(host_backend
         assert info["allocator"] is None  # the core's own function
         assert info["reader"] is None  # the estimates read with NumPy
         assert not info["replays"] and info["selector"] is None  # the levels replayed, the tree selected in torch
+        assert info["counter"] is None
         plain = _generate(default_pair, prompts, "ar")
     finally:
         kernels.load_library.cache_clear()

@@ -131,6 +131,16 @@ int echo_select_host(const float* path_probs, const int32_t* depths, const int32
                      int32_t* order, int32_t* order_len, const uint8_t* greedy, const echo_segments* fit,
                      int32_t max_depth, const double* seconds, int32_t num_seconds);
 
+/* ECHO's online acceptance counts (echo_trtllm.core.acceptance.OnlineAcceptance.observe_nodes): one verified
+ * tree's nodes (roots, depth 0, skipped), the ones in accepted_ids accepted. Every cell of n, k and csum
+ * ((2 max_depth, num_bins) row-major) is first multiplied by decay; then each draft node adds 1 to n, 1 if
+ * accepted to k and its confidence c (clamped to [0, 1]) to csum at row min(depth, max_depth) - 1 (+ max_depth
+ * off the greedy path) and the bin of c among edges (num_bins + 1 ascending; the last edge's bin is the last). */
+int echo_acceptance_observe_host(const int64_t* depths, const float* confidences, const uint8_t* greedy,
+                                 int32_t num_nodes, const int64_t* accepted_ids, int32_t num_accepted,
+                                 int32_t max_depth, const double* edges, int32_t num_bins, double decay, double* n,
+                                 double* k, double* csum);
+
 #ifdef __cplusplus
 }
 #endif
