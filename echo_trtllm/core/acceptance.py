@@ -202,6 +202,7 @@ class OnlineAcceptance:
         self.mid = ((self.edges[1:] + self.edges[:-1]) / 2).expand(rows, bins).clone()
         depth = torch.arange(1, max_depth + 1).repeat(2).repeat_interleave(bins)
         self.prior = prior
+        self._steps: np.ndarray | None = None  # the calibration's steps per row (`_calibration_steps`)
         self.p0 = (self.mid.clone() if prior is None
                    else prior.estimate(self.mid.reshape(-1), depth).reshape(rows, bins))
         self.n = torch.zeros(rows, bins, dtype=torch.float64)
@@ -357,9 +358,7 @@ class OnlineAcceptance:
         # each row's starts, sorted (a start repeated makes an empty segment, which no search lands in)
         parts = [np.broadcast_to(self._edges[:-1], (rows, self._edges.size - 1)), centres]
         if fits:
-            steps = [_clip(_host(fits[d][0]), 0.0, 1.0) if d in fits else np.zeros(0) for d in depth]
-            width = max(x.size for x in steps)
-            parts.append(np.stack([np.pad(x, (width - x.size, 0)) for x in steps]))
+            parts.append(self._calibration_steps(depth, fits))
         starts = np.sort(np.concatenate(parts, axis=1), axis=1)
         a = starts.reshape(-1)
         b = np.concatenate([starts[:, 1:], np.ones((rows, 1))], axis=1).reshape(-1)
@@ -387,6 +386,17 @@ class OnlineAcceptance:
                        "share": share, "e0": e0, "e1": e1, "deep": deep, "rows": rows,
                        "host": None}  # the host library's copy of the arrays (`kernels.host_estimate_reader`)
         return self._table
+
+    def _calibration_steps(self, depth: np.ndarray, fits: dict) -> np.ndarray:
+        """Each row's calibration steps (clipped to [0, 1]), zeros in front to one width: the same at every refit,
+        made once."""
+        if self._steps is None:
+            steps = [_clip(_host(fits[d][0]), 0.0, 1.0) if d in fits else np.zeros(0) for d in depth]
+            out = np.zeros((len(steps), max(x.size for x in steps)))
+            for i, x in enumerate(steps):
+                out[i, out.shape[1] - x.size:] = x
+            self._steps = out
+        return self._steps
 
     def reference_estimate(self, confidences: Tensor, depths: Tensor | int, greedy: Tensor | bool = True) -> Tensor:
         """`estimate` read straight off the fit, as the class docstring says (the oracle of the compiled read)."""
