@@ -60,7 +60,7 @@ WRAPPED = ((policies, "_level_on_device", "level work on the device (head forwar
            (prices_mod.StepCostModel, "observe", "step prices (in learn)"),
            (controller_mod.SpeculationController, "observe", "controller (in learn)"),
            (policies.EchoPolicy, "learn", "acceptance (in learn)"),
-           (drafter_mod.Drafter, "begin", "draft begin (in control)"),
+           (drafter_mod.Eagle3Drafter, "begin", "draft begin (in control)"),
            (executor_mod.Executor, "_decide", "speculation decision (in control)"),
            (tree_mod.SuperTree, "select", "tree select (in select and result)"))
 
