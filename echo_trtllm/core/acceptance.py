@@ -342,6 +342,13 @@ class OnlineAcceptance:
         ratio = np.divide(e1, x, out=np.zeros_like(x), where=x > 0)
         return np.where(x > 0, c * ratio ** depth, e1 ** depth)
 
+    def fitted_segments(self) -> dict | None:
+        """The compiled fit (`_segments_table`) when no refit is due, else None (reading it would refit now: the
+        host library's paths then read as their oracles do, so the refits happen at the same reads)."""
+        if self._fit_version < 0 or self.version - self._fit_version >= self.refit_every:
+            return None
+        return self._segments_table()
+
     def _segments_table(self) -> dict:
         """The fit (`_fit`) as linear segments, rebuilt with it: the estimate at c on row r is
         clip(l(c) + share * prior(c)), l linear and share constant on each segment, prior(c) = e0 + e1 * c (the draft's

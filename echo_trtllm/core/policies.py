@@ -508,8 +508,12 @@ class EchoPolicy(TreePolicy):
         # their estimates at the next depth bound them (the estimates rise with the path probability at every
         # depth). The next depth's map, not this one's: a depth the calibration never saw accepted prices the
         # level that would draft it near zero
-        gain = float(self.acceptance_estimates(state.confidence[-1][state.active], len(state.confidence) + 1).sum())
-        self._stop_unless_paid(state, int(state.active.sum()), claimed, gain)
+        self._stop_unless_paid(state, int(state.active.sum()), claimed, self._next_level_tokens(state))
+
+    def _next_level_tokens(self, state: DraftState) -> float:
+        """The cost stop's tokens: the active requests' estimates at the next depth, added in request order (as
+        the host library adds them)."""
+        return sum(self.acceptance_estimates(state.confidence[-1][state.active], len(state.confidence) + 1).tolist())
 
     def _stop_unless_paid(self, state: DraftState, n: int, claimed: int, gain: float) -> None:
         """The cost stop's comparison: drafting stops for the batch when the next level's `gain` tokens (n requests
@@ -525,10 +529,16 @@ class EchoPolicy(TreePolicy):
     def replays_on_host(self) -> bool:
         """Whether `draft_tree_batched` replays this policy's levels with `replay_level` (the host library is
         installed and the class keeps echo's own per-level decisions)."""
+        return self.level_replayer is not None and self._own_decisions(
+            "observe", "_cost_stop", "_budget_stop", "_next_level_tokens", "_stop_unless_paid")
+
+    def _own_decisions(self, *methods: str) -> bool:
+        """Whether these methods and the acceptance estimates are echo's own (not overridden by a subclass or on
+        the instance), so the host library's calls decide what they would."""
         cls = type(self)
-        return (self.level_replayer is not None and cls.observe is EchoPolicy.observe
-                and cls._cost_stop is EchoPolicy._cost_stop and cls._budget_stop is EchoPolicy._budget_stop
-                and cls.acceptance_estimates is EchoPolicy.acceptance_estimates)
+        return (all(getattr(cls, m) is getattr(EchoPolicy, m) and m not in vars(self)
+                    for m in (*methods, "acceptance_estimates"))
+                and type(self.acceptance).estimate is OnlineAcceptance.estimate)
 
     def replay_level(self, state: DraftState, prev: DraftLevel, prev_slots: Tensor, depth: int, slot_width: int,
                      front: Tensor, fvalid: Tensor, probs: Tensor, tokens: Tensor,
@@ -538,15 +548,18 @@ class EchoPolicy(TreePolicy):
         tests/plugins/test_echo_host.py). Returns the frontier slot of each node of `prev` (-1: not expanded),
         the new level (None: an empty frontier, drafting ends) and its nodes' device slots."""
         if state.history is None:
-            state.history = torch.zeros(max(self.max_depth, depth), state.batch_size)
+            state.history = torch.zeros(max(self.max_depth, depth), state.batch_size, dtype=torch.float32)
         if len(state.confidence) != depth - 1:
             raise RuntimeError(f"replay_level: depth {depth} after {len(state.confidence)} observed levels")
         tau = state.gate.threshold_at(depth)
         cost = self.cost_model
         priced = cost is not None and bool(cost.draft_tokens)
-        table = self.acceptance._segments_table() if priced else None
+        # the estimates' fit as it stands: where a refit is due, the cost stop's tokens are read below as the oracle
+        # reads them (a refit happens at the first read after it is due: reading here would move it)
+        table = self.acceptance.fitted_segments() if priced else None
         gain_row = min(max(depth + 1, 1), self.acceptance.max_depth) - 1  # the greedy row of depth + 1
-        spare = int(state.budget or 0) - state.batch_size if self.budget_stop else None
+        # a budget below the roots (a state not made by `start`) stops everyone, as the oracle's infinite bar does
+        spare = max(int(state.budget or 0) - state.batch_size, 0) if self.budget_stop else None
         slot_of, ints, floats, active, n, claimed, gain = self.level_replayer(
             prev.request_ids, prev.path_probs, prev_slots, slot_width, front, fvalid, probs, tokens, row_of, depth,
             tau, spare, table, gain_row, state.active, state.spine_depth, state.failed_at, state.history)
@@ -555,23 +568,25 @@ class EchoPolicy(TreePolicy):
         state.confidence.append(state.history[depth - 1])
         state.active = active
         if priced and n > 0:
-            self._stop_unless_paid(state, n, claimed, gain)
+            self._stop_unless_paid(state, n, claimed, gain if table is not None else self._next_level_tokens(state))
         level = DraftLevel(depth=depth, request_ids=ints[0], parent_ids=ints[1], token_ids=ints[2],
                            draft_probs=floats[0], path_probs=floats[1], ranks=ints[3])
         return slot_of, level, ints[4]
 
     def select(self, tree: SuperTree, state: DraftState) -> Tensor:
         spine = state.spine_depth.to(tree.token_ids.device)
+        table = None
         if (self.cost_model is not None and self.selector is not None
-                and type(self).acceptance_estimates is EchoPolicy.acceptance_estimates):
+                and self.allocator is getattr(self.selector, "allocator", None) and self._own_decisions()):
+            table = self.acceptance.fitted_segments()  # None where a refit is due: the oracle's path reads then
+        if table is not None:
             # the allocation and the budget rule below in one call of the host library
             # (tests/plugins/test_echo_host.py)
             drafted = self.cost_model.drafting_time(state.frontier_sizes, state.context)
-            seconds = budget_seconds(tree.total_nodes - state.batch_size, state.batch_size, self.cost_model,
-                                     drafted, state.context)
+            taken = min(tree.total_nodes, int(state.budget)) - state.batch_size  # the most the allocation takes
+            seconds = budget_seconds(max(taken, 0), state.batch_size, self.cost_model, drafted, state.context)
             state.allocation = self.selector(tree, spine, int(state.budget), self.config.max_nodes_per_request,
-                                             choose=(self.acceptance._segments_table(), self.acceptance.max_depth,
-                                                     seconds))
+                                             choose=(table, self.acceptance.max_depth, seconds))
             return state.allocation.selected
         alloc = self.allocator(tree, spine, int(state.budget), self.config.max_nodes_per_request)
         if self.cost_model is not None and alloc.order.numel():

@@ -105,6 +105,8 @@ def install_host(policy) -> None:
         policy.level_replayer = host_level_replayer()
     if hasattr(policy, "selector"):
         policy.selector = host_selector()
+        if policy.selector is not None:  # it allocates as this allocator does; a policy given another one skips it
+            policy.selector.allocator = policy.allocator
 
 
 def host_estimate_reader():
@@ -131,12 +133,16 @@ def host_acceptance_counter():
 def _observe_host(lib, online, depths: Tensor, confidences: Tensor, greedy: Tensor, accepted_node_ids: Tensor) -> None:
     """`echo_acceptance_observe_host` on an `OnlineAcceptance`'s counts (updated in place)."""
     depths = depths.cpu().long().contiguous()
-    conf = confidences.detach().cpu().float().contiguous()
+    conf = confidences.detach().cpu().float().contiguous()  # path probabilities are float32 (the ABI's type)
     greedy = greedy.cpu().to(torch.uint8).contiguous()
     ids = accepted_node_ids.cpu().long().contiguous()
-    for t in (online.n, online.k, online.csum, online.edges):
-        if t.dtype != torch.float64 or not t.is_contiguous():
-            raise TypeError("the acceptance counts and edges must be contiguous float64")
+    if conf.numel() != depths.numel() or greedy.numel() != depths.numel():
+        raise ValueError(f"acceptance_observe: depths, confidences and greedy need one entry per node, got "
+                         f"{depths.numel()}, {conf.numel()}, {greedy.numel()}")
+    cells = 2 * online.max_depth * (online.edges.numel() - 1)
+    for t in (online.n, online.k, online.csum):
+        if t.dtype != torch.float64 or not t.is_contiguous() or t.numel() != cells:
+            raise ValueError(f"acceptance_observe: the counts must be contiguous float64 of {cells} cells")
     _check(lib, lib.echo_acceptance_observe_host(
         _ptr(depths), _ptr(conf), _ptr(greedy), _i32(depths.numel()), _ptr(ids), _i32(ids.numel()),
         _i32(online.max_depth), _ptr(online.edges), _i32(online.edges.numel() - 1), ctypes.c_double(online.decay),
@@ -208,8 +214,17 @@ def _replay_level_host(lib, prev_request_ids: Tensor, prev_path_probs: Tensor, p
     rows, width = front.shape
     k = probs.shape[-1]
     b = active.numel()
-    if spine_depth.dtype != torch.long or failed_at.dtype != torch.long or history.dtype != torch.float32:
-        raise TypeError("spine_depth and failed_at must be int64 and history float32")
+    # the shapes the library reads and writes by (it cannot see them)
+    if (fvalid.shape != (rows, width) or probs.shape != (rows, width, k) or tokens.shape != probs.shape
+            or prev_path_probs.numel() != m or prev_slots.numel() != m or row_of.numel() != b):
+        raise ValueError(f"replay_level: front {tuple(front.shape)} needs fvalid (R, W), probs and tokens (R, W, K), "
+                         f"got {tuple(fvalid.shape)}, {tuple(probs.shape)}, {tuple(tokens.shape)}; the previous "
+                         f"level's arrays one entry per node ({m}), row_of one per request ({b})")
+    for name, t, dtype in (("spine_depth", spine_depth, torch.long), ("failed_at", failed_at, torch.long),
+                           ("history", history, torch.float32)):
+        if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or t.shape[-1] != b:
+            raise ValueError(f"replay_level: {name} must be a contiguous {dtype} CPU tensor of one entry per request "
+                             f"({b}) in its last dimension, got {t.dtype} {tuple(t.shape)} on {t.device}")
     ints = torch.empty(5, m * k, dtype=torch.long)
     floats = torch.empty(2, m * k, dtype=torch.float32)
     slot_of = torch.empty(m, dtype=torch.long)

@@ -123,9 +123,10 @@ int echo_select_host(const float* path_probs, const int32_t* depths, const int32
   ECHO_REQUIRE(max_depth >= 1 && 2 * max_depth <= fit->num_rows,
                "%s: max_depth must be >= 1 with 2 * max_depth <= the fit's rows (%d), got %d", who, fit->num_rows,
                max_depth);
-  ECHO_REQUIRE(num_seconds >= num_nodes - batch_size + 1,
-               "%s: seconds must hold one entry per candidate count 0 .. num_nodes - batch_size = %d, got %d", who,
-               num_nodes - batch_size, num_seconds);
+  const int32_t most = std::min(num_nodes, budget) - batch_size;  // the most nodes the allocation takes
+  ECHO_REQUIRE(num_seconds >= most + 1,
+               "%s: seconds must hold one entry per taken count 0 .. min(num_nodes, budget) - batch_size = %d, got %d",
+               who, most, num_seconds);
   if (int rc = check_segments(*fit, who)) return rc;
   if (int rc = echo_allocate_budget_host(path_probs, depths, parents, cu, batch_size, num_nodes, spine_depth, budget,
                                          max_nodes_per_request, selected, phase, num_nodes_out, order, order_len))

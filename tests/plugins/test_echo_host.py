@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from echo_trtllm import kernels
-from echo_trtllm.core import EchoConfig, make_policy
+from echo_trtllm.core import CostModel, EchoConfig, make_policy
+from echo_trtllm.core.budget import allocate_budget
 from echo_trtllm.core.policies import EchoPolicy, draft_tree_batched
 from tests.core.test_batched_drafting import COST, MarkovLevels, same_result, tied_table
 from tests.helpers import markov_draft_fn
@@ -23,7 +24,10 @@ ECHO_CASES = [
     EchoConfig(policy="echo-dense", beam_width=3, top_k=2, max_depth=4, k_max=30),
     EchoConfig(policy="echo-fixed", beam_width=4, top_k=3, max_depth=5, k_max=60, fixed_threshold=0.05),
     EchoConfig(policy="echo-no-budget-stop", beam_width=2, top_k=3, max_depth=5, k_max=20),
+    EchoConfig(policy="echo", beam_width=3, top_k=3, max_depth=5, k_max=60, max_nodes_per_request=3),  # a cap binds
 ]
+# verification priced, drafting not (no draft curve: no cost stop; the budget rule still prices)
+VERIFY_ONLY = CostModel((1, 8, 16, 32, 64, 128), (0.010, 0.011, 0.016, 0.026, 0.046, 0.086))
 
 
 class Counting:
@@ -54,24 +58,36 @@ def _learn(policies, result, gen):
 @pytest.mark.parametrize("config", ECHO_CASES, ids=lambda c: f"{c.policy}-k{c.k_max}")
 @pytest.mark.parametrize("batch_size", [1, 5, 16])
 @pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("cost", [None, COST], ids=["unpriced", "priced"])
+@pytest.mark.parametrize("cost", [None, COST, VERIFY_ONLY], ids=["unpriced", "priced", "verify-priced"])
 @pytest.mark.parametrize("parts", ["replay", "select", "both"])
-def test_the_host_library_decides_what_the_torch_oracle_decides(host_backend, config, batch_size, tied, cost, parts):
+def test_the_host_library_decides_what_the_torch_oracle_decides(host_backend, monkeypatch, config, batch_size, tied,
+                                                                 cost, parts):
     """replay: the levels replayed on the host library (`replay_level`) against the torch replay and `observe`;
     select: the allocation and budget rule in one call (`selector`) against the allocator, `choose_budget` and
     `truncated`; both: as the runtime installs them."""
     vocab = 40
     table = tied_table(vocab, batch_size) if tied else markov_draft_fn(vocab, seed=batch_size).table
     reference, host = make_policy(config, cost), make_policy(config, cost)
+    # the estimates read with the same library function on both sides, as the runtime installs it (its own oracle:
+    # test_acceptance_host.py; NumPy's vectorised power rounds c^(1/d) differently in the last bits)
+    reference.acceptance.reader = host.acceptance.reader = kernels.host_estimate_reader()
     counting = Counting(kernels.host_level_replayer() if parts != "select" else kernels.host_selector())
     if parts == "replay":
         host.level_replayer = counting
     elif parts == "select":
         host.selector = counting
+        counting.allocator = host.allocator
     else:
         kernels.install_host(host)
         host.level_replayer = counting
         assert host.selector is not None
+    stops: dict = {id(reference): [], id(host): []}  # every cost stop's (requests, claimed, tokens): equal
+    real = EchoPolicy._stop_unless_paid
+
+    def record(self, state, n, claimed, gain):
+        stops[id(self)].append((n, claimed, gain))
+        return real(self, state, n, claimed, gain)
+    monkeypatch.setattr(EchoPolicy, "_stop_unless_paid", record)  # on the class: the host guard still holds
     assert host.replays_on_host == (parts != "select") and not reference.replays_on_host
     gen = torch.Generator().manual_seed(batch_size)
     budget = batch_size + config.k_max
@@ -93,6 +109,22 @@ def test_the_host_library_decides_what_the_torch_oracle_decides(host_backend, co
             assert torch.equal(getattr(got.state.allocation, name), getattr(want.state.allocation, name)), name
         _learn((reference, host), want, gen)
     assert counting.calls > 0 or (parts == "select" and cost is None)  # unpriced: the allocator alone
+    assert stops[id(host)] == stops[id(reference)]  # (some cases stop at the gate or budget before any cost stop)
+
+
+@pytest.mark.parametrize("cost", [None, COST])
+def test_a_step_with_no_budget_beyond_the_roots(host_backend, cost):
+    """budget == B: nobody drafts; the host library's policy selects the roots alone, as the oracle does, and
+    reads no estimate (no refit moved)."""
+    config = ECHO_CASES[0]
+    roots = torch.tensor([3, 7, 1])
+    table = markov_draft_fn(40, seed=1).table
+    reference, host = make_policy(config, cost), make_policy(config, cost)
+    kernels.install_host(host)
+    for p in (reference, host):
+        got = draft_tree_batched(p, roots, MarkovLevels(table, roots, p.max_children), 3, context=50.0)
+        assert got.selected.total_nodes == 3 and got.state.frontier_sizes == []
+        assert p.acceptance._fit_version == reference.acceptance._fit_version
 
 
 def test_a_policy_that_decides_otherwise_is_replayed_in_torch(host_backend):
@@ -106,6 +138,21 @@ def test_a_policy_that_decides_otherwise_is_replayed_in_torch(host_backend):
     plain = make_policy(EchoConfig(policy="echo", beam_width=2, top_k=2, max_depth=4, k_max=20))
     kernels.install_host(plain)
     assert plain.replays_on_host
+    plain.observe = lambda level, state: None  # an override on the instance counts too
+    assert not plain.replays_on_host
+    other = make_policy(EchoConfig(policy="echo", beam_width=2, top_k=2, max_depth=4, k_max=20),
+                        COST)
+    kernels.install_host(other)
+    calls = []
+
+    def mine(*a, **k):  # a policy given its own allocator selects with it, not with the library's
+        calls.append(1)
+        return allocate_budget(*a, **k)
+    other.allocator = mine
+    roots = torch.tensor([3, 7])
+    draft_tree_batched(other, roots, MarkovLevels(markov_draft_fn(40, seed=2).table, roots, other.max_children), 22,
+                       context=50.0)
+    assert other.selector is not None and calls
 
 
 def _args(**change):
@@ -181,7 +228,7 @@ def test_the_budget_rule_keeps_the_smaller_budget_on_a_tie(host_backend):
 
 
 @pytest.mark.parametrize("max_depth, seconds, message", [
-    (2, [1.0], "seconds must hold one entry per candidate count 0 .. num_nodes - batch_size = 1, got 1"),
+    (2, [1.0], "seconds must hold one entry per taken count 0 .. min\\(num_nodes, budget\\) - batch_size = 1, got 1"),
     (3, [1.0, 1.4], "max_depth must be >= 1 with 2 \\* max_depth <= the fit's rows \\(4\\), got 3"),
     (0, [1.0, 1.4], "max_depth must be >= 1"),
 ])

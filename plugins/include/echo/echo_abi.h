@@ -123,7 +123,7 @@ int echo_replay_level_host(const int64_t* prev_request_ids, const float* prev_pa
  * (core.cost.choose_budget): with e_1, e_2, ... the acceptance estimates of the taken nodes on the fit (node i's
  * row: min(max(depth, 1), max_depth) - 1, plus max_depth off the draft's greedy path, greedy[i] == 0), the first n
  * maximising (batch_size + e_1 + ... + e_n) / seconds[n] is kept (seconds[n]: the step's seconds verifying the
- * roots and n more tokens, n = 0 .. num_nodes - batch_size); the taken nodes after it leave the selection (phase -1,
+ * roots and n more tokens, n = 0 .. min(num_nodes, budget) - batch_size); the taken nodes after it leave the selection (phase -1,
  * their request's count less one) and *order_len = n. */
 int echo_select_host(const float* path_probs, const int32_t* depths, const int32_t* parents, const int32_t* cu,
                      int32_t batch_size, int32_t num_nodes, const int32_t* spine_depth, int32_t budget,
