@@ -140,6 +140,9 @@ class TreePolicy:
         # the budget allocation `select` runs (the echo family): the core's, or a plugin backend's with the same
         # signature and results that the runtime installs (echo_trtllm.kernels.allocate_budget)
         self.allocator = allocate_budget
+        # the Super-Tree from the drafted levels: None, the core's `SuperTree.from_levels`; the runtime installs the
+        # host library's (kernels.host_tree_builder, the same tree)
+        self.tree_builder = None
 
     @classmethod
     def uses_cost_curve(cls, fallback: bool | None) -> bool:
@@ -676,7 +679,7 @@ class DraftLoop:
     def result(self) -> DraftResult:
         """The policy's selection over every level drafted."""
         self.done = True
-        candidates = SuperTree.from_levels(self.levels)
+        candidates = (self.policy.tree_builder or SuperTree.from_levels)(self.levels)
         mask = self.policy.select(candidates, self.state)
         return DraftResult(candidates, mask, candidates.select(mask), self.state)
 
@@ -768,7 +771,7 @@ def draft_tree_batched(
         _replay(policy, state, levels, slots, pending, read)
     state.frontier_slots += [torch.full((lv.num_nodes,), -1, dtype=torch.long)
                              for lv in levels[len(state.frontier_slots):]]
-    candidates = SuperTree.from_levels(levels)
+    candidates = (policy.tree_builder or SuperTree.from_levels)(levels)
     mask = policy.select(candidates, state)
     return DraftResult(candidates, mask, candidates.select(mask), state)
 

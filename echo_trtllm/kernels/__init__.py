@@ -34,7 +34,7 @@ from echo_trtllm.core.pack import pack as core_pack
 from echo_trtllm.core.tree import SuperTree
 
 __all__ = ["BACKENDS", "load_library", "backend_for", "host_allocator", "host_estimate_reader", "host_level_replayer",
-           "host_selector", "host_acceptance_counter", "install_host", "gate", "allocate_budget", "pack", "PluginError"]
+           "host_selector", "host_acceptance_counter", "host_tree_builder", "install_host", "gate", "allocate_budget", "pack", "PluginError"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,8 @@ def host_allocator():
 
 def install_host(policy) -> None:
     """The policy's control plane on the host library where it is built (the runtime's drafted trees are on the
-    host): its budget allocation (`host_allocator`) and, for the echo family, its acceptance estimates' read
+    host): its budget allocation (`host_allocator`), the Super-Tree built from the drafted levels
+    (`host_tree_builder`) and, for the echo family, its acceptance estimates' read
     (`host_estimate_reader`) and counts' update (`host_acceptance_counter`), its replay of drafted levels
     (`host_level_replayer`) and its selection (`host_selector`)."""
     policy.allocator = host_allocator()
@@ -103,6 +104,7 @@ def install_host(policy) -> None:
         acceptance.counter = host_acceptance_counter()
     if hasattr(policy, "level_replayer"):
         policy.level_replayer = host_level_replayer()
+    policy.tree_builder = host_tree_builder()
     if hasattr(policy, "selector"):
         policy.selector = host_selector()
         if policy.selector is not None:  # it allocates as this allocator does; a policy given another one skips it
@@ -147,6 +149,43 @@ def _observe_host(lib, online, depths: Tensor, confidences: Tensor, greedy: Tens
         _ptr(depths), _ptr(conf), _ptr(greedy), _i32(depths.numel()), _ptr(ids), _i32(ids.numel()),
         _i32(online.max_depth), _ptr(online.edges), _i32(online.edges.numel() - 1), ctypes.c_double(online.decay),
         _ptr(online.n), _ptr(online.k), _ptr(online.csum)))
+
+
+def host_tree_builder():
+    """`SuperTree.from_levels` on the host library (`TreePolicy.tree_builder`: one call where the core makes about
+    thirty tensor operations), or None where the library is not built (or predates it). `install_host` installs
+    it."""
+    if backend_for("cpu") != "host" or not hasattr(_lib("host"), "echo_tree_from_levels_host"):
+        return None
+    return functools.partial(_tree_from_levels_host, _lib("host"))
+
+
+def _tree_from_levels_host(lib, levels: list) -> SuperTree:
+    """`echo_tree_from_levels_host` over drafted levels on the host (the core's `from_levels` is its oracle)."""
+    if not levels or levels[0].depth != 0:
+        raise ValueError("levels must start with the root level (depth 0) from root_level()")
+    if any(lv.token_ids.device.type != "cpu" for lv in levels):
+        raise ValueError("tree_from_levels: the levels must be on the host")
+    sizes = torch.tensor([lv.num_nodes for lv in levels], dtype=torch.long)
+    req = torch.cat([lv.request_ids for lv in levels]).long()
+    par = torch.cat([lv.parent_ids for lv in levels]).long()
+    tok = torch.cat([lv.token_ids for lv in levels]).long()
+    dprob = torch.cat([lv.draft_probs for lv in levels]).float()
+    pprob = torch.cat([lv.path_probs for lv in levels]).float()
+    rank = torch.cat([lv.ranks for lv in levels]).long()
+    n, b = req.numel(), levels[0].num_nodes
+    ints = torch.empty(7, n, dtype=torch.long)  # token, parent, depth, rank, source, request, global parent
+    floats = torch.empty(2, n, dtype=torch.float32)
+    cu = torch.empty(b + 1, dtype=torch.long)
+    greedy = torch.empty(n, dtype=torch.bool)
+    _check(lib, lib.echo_tree_from_levels_host(
+        _ptr(sizes), _i32(len(levels)), _ptr(req), _ptr(par), _ptr(tok), _ptr(dprob), _ptr(pprob), _ptr(rank),
+        _ptr(ints[0]), _ptr(ints[1]), _ptr(ints[2]), _ptr(floats[0]), _ptr(floats[1]), _ptr(ints[3]), _ptr(cu),
+        _ptr(ints[4]), _ptr(ints[5]), _ptr(ints[6]), _ptr(greedy)))
+    tree = SuperTree(token_ids=ints[0], parents=ints[1], depths=ints[2], draft_probs=floats[0],
+                     path_probs=floats[1], ranks=ints[3], cu_num_nodes=cu, source_index=ints[4])
+    tree.__dict__.update(request_ids=ints[5], global_parents=ints[6], on_greedy_path=greedy)
+    return tree
 
 
 def host_selector():

@@ -393,4 +393,75 @@ int echo_acceptance_observe_host(const int64_t* depths, const float* confidences
   return abi::ok();
 }
 
+int echo_tree_from_levels_host(const int64_t* level_sizes, int32_t num_levels, const int64_t* request_ids,
+                               const int64_t* parent_ids, const int64_t* token_ids, const float* draft_probs,
+                               const float* path_probs, const int64_t* ranks, int64_t* out_token_ids,
+                               int64_t* out_parents, int64_t* out_depths, float* out_draft_probs,
+                               float* out_path_probs, int64_t* out_ranks, int64_t* out_cu, int64_t* out_source,
+                               int64_t* out_request_ids, int64_t* out_global_parents, uint8_t* out_greedy) {
+  const char* who = "tree_from_levels";
+  ECHO_REQUIRE(num_levels >= 1 && level_sizes, "%s: num_levels must be >= 1 (the roots first), got %d", who,
+               num_levels);
+  ECHO_REQUIRE(level_sizes[0] >= 1, "%s: the root level must hold every request (>= 1), got %lld", who,
+               static_cast<long long>(level_sizes[0]));
+  const int64_t b = level_sizes[0];
+  std::vector<int64_t> start(static_cast<size_t>(num_levels) + 1, 0);
+  for (int32_t d = 0; d < num_levels; ++d) {
+    ECHO_REQUIRE(level_sizes[d] >= 0, "%s: level_sizes[%d] = %lld must be >= 0", who, d,
+                 static_cast<long long>(level_sizes[d]));
+    start[d + 1] = start[d] + level_sizes[d];
+  }
+  const int64_t n = start[num_levels];
+  ECHO_REQUIRE(request_ids && parent_ids && token_ids && draft_probs && path_probs && ranks && out_token_ids &&
+                   out_parents && out_depths && out_draft_probs && out_path_probs && out_ranks && out_cu && out_source &&
+                   out_request_ids && out_global_parents && out_greedy,
+               "%s: a required array is NULL", who);
+  for (int32_t d = 0; d < num_levels; ++d)
+    for (int64_t i = start[d]; i < start[d + 1]; ++i) {
+      ECHO_REQUIRE(request_ids[i] >= 0 && request_ids[i] < b, "%s: request_ids[%lld] = %lld is outside [0, %lld)", who,
+                   static_cast<long long>(i), static_cast<long long>(request_ids[i]), static_cast<long long>(b));
+      if (d == 0) {
+        ECHO_REQUIRE(request_ids[i] == i && parent_ids[i] == -1,
+                     "%s: the root level must be request i's root at i with parent -1 (node %lld)", who,
+                     static_cast<long long>(i));
+        continue;
+      }
+      const int64_t p = parent_ids[i];
+      ECHO_REQUIRE(p >= 0 && p < level_sizes[d - 1], "%s: parent_ids[%lld] = %lld is outside level %d's %lld nodes",
+                   who, static_cast<long long>(i), static_cast<long long>(p), d - 1,
+                   static_cast<long long>(level_sizes[d - 1]));
+      ECHO_REQUIRE(request_ids[start[d - 1] + p] == request_ids[i],
+                   "%s: node %lld of request %lld has a parent of request %lld", who, static_cast<long long>(i),
+                   static_cast<long long>(request_ids[i]), static_cast<long long>(request_ids[start[d - 1] + p]));
+    }
+  // request-major, level-major within a request (a stable counting sort by request)
+  out_cu[0] = 0;
+  std::vector<int64_t> next(static_cast<size_t>(b), 0);
+  for (int64_t i = 0; i < n; ++i) ++next[request_ids[i]];
+  for (int64_t r = 0; r < b; ++r) out_cu[r + 1] = out_cu[r] + next[r];
+  for (int64_t r = 0; r < b; ++r) next[r] = out_cu[r];
+  std::vector<int64_t> new_index(static_cast<size_t>(n));
+  std::vector<uint8_t> greedy(static_cast<size_t>(n));
+  for (int32_t d = 0; d < num_levels; ++d)
+    for (int64_t i = start[d]; i < start[d + 1]; ++i) {
+      const int64_t r = request_ids[i];
+      const int64_t j = next[r]++;
+      new_index[i] = j;
+      const int64_t flat_parent = d == 0 ? -1 : start[d - 1] + parent_ids[i];
+      greedy[i] = d == 0 ? 1 : (greedy[flat_parent] && ranks[i] == 0);
+      const int64_t gp = d == 0 ? -1 : new_index[flat_parent];  // parents come from earlier levels: known
+      out_source[j] = i;
+      out_token_ids[j] = token_ids[i];
+      out_depths[j] = d;
+      out_draft_probs[j] = draft_probs[i];
+      out_path_probs[j] = path_probs[i];
+      out_ranks[j] = ranks[i];
+      out_request_ids[j] = r;
+      out_global_parents[j] = gp;
+      out_parents[j] = gp >= 0 ? gp - out_cu[r] : -1;
+      out_greedy[j] = greedy[i];
+    }
+  return abi::ok();
+}
+
 }  // extern "C"

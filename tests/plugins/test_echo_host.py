@@ -5,6 +5,8 @@ allocator, `choose_budget` and `truncated`, the oracles: the same candidates, se
 spines, confidences and frontier slots, step after step while the policy learns online; bad arrays refused by
 name."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -282,3 +284,58 @@ def test_an_accepted_id_outside_the_tree_is_refused(host_backend):
     with pytest.raises(kernels.PluginError, match="accepted_ids\\[1\\] = 3 is outside \\[0, 3\\)"):
         online.observe_nodes(torch.tensor([0, 1, 2]), torch.tensor([1.0, 0.5, 0.2]), torch.tensor([True] * 3),
                              torch.tensor([0, 3]))
+
+
+def _same_tree(a, b):
+    for name in ("token_ids", "parents", "depths", "draft_probs", "path_probs", "ranks", "cu_num_nodes",
+                 "source_index", "request_ids", "global_parents", "on_greedy_path"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("config", ECHO_CASES[:4], ids=lambda c: f"{c.policy}-k{c.k_max}")
+@pytest.mark.parametrize("batch_size", [1, 6])
+def test_the_tree_from_levels_is_the_cores(host_backend, config, batch_size):
+    """`kernels.host_tree_builder` against `SuperTree.from_levels` (its derived tensors included) on the levels of
+    real drafting steps, and the runtime's drafting with it installed equal to the core's."""
+    from echo_trtllm.core.tree import SuperTree
+
+    build = kernels.host_tree_builder()
+    table = markov_draft_fn(40, seed=batch_size).table
+    gen = torch.Generator().manual_seed(batch_size)
+    for step in range(4):
+        roots = torch.randint(0, 40, (batch_size,), generator=gen)
+        reference, host = make_policy(config, COST), make_policy(config, COST)
+        kernels.install_host(host)
+        assert host.tree_builder is not None
+        want = draft_tree_batched(reference, roots, MarkovLevels(table, roots, reference.max_children),
+                                  batch_size + config.k_max, context=80.0, sync_every_level=True)
+        got = draft_tree_batched(host, roots, MarkovLevels(table, roots, host.max_children),
+                                 batch_size + config.k_max, context=80.0, sync_every_level=True)
+        same_result(got, want)
+        _same_tree(got.candidates, want.candidates)
+        _same_tree(got.selected, want.selected)
+    # level by level with the core's loop, a few levels deep: the same tree from the same levels
+    from echo_trtllm.core.policies import DraftLoop
+    from echo_trtllm.core.tree import DraftTopK
+    loop = DraftLoop(make_policy(config), roots)
+    while (frontier := loop.frontier()) is not None:
+        loop.feed(DraftTopK.of(table[loop.levels[-1].token_ids[frontier]], loop.policy.max_children))
+    _same_tree(build(loop.levels), SuperTree.from_levels(loop.levels))
+
+
+def test_bad_levels_are_refused_by_name(host_backend):
+    from echo_trtllm.core.tree import DraftTopK, expand_level, root_level
+
+    build = kernels.host_tree_builder()
+    root = root_level(torch.tensor([5, 6]))
+    child = expand_level(root, torch.tensor([0, 1]), DraftTopK(torch.tensor([[0.5], [0.4]]),
+                                                               torch.tensor([[1], [2]])), 1)
+    bad = dataclasses.replace(child, parent_ids=torch.tensor([0, 2]))
+    with pytest.raises(kernels.PluginError, match="parent_ids\\[3\\] = 2 is outside level 0's 2 nodes"):
+        build([root, bad])
+    crossed = dataclasses.replace(child, parent_ids=torch.tensor([1, 0]))
+    with pytest.raises(kernels.PluginError, match="node 2 of request 0 has a parent of request 1"):
+        build([root, crossed])
+    with pytest.raises(ValueError, match="start with the root level"):
+        build([child])

@@ -141,6 +141,19 @@ int echo_acceptance_observe_host(const int64_t* depths, const float* confidences
                                  int32_t max_depth, const double* edges, int32_t num_bins, double decay, double* n,
                                  double* k, double* csum);
 
+/* The Super-Tree from drafted levels (echo_trtllm.core.tree.SuperTree.from_levels): num_levels levels of
+ * level_sizes[d] nodes each, level-major and concatenated (level 0: request i's root at i, parent -1; a node's
+ * parent_ids entry indexes the previous level), reordered request-major (a stable sort by request: within a request
+ * by level, then level order). Out, per node of the tree (n = the sum of level_sizes): token, parent within its
+ * request (-1: root), depth, draft and path probabilities, rank, its level-major index (source), request, parent as
+ * a flat tree index, whether it is on the draft's greedy path (its parent is and its rank is 0); out_cu (B + 1). */
+int echo_tree_from_levels_host(const int64_t* level_sizes, int32_t num_levels, const int64_t* request_ids,
+                               const int64_t* parent_ids, const int64_t* token_ids, const float* draft_probs,
+                               const float* path_probs, const int64_t* ranks, int64_t* out_token_ids,
+                               int64_t* out_parents, int64_t* out_depths, float* out_draft_probs,
+                               float* out_path_probs, int64_t* out_ranks, int64_t* out_cu, int64_t* out_source,
+                               int64_t* out_request_ids, int64_t* out_global_parents, uint8_t* out_greedy);
+
 #ifdef __cplusplus
 }
 #endif
