@@ -219,6 +219,9 @@ class OnlineAcceptance:
         # the counts' update over a verified tree in the host library (`kernels.host_acceptance_counter`, installed
         # by the runtime); None: `observe` with NumPy (the same results)
         self.counter = None
+        # the refit's isotonic fits of every row in the host library (`kernels.host_isotonic`, installed by the
+        # runtime); None: in Python (the same numbers)
+        self.isotonic = None
 
     def _rows(self, depths: Tensor | int, greedy: Tensor | bool, shape) -> np.ndarray:
         """Each node's table row (class docstring), flat, for nodes of this shape."""
@@ -280,18 +283,25 @@ class OnlineAcceptance:
         centres = np.where(n_ > 1e-9, self.csum.numpy() / np.maximum(n_, 1e-12), self.mid.numpy())
         p0 = self.p0.numpy().copy()
         k = self.k.numpy()
-        first = _weighted_isotonic((k[0] + w0 * p0[0]) / weight[0], weight[0])
+        iso = self._isotonic_rows
+        first = iso(((k[0] + w0 * p0[0]) / weight[0])[None], weight[0][None])[0]
         if self.prior is None and self.max_depth > 1:  # the greedy rows' priors from depth 1 (class docstring)
             depth = np.arange(2, self.max_depth + 1, dtype=np.float64)[:, None]
             mid = self.mid.numpy()[1:self.max_depth]
             p0[1:self.max_depth] = self._from_first(mid.reshape(-1), np.broadcast_to(depth, mid.shape).reshape(-1),
                                                     centres[0], first, n_[0], p0[0]).reshape(mid.shape)
         raw = (k + w0 * p0) / weight
-        values = np.stack([first] + [_weighted_isotonic(raw[d], weight[d]) for d in range(1, 2 * self.max_depth)])
+        values = np.concatenate([first[None], iso(raw[1:], weight[1:])])
         # centres made increasing (a bin's mean lies inside the bin, so they are)
         self._arrays = (centres, values, n_, p0)
         self._fit_version = self.version
         return self._arrays
+
+    def _isotonic_rows(self, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """`_weighted_isotonic` of each row: on the host library when installed (`isotonic`), else in Python."""
+        if self.isotonic is not None:
+            return self.isotonic(y, w)
+        return np.stack([_weighted_isotonic(y[i], w[i]) for i in range(y.shape[0])]).reshape(y.shape)
 
     def _bins(self, x: np.ndarray) -> np.ndarray:
         return _clip(np.searchsorted(self._edges, _clip(x, 0.0, 1.0), side="right") - 1, 0, len(BIN_EDGES) - 2)

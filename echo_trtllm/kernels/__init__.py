@@ -34,7 +34,8 @@ from echo_trtllm.core.pack import pack as core_pack
 from echo_trtllm.core.tree import SuperTree
 
 __all__ = ["BACKENDS", "load_library", "backend_for", "host_allocator", "host_estimate_reader", "host_level_replayer",
-           "host_selector", "host_acceptance_counter", "host_tree_builder", "install_host", "gate", "allocate_budget", "pack", "PluginError"]
+           "host_selector", "host_acceptance_counter", "host_tree_builder", "host_isotonic",
+           "install_host", "gate", "allocate_budget", "pack", "PluginError"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ def install_host(policy) -> None:
     if acceptance is not None:
         acceptance.reader = host_estimate_reader()
         acceptance.counter = host_acceptance_counter()
+        acceptance.isotonic = host_isotonic()
     if hasattr(policy, "level_replayer"):
         policy.level_replayer = host_level_replayer()
     policy.tree_builder = host_tree_builder()
@@ -186,6 +188,28 @@ def _tree_from_levels_host(lib, levels: list) -> SuperTree:
                      path_probs=floats[1], ranks=ints[3], cu_num_nodes=cu, source_index=ints[4])
     tree.__dict__.update(request_ids=ints[5], global_parents=ints[6], on_greedy_path=greedy)
     return tree
+
+
+def host_isotonic():
+    """The online acceptance refit's isotonic fits of every row in one call on the host library
+    (`OnlineAcceptance.isotonic`), or None where the library is not built (or predates it). `install_host`
+    installs it."""
+    if backend_for("cpu") != "host" or not hasattr(_lib("host"), "echo_isotonic_rows_host"):
+        return None
+    return functools.partial(_isotonic_host, _lib("host"))
+
+
+def _isotonic_host(lib, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """`echo_isotonic_rows_host` of each row of y (rows, cols) with weights w (the core's
+    `_weighted_isotonic` per row is its oracle)."""
+    y = np.ascontiguousarray(y, dtype=np.float64)
+    w = np.ascontiguousarray(w, dtype=np.float64)
+    if y.ndim != 2 or w.shape != y.shape:
+        raise ValueError(f"isotonic: y and w must be (rows, cols) of one shape, got {y.shape} and {w.shape}")
+    out = np.empty_like(y)
+    _check(lib, lib.echo_isotonic_rows_host(_vp(y.ctypes.data), _vp(w.ctypes.data), _i32(y.shape[0]),
+                                            _i32(y.shape[1]), _vp(out.ctypes.data)))
+    return out
 
 
 def host_selector():

@@ -464,4 +464,38 @@ int echo_tree_from_levels_host(const int64_t* level_sizes, int32_t num_levels, c
   return abi::ok();
 }
 
+int echo_isotonic_rows_host(const double* y, const double* w, int32_t rows, int32_t cols, double* out) {
+  const char* who = "isotonic_rows";
+  ECHO_REQUIRE(rows >= 0 && cols >= 0, "%s: rows and cols must be >= 0, got %d and %d", who, rows, cols);
+  ECHO_REQUIRE(rows * cols == 0 || (y && w && out), "%s: a required array is NULL (y, w, out)", who);
+  std::vector<double> means, weights;
+  std::vector<int32_t> sizes;
+  for (int32_t r = 0; r < rows; ++r) {
+    means.clear();
+    weights.clear();
+    sizes.clear();
+    const double* yr = y + static_cast<size_t>(r) * cols;
+    const double* wr = w + static_cast<size_t>(r) * cols;
+    for (int32_t i = 0; i < cols; ++i) {  // pool adjacent violators, as core.acceptance._weighted_isotonic
+      means.push_back(yr[i]);
+      weights.push_back(wr[i]);
+      sizes.push_back(1);
+      while (means.size() > 1 && means[means.size() - 2] > means.back()) {
+        const double m1 = means.back(), w1 = weights.back();
+        const int32_t s1 = sizes.back();
+        means.pop_back();
+        weights.pop_back();
+        sizes.pop_back();
+        means.back() = (means.back() * weights.back() + m1 * w1) / (weights.back() + w1);
+        weights.back() += w1;
+        sizes.back() += s1;
+      }
+    }
+    double* o = out + static_cast<size_t>(r) * cols;
+    for (size_t j = 0; j < means.size(); ++j)
+      for (int32_t t = 0; t < sizes[j]; ++t) *o++ = means[j];
+  }
+  return abi::ok();
+}
+
 }  // extern "C"

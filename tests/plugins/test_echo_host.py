@@ -7,6 +7,8 @@ name."""
 
 import dataclasses
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -339,3 +341,34 @@ def test_bad_levels_are_refused_by_name(host_backend):
         build([root, crossed])
     with pytest.raises(ValueError, match="start with the root level"):
         build([child])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_refits_isotonic_fits_are_the_cores(host_backend, seed):
+    """`kernels.host_isotonic` against `_weighted_isotonic` row by row (ties, runs of violators, one column), and
+    an online acceptance refitted with it reads the same estimates as one refitted in Python."""
+    from echo_trtllm.core.acceptance import _weighted_isotonic
+    from tests.helpers import random_online_acceptance
+
+    iso = kernels.host_isotonic()
+    gen = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, 5, (9, 15), generator=gen).double().numpy() / 4  # ties and violators
+    w = torch.rand(9, 15, generator=gen, dtype=torch.float64).numpy() + 0.1
+    want = [_weighted_isotonic(y[i], w[i]) for i in range(9)]
+    got = iso(y, w)
+    assert all(np.array_equal(got[i], want[i]) for i in range(9))
+    assert np.array_equal(iso(y[:, :1], w[:, :1]), y[:, :1])
+    host, _ = random_online_acceptance(seed, 4, seed % 2 == 1, 2.0, 20.0, 1)
+    python, gen = random_online_acceptance(seed, 4, seed % 2 == 1, 2.0, 20.0, 1)
+    host.isotonic = iso
+    probe = torch.rand(200, generator=gen, dtype=torch.float64)
+    for step in range(6):
+        d = torch.randint(1, 5, (30,), generator=gen)
+        c = torch.rand(30, generator=gen)
+        acc = torch.rand(30, generator=gen) < c
+        g = torch.rand(30, generator=gen) < 0.5
+        for online in (host, python):
+            online.observe(d, c, acc, g)
+        for depth in range(1, 5):
+            assert torch.equal(host.estimate(probe, depth), python.estimate(probe, depth))
+            assert torch.equal(host.estimate(probe, depth, False), python.estimate(probe, depth, False))

@@ -23,6 +23,8 @@ def _generate(default_pair, prompts, policy, calls=None):
             calls["replays"] = llm.executor.policy.replays_on_host
             calls["selector"] = llm.executor.policy.selector
             calls["counter"] = llm.executor.policy.acceptance.counter
+            calls["isotonic"] = llm.executor.policy.acceptance.isotonic
+            calls["tree"] = llm.executor.policy.tree_builder
         outs = llm.generate(prompts[:6], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
         return [o.outputs[0].token_ids for o in outs]
     finally:
@@ -45,7 +47,8 @@ def test_the_engine_runs_allocation_and_packing_on_the_host_library(host_backend
     assert info["allocator"] == {"backend": "host"}
     assert info["reader"] is not None  # the acceptance estimates read on the host library too
     assert info["replays"] and info["selector"] is not None  # and the drafted levels replayed, the tree selected
-    assert info["counter"] is not None  # and the acceptance counted there
+    assert info["counter"] is not None and info["isotonic"] is not None  # and the acceptance counted and refitted
+    assert info["tree"] is not None  # and the Super-Tree built there
     assert all(n > 0 for n in counted.values()), counted
     monkeypatch.setenv("ECHO_PLUGIN_HOST_LIB", "/nonexistent/libecho_host.so")
     monkeypatch.setattr(kernels, "BUILD_DIR", kernels.BUILD_DIR / "nonexistent")
@@ -57,7 +60,7 @@ def test_the_engine_runs_allocation_and_packing_on_the_host_library(host_backend
         assert info["allocator"] is None  # the core's own function
         assert info["reader"] is None  # the estimates read with NumPy
         assert not info["replays"] and info["selector"] is None  # the levels replayed, the tree selected in torch
-        assert info["counter"] is None
+        assert info["counter"] is None and info["isotonic"] is None and info["tree"] is None
         plain = _generate(default_pair, prompts, "ar")
     finally:
         kernels.load_library.cache_clear()
