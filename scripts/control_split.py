@@ -48,6 +48,9 @@ from echo_trtllm.runtime.request import SamplingParams
 
 WRAPPED = ((policies, "_level_on_device", "level work on the device (head forward included)"),
            (drafter_mod.Eagle3Drafter, "_forward", "head forward"),
+           (drafter_mod.Drafter, "expand_level", "drafter level (head forward included)"),
+           (drafter_mod.Drafter, "expand_roots", "drafter roots (head forward included)"),
+           (policies, "_keep_active", "rows kept (in drafting)"),
            (policies, "_replay", "replay of drafted levels"), (policies.EchoPolicy, "observe", "observe (in replay)"),
            (policies.EchoPolicy, "select", "select"), (policies.EchoPolicy, "start", "start"),
            (tree_mod.SuperTree, "from_levels", "tree from levels"), (executor_mod.Executor, "_pack", "pack"),
