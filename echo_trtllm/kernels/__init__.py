@@ -117,21 +117,14 @@ def host_estimate_reader():
     """The online acceptance estimates' read on the host library (`OnlineAcceptance.reader`: the fit's compiled
     segments, one call for all nodes), or None where the library is not built (or predates it): the estimates are
     then read with NumPy, with the same results. The runtime installs it beside `host_allocator`."""
-    if backend_for("cpu") != "host":
-        return None
-    lib = _lib("host")
-    if not hasattr(lib, "echo_acceptance_estimate_host"):
-        return None
-    return functools.partial(_estimate_host, lib)
+    return _host_entry("echo_acceptance_estimate_host", _estimate_host)
 
 
 def host_acceptance_counter():
     """The online acceptance counts' update over a verified tree on the host library (`OnlineAcceptance.counter`:
     one call for `observe_nodes`), or None where the library is not built (or predates it). `install_host`
     installs it."""
-    if backend_for("cpu") != "host" or not hasattr(_lib("host"), "echo_acceptance_observe_host"):
-        return None
-    return functools.partial(_observe_host, _lib("host"))
+    return _host_entry("echo_acceptance_observe_host", _observe_host)
 
 
 def _observe_host(lib, online, depths: Tensor, confidences: Tensor, greedy: Tensor, accepted_node_ids: Tensor) -> None:
@@ -157,9 +150,7 @@ def host_tree_builder():
     """`SuperTree.from_levels` on the host library (`TreePolicy.tree_builder`: one call where the core makes about
     thirty tensor operations), or None where the library is not built (or predates it). `install_host` installs
     it."""
-    if backend_for("cpu") != "host" or not hasattr(_lib("host"), "echo_tree_from_levels_host"):
-        return None
-    return functools.partial(_tree_from_levels_host, _lib("host"))
+    return _host_entry("echo_tree_from_levels_host", _tree_from_levels_host)
 
 
 def _tree_from_levels_host(lib, levels: list) -> SuperTree:
@@ -194,9 +185,7 @@ def host_isotonic():
     """The online acceptance refit's isotonic fits of every row in one call on the host library
     (`OnlineAcceptance.isotonic`), or None where the library is not built (or predates it). `install_host`
     installs it."""
-    if backend_for("cpu") != "host" or not hasattr(_lib("host"), "echo_isotonic_rows_host"):
-        return None
-    return functools.partial(_isotonic_host, _lib("host"))
+    return _host_entry("echo_isotonic_rows_host", _isotonic_host)
 
 
 def _isotonic_host(lib, y: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -216,9 +205,7 @@ def host_selector():
     """The echo policy's selection on the host library (`EchoPolicy.selector`: the budget allocation and the budget
     rule in one call, `allocate_budget(..., choose=...)`), or None where the library is not built (or predates it).
     `install_host` installs it."""
-    if backend_for("cpu") != "host" or not hasattr(_lib("host"), "echo_select_host"):
-        return None
-    return functools.partial(allocate_budget, backend="host")
+    return _host_entry("echo_select_host", lambda lib: functools.partial(allocate_budget, backend="host"), bind=False)
 
 
 def host_level_replayer():
@@ -226,12 +213,18 @@ def host_level_replayer():
     one call per level for `core.policies._replay`'s loop body and the policy's gate, budget stop and cost stop's
     tokens), or None where the library is not built (or predates it): the levels are then replayed in torch, with
     the same results. `install_host` installs it."""
+    return _host_entry("echo_replay_level_host", _replay_level_host)
+
+
+def _host_entry(symbol: str, fn, bind: bool = True):
+    """fn with the host library as its first argument (bind=False: fn(lib) is the entry), where `backend_for`
+    picks the host library and it has `symbol`; None otherwise (not built, or a build that predates the symbol)."""
     if backend_for("cpu") != "host":
         return None
     lib = _lib("host")
-    if not hasattr(lib, "echo_replay_level_host"):
+    if not hasattr(lib, symbol):
         return None
-    return functools.partial(_replay_level_host, lib)
+    return functools.partial(fn, lib) if bind else fn(lib)
 
 
 _SEGMENT_ARRAYS = ("keys", "start", "l0", "l1", "share", "e0", "e1")
