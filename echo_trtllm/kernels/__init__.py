@@ -154,18 +154,27 @@ def host_tree_builder():
 
 
 def _tree_from_levels_host(lib, levels: list) -> SuperTree:
-    """`echo_tree_from_levels_host` over drafted levels on the host (the core's `from_levels` is its oracle)."""
+    """`echo_tree_from_levels_host` over drafted levels on the host (the core's `from_levels` is its oracle, and
+    builds the tree for levels that are not the drafting loop's own: on a device, or of other dtypes)."""
     if not levels or levels[0].depth != 0:
         raise ValueError("levels must start with the root level (depth 0) from root_level()")
-    if any(lv.token_ids.device.type != "cpu" for lv in levels):
-        raise ValueError("tree_from_levels: the levels must be on the host")
+    for d, lv in enumerate(levels):
+        fields = (lv.request_ids, lv.parent_ids, lv.token_ids, lv.ranks, lv.draft_probs, lv.path_probs)
+        if lv.depth != d:
+            raise ValueError(f"tree_from_levels: level {d} has depth {lv.depth}; levels go 0, 1, 2, ...")
+        if any(t.ndim != 1 or t.numel() != lv.num_nodes for t in fields):
+            raise ValueError(f"tree_from_levels: level {d}'s fields must be 1-D with one entry per node "
+                             f"({lv.num_nodes}), got shapes {[tuple(t.shape) for t in fields]}")
+        if (any(t.device.type != "cpu" for t in fields) or any(t.dtype != torch.long for t in fields[:4])
+                or any(t.dtype != torch.float32 for t in fields[4:])):
+            return SuperTree.from_levels(levels)
     sizes = torch.tensor([lv.num_nodes for lv in levels], dtype=torch.long)
-    req = torch.cat([lv.request_ids for lv in levels]).long()
-    par = torch.cat([lv.parent_ids for lv in levels]).long()
-    tok = torch.cat([lv.token_ids for lv in levels]).long()
-    dprob = torch.cat([lv.draft_probs for lv in levels]).float()
-    pprob = torch.cat([lv.path_probs for lv in levels]).float()
-    rank = torch.cat([lv.ranks for lv in levels]).long()
+    req = torch.cat([lv.request_ids for lv in levels])
+    par = torch.cat([lv.parent_ids for lv in levels])
+    tok = torch.cat([lv.token_ids for lv in levels])
+    dprob = torch.cat([lv.draft_probs for lv in levels])
+    pprob = torch.cat([lv.path_probs for lv in levels])
+    rank = torch.cat([lv.ranks for lv in levels])
     n, b = req.numel(), levels[0].num_nodes
     ints = torch.empty(7, n, dtype=torch.long)  # token, parent, depth, rank, source, request, global parent
     floats = torch.empty(2, n, dtype=torch.float32)

@@ -467,7 +467,10 @@ int echo_tree_from_levels_host(const int64_t* level_sizes, int32_t num_levels, c
 int echo_isotonic_rows_host(const double* y, const double* w, int32_t rows, int32_t cols, double* out) {
   const char* who = "isotonic_rows";
   ECHO_REQUIRE(rows >= 0 && cols >= 0, "%s: rows and cols must be >= 0, got %d and %d", who, rows, cols);
-  ECHO_REQUIRE(rows * cols == 0 || (y && w && out), "%s: a required array is NULL (y, w, out)", who);
+  const size_t cells = static_cast<size_t>(rows) * static_cast<size_t>(cols);
+  ECHO_REQUIRE(cells == 0 || (y && w && out), "%s: a required array is NULL (y, w, out)", who);
+  for (size_t i = 0; i < cells; ++i)
+    ECHO_REQUIRE(w[i] > 0.0, "%s: weights must be > 0, w[%zu] = %g", who, i, w[i]);
   std::vector<double> means, weights;
   std::vector<int32_t> sizes;
   for (int32_t r = 0; r < rows; ++r) {

@@ -18,7 +18,7 @@ def host_backend(tmp_path_factory):
     if cxx is None:
         pytest.fail("no C++ compiler found (g++/c++): the plugin host tests need one")
     out = tmp_path_factory.mktemp("plugin") / "libecho_host.so"
-    cmd = [cxx, "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC",
+    cmd = [cxx, "-std=c++17", "-O2", "-ffp-contract=off", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC",
            f"-I{ROOT / 'plugins' / 'include'}", str(ROOT / "plugins" / "csrc" / "echo_host.cpp"), "-o", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     os.environ["ECHO_PLUGIN_HOST_LIB"] = str(out)

@@ -341,6 +341,15 @@ def test_bad_levels_are_refused_by_name(host_backend):
         build([root, crossed])
     with pytest.raises(ValueError, match="start with the root level"):
         build([child])
+    stranger = dataclasses.replace(child, request_ids=torch.tensor([0, 2]))
+    with pytest.raises(kernels.PluginError, match="request_ids\\[3\\] = 2 is outside \\[0, 2\\)"):
+        build([root, stranger])
+    swapped = dataclasses.replace(root, request_ids=torch.tensor([1, 0]))
+    with pytest.raises(kernels.PluginError, match="the root level must be request i's root at i"):
+        build([swapped, child])
+    short = dataclasses.replace(child, ranks=torch.tensor([0]))
+    with pytest.raises(ValueError, match="level 1's fields must be 1-D with one entry per node \\(2\\)"):
+        build([root, short])
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -358,6 +367,8 @@ def test_the_refits_isotonic_fits_are_the_cores(host_backend, seed):
     got = iso(y, w)
     assert all(np.array_equal(got[i], want[i]) for i in range(9))
     assert np.array_equal(iso(y[:, :1], w[:, :1]), y[:, :1])
+    with pytest.raises(kernels.PluginError, match="weights must be > 0, w\\[2\\] = 0"):
+        iso(y[:1, :4], np.array([[1.0, 1.0, 0.0, 1.0]]))
     host, _ = random_online_acceptance(seed, 4, seed % 2 == 1, 2.0, 20.0, 1)
     python, gen = random_online_acceptance(seed, 4, seed % 2 == 1, 2.0, 20.0, 1)
     host.isotonic = iso
@@ -372,3 +383,44 @@ def test_the_refits_isotonic_fits_are_the_cores(host_backend, seed):
         for depth in range(1, 5):
             assert torch.equal(host.estimate(probe, depth), python.estimate(probe, depth))
             assert torch.equal(host.estimate(probe, depth, False), python.estimate(probe, depth, False))
+
+
+OTHER_POLICIES = [
+    EchoConfig(policy="static", static_choices=((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))),
+    EchoConfig(policy="eagle2", top_k=3, max_depth=4, total_tokens=12),
+    EchoConfig(policy="ddd", top_k=3, max_depth=6, total_tokens=16, ddd_threshold=-1.0, ddd_check_every=2),
+    EchoConfig(policy="chain", num_draft_tokens=4),
+]
+
+
+@pytest.mark.parametrize("config", OTHER_POLICIES, ids=lambda c: c.policy)
+@pytest.mark.parametrize("batch_size", [1, 5])
+def test_every_policy_builds_its_tree_on_the_host_as_the_core_does(host_backend, config, batch_size):
+    """The builder is installed on every policy: the level-by-level loop (`draft_tree`, `DraftLoop.result`) and the
+    batched one give the core's candidates, selection and derived tensors with it."""
+    from echo_trtllm.core import draft_tree
+
+    table = markov_draft_fn(40, seed=batch_size).table
+    roots = torch.randint(0, 40, (batch_size,), generator=torch.Generator().manual_seed(batch_size))
+    reference, host = make_policy(config), make_policy(config)
+    kernels.install_host(host)
+    assert host.tree_builder is not None and reference.tree_builder is None
+    fn = lambda level, frontier: table[level.token_ids[frontier]]  # noqa: E731
+    want, got = draft_tree(reference, roots, fn), draft_tree(host, roots, fn)
+    same_result(got, want)
+    _same_tree(got.candidates, want.candidates)
+    if reference.beam_frontier:
+        want = draft_tree_batched(reference, roots, MarkovLevels(table, roots, reference.max_children))
+        got = draft_tree_batched(host, roots, MarkovLevels(table, roots, host.max_children))
+        same_result(got, want)
+        _same_tree(got.candidates, want.candidates)
+
+
+def test_levels_of_other_dtypes_are_built_by_the_core(host_backend):
+    from echo_trtllm.core.tree import DraftTopK, SuperTree, expand_level, root_level
+
+    root = root_level(torch.tensor([5, 6]))
+    child = expand_level(root, torch.tensor([0, 1]), DraftTopK(torch.tensor([[0.5], [0.4]]),
+                                                               torch.tensor([[1], [2]])), 1)
+    narrow = dataclasses.replace(child, request_ids=child.request_ids.int(), path_probs=child.path_probs.double())
+    _same_tree(kernels.host_tree_builder()([root, narrow]), SuperTree.from_levels([root, narrow]))

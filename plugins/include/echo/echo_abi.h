@@ -155,7 +155,7 @@ int echo_tree_from_levels_host(const int64_t* level_sizes, int32_t num_levels, c
                                int64_t* out_request_ids, int64_t* out_global_parents, uint8_t* out_greedy);
 
 /* The non-decreasing weighted least-squares fit of each of `rows` rows of y (rows x cols, row-major) with weights w
- * (pool adjacent violators: a block's mean is (m w + m' w') / (w + w'), pooled left to right), into out. */
+ * (> 0; pool adjacent violators: a block's mean is (m w + m' w') / (w + w'), pooled left to right), into out. */
 int echo_isotonic_rows_host(const double* y, const double* w, int32_t rows, int32_t cols, double* out);
 
 #ifdef __cplusplus
