@@ -13,8 +13,8 @@ PY=${PYTHON:-python3}
 CXX_BIN=$(command -v "${CXX:-g++}" || command -v c++ || true)
 mkdir -p plugins/build
 rm -f plugins/build/libecho_host.so  # never a build of older sources
-if [ -n "$CXX_BIN" ] && "$CXX_BIN" -std=c++17 -O2 -ffp-contract=off -shared -fPIC -Iplugins/include plugins/csrc/echo_host.cpp \
-    -o plugins/build/libecho_host.so.tmp; then
+if [ -n "$CXX_BIN" ] && "$CXX_BIN" -std=c++17 -O2 -ffp-contract=off -shared -fPIC -Iplugins/include \
+    plugins/csrc/echo_host.cpp -o plugins/build/libecho_host.so.tmp; then
   mv plugins/build/libecho_host.so.tmp plugins/build/libecho_host.so
 else
   rm -f plugins/build/libecho_host.so.tmp

@@ -234,7 +234,11 @@ class OnlineAcceptance:
         stop's reads)."""
         if isinstance(depths, Tensor) or isinstance(greedy, Tensor):
             return self._rows(depths, greedy, tuple(shape))
-        return np.full(size, min(max(int(depths), 1), self.max_depth) - 1 + (0 if greedy else self.max_depth))
+        return np.full(size, self.row(int(depths), bool(greedy)))
+
+    def row(self, depth: int, greedy: bool = True) -> int:
+        """The table row of nodes at this depth (clamped to 1 .. max_depth), on the draft's greedy path or not."""
+        return min(max(depth, 1), self.max_depth) - 1 + (0 if greedy else self.max_depth)
 
     def observe(self, depths: Tensor, confidences: Tensor, accepted: Tensor, greedy: Tensor | bool = True) -> None:
         """One step's verified draft nodes (roots excluded): their depths (>= 1), path probabilities, whether
@@ -267,7 +271,7 @@ class OnlineAcceptance:
 
     def samples(self, depth: int) -> float:
         """Decayed count of verified nodes at this depth (both tables)."""
-        d = min(max(depth, 1), self.max_depth) - 1
+        d = self.row(depth)
         n = self.n.numpy()
         return float(n[d].sum() + n[d + self.max_depth].sum())
 

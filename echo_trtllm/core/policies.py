@@ -560,7 +560,7 @@ class EchoPolicy(TreePolicy):
         # the estimates' fit as it stands: where a refit is due, the cost stop's tokens are read below as the oracle
         # reads them (a refit happens at the first read after it is due: reading here would move it)
         table = self.acceptance.fitted_segments() if priced else None
-        gain_row = min(max(depth + 1, 1), self.acceptance.max_depth) - 1  # the greedy row of depth + 1
+        gain_row = self.acceptance.row(depth + 1)  # the cost stop reads the next depth's greedy row
         # a budget below the roots (a state not made by `start`) stops everyone, as the oracle's infinite bar does
         spare = max(int(state.budget or 0) - state.batch_size, 0) if self.budget_stop else None
         slot_of, ints, floats, active, n, claimed, gain = self.level_replayer(

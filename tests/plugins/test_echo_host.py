@@ -211,17 +211,23 @@ def test_bad_arrays_are_refused_by_name(host_backend, change, message):
         kernels.host_level_replayer()(*_args(**change).values())
 
 
+def _root_and_child(roots: list[int], probs: list[float], tokens: list[int]):
+    """Level 0 of these roots and level 1: one child of each, of this probability and token."""
+    from echo_trtllm.core.tree import DraftTopK, expand_level, root_level
+
+    root = root_level(torch.tensor(roots))
+    child = DraftTopK(torch.tensor(probs)[:, None], torch.tensor(tokens)[:, None])
+    return root, expand_level(root, torch.arange(len(roots)), child, 1)
+
+
 def test_the_budget_rule_keeps_the_smaller_budget_on_a_tie(host_backend):
     """One request, its root and one child of path probability 0.5 estimated at 0.5 (no evidence yet: the draft's
     own probability); verifying it takes 1.5x the root's seconds: both budgets give 1 token per second, and the
     rule keeps the smaller (`choose_budget`: the first maximum)."""
-    from echo_trtllm.core import DraftTopK
     from echo_trtllm.core.acceptance import OnlineAcceptance
-    from echo_trtllm.core.tree import SuperTree, expand_level, root_level
+    from echo_trtllm.core.tree import SuperTree
 
-    root = root_level(torch.tensor([7]))
-    child = expand_level(root, torch.tensor([0]), DraftTopK(torch.tensor([[0.5]]), torch.tensor([[3]])), 1)
-    tree = SuperTree.from_levels([root, child])
+    tree = SuperTree.from_levels(list(_root_and_child([7], [0.5], [3])))
     online = OnlineAcceptance(2)
     assert float(online.estimate(torch.tensor([0.5]), 1)) == 0.5
     for seconds, kept in (([1.0, 1.5], 0), ([1.0, 1.4], 1)):
@@ -237,13 +243,10 @@ def test_the_budget_rule_keeps_the_smaller_budget_on_a_tie(host_backend):
     (0, [1.0, 1.4], "max_depth must be >= 1"),
 ])
 def test_bad_selection_arguments_are_refused_by_name(host_backend, max_depth, seconds, message):
-    from echo_trtllm.core import DraftTopK
     from echo_trtllm.core.acceptance import OnlineAcceptance
-    from echo_trtllm.core.tree import SuperTree, expand_level, root_level
+    from echo_trtllm.core.tree import SuperTree
 
-    root = root_level(torch.tensor([7]))
-    tree = SuperTree.from_levels([root, expand_level(root, torch.tensor([0]),
-                                                     DraftTopK(torch.tensor([[0.5]]), torch.tensor([[3]])), 1)])
+    tree = SuperTree.from_levels(list(_root_and_child([7], [0.5], [3])))
     with pytest.raises(kernels.PluginError, match=message):
         kernels.allocate_budget(tree, torch.tensor([1]), 2, backend="host",
                                 choose=(OnlineAcceptance(2)._segments_table(), max_depth, torch.tensor(seconds)))
@@ -327,12 +330,8 @@ def test_the_tree_from_levels_is_the_cores(host_backend, config, batch_size):
 
 
 def test_bad_levels_are_refused_by_name(host_backend):
-    from echo_trtllm.core.tree import DraftTopK, expand_level, root_level
-
     build = kernels.host_tree_builder()
-    root = root_level(torch.tensor([5, 6]))
-    child = expand_level(root, torch.tensor([0, 1]), DraftTopK(torch.tensor([[0.5], [0.4]]),
-                                                               torch.tensor([[1], [2]])), 1)
+    root, child = _root_and_child([5, 6], [0.5, 0.4], [1, 2])
     bad = dataclasses.replace(child, parent_ids=torch.tensor([0, 2]))
     with pytest.raises(kernels.PluginError, match="parent_ids\\[3\\] = 2 is outside level 0's 2 nodes"):
         build([root, bad])
@@ -417,10 +416,8 @@ def test_every_policy_builds_its_tree_on_the_host_as_the_core_does(host_backend,
 
 
 def test_levels_of_other_dtypes_are_built_by_the_core(host_backend):
-    from echo_trtllm.core.tree import DraftTopK, SuperTree, expand_level, root_level
+    from echo_trtllm.core.tree import SuperTree
 
-    root = root_level(torch.tensor([5, 6]))
-    child = expand_level(root, torch.tensor([0, 1]), DraftTopK(torch.tensor([[0.5], [0.4]]),
-                                                               torch.tensor([[1], [2]])), 1)
+    root, child = _root_and_child([5, 6], [0.5, 0.4], [1, 2])
     narrow = dataclasses.replace(child, request_ids=child.request_ids.int(), path_probs=child.path_probs.double())
     _same_tree(kernels.host_tree_builder()([root, narrow]), SuperTree.from_levels([root, narrow]))
