@@ -98,6 +98,9 @@ class KalmanLinear:
         # the floor of each coefficient's drift
         self._diagonal = self.cov.reshape(-1)[:: mean.size + 1]
         self._floor = 0.05 * self.prior_sd
+        # `step` on the plugin's host library (`kernels.host_kalman_stepper`, installed by the runtime): one call
+        # where `advance` and `update` make a few dozen NumPy operations; None: this class's NumPy code, its oracle
+        self.stepper = None
 
     def _project(self) -> None:
         """No coefficient below zero (a cost): the mean is projected onto theta >= 0 in the covariance's metric,
@@ -143,6 +146,16 @@ class KalmanLinear:
             d[over] = np.sqrt(self._cap[over] / diagonal[over])
             self.cov *= np.outer(d, d)
         self.cov[...] = (self.cov + self.cov.T) * 0.5  # rounding leaves the updates' symmetry slowly: restore it
+
+    def step(self, phi: np.ndarray, y: float, channel: int = 0) -> float:
+        """One step: the drift (`advance`), then the measurement y at features phi (`update`); returns the
+        prediction before the update. A measurement that is not finite is refused before anything moves."""
+        if not math.isfinite(y):
+            raise ValueError(f"KalmanLinear.update: the measurement must be finite, got {y}")
+        if self.stepper is not None:
+            return self.stepper(self, phi, y, channel)
+        self.advance()
+        return self.update(phi, y, channel)
 
     def update(self, phi: np.ndarray, y: float, channel: int = 0) -> float:
         """One measured y at features phi (features,) on a channel (no drift: `advance` once per step). Returns
@@ -278,10 +291,8 @@ class StepCostModel:
     def observe(self, sample: StepSample) -> StepPrediction:
         """Learn from one measured step; returns what was predicted for it before."""
         phi_d, phi_v = sample_features(sample)
-        self.drafting.advance()
-        self.verification.advance()
-        pred_d = self.drafting.update(phi_d, sample.drafting_seconds)
-        pred_v = self.verification.update(phi_v, sample.verification_seconds)
+        pred_d = self.drafting.step(phi_d, sample.drafting_seconds)
+        pred_v = self.verification.step(phi_v, sample.verification_seconds)
         self.default_context = float(sample.context)
         self.version += 1
         out = StepPrediction(pred_d, pred_v, sample.drafting_seconds, sample.verification_seconds)

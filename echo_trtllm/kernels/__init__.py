@@ -28,6 +28,7 @@ from torch import Tensor
 
 from echo_trtllm.core import budget as core_budget
 from echo_trtllm.core import gating as core_gating
+from echo_trtllm.core import prices as prices_mod
 from echo_trtllm.core.budget import BudgetAllocation
 from echo_trtllm.core.pack import PackedVerifyBatch, words_per_row
 from echo_trtllm.core.pack import pack as core_pack
@@ -35,6 +36,7 @@ from echo_trtllm.core.tree import SuperTree
 
 __all__ = ["BACKENDS", "load_library", "backend_for", "host_allocator", "host_estimate_reader", "host_level_replayer",
            "host_selector", "host_acceptance_counter", "host_tree_builder", "host_isotonic",
+           "host_kalman_stepper",
            "install_host", "gate", "allocate_budget", "pack", "PluginError"]
 
 logger = logging.getLogger(__name__)
@@ -92,12 +94,15 @@ def host_allocator():
     return core_budget.allocate_budget if backend == "torch" else functools.partial(allocate_budget, backend=backend)
 
 
-def install_host(policy) -> None:
+def install_host(policy, step_cost=None) -> None:
     """The policy's control plane on the host library where it is built (the runtime's drafted trees are on the
     host): its budget allocation (`host_allocator`), the Super-Tree built from the drafted levels
     (`host_tree_builder`) and, for the echo family, its acceptance estimates' read
     (`host_estimate_reader`) and counts' update (`host_acceptance_counter`), its replay of drafted levels
-    (`host_level_replayer`) and its selection (`host_selector`)."""
+    (`host_level_replayer`) and its selection (`host_selector`); with step_cost (a `core.prices.StepCostModel`),
+    its two filters' steps (`host_kalman_stepper`)."""
+    if step_cost is not None:
+        step_cost.drafting.stepper = step_cost.verification.stepper = host_kalman_stepper()
     policy.allocator = host_allocator()
     acceptance = getattr(policy, "acceptance", None)
     if acceptance is not None:
@@ -208,6 +213,40 @@ def _isotonic_host(lib, y: np.ndarray, w: np.ndarray) -> np.ndarray:
     _check(lib, lib.echo_isotonic_rows_host(_vp(y.ctypes.data), _vp(w.ctypes.data), _i32(y.shape[0]),
                                             _i32(y.shape[1]), _vp(out.ctypes.data)))
     return out
+
+
+def host_kalman_stepper():
+    """A step-price filter's step (`KalmanLinear.step`: the drift, the update and the projection onto costs >= 0)
+    in one call on the host library (`KalmanLinear.stepper`), or None where the library is not built (or predates
+    it): the NumPy code then runs, its oracle. `install_host` installs it on a `StepCostModel`'s two filters."""
+    return _host_entry("echo_kalman_step_host", _kalman_step_host)
+
+
+def _kalman_step_host(lib, kf, phi: np.ndarray, y: float, channel: int = 0) -> float:
+    """`echo_kalman_step_host` on a `KalmanLinear` (theta, cov and the channel's noise updated in place; its step
+    and update counts and last noise variance as its own `advance` and `update` keep them)."""
+    n = kf.theta.size
+    phi = np.ascontiguousarray(phi, dtype=np.float64)
+    arrays = (kf.theta, kf.cov, kf._cap, kf._floor)
+    if (phi.shape != (n,) or kf.cov.shape != (n, n)
+            or any(a.dtype != np.float64 or not a.flags.c_contiguous for a in arrays)):
+        raise ValueError(f"kalman_step: phi must be ({n},) and the filter's theta, cov, cap and floor contiguous "
+                         f"float64 of n = {n}, got phi {phi.shape}, cov {kf.cov.shape}")
+    kf.steps += 1
+    drift = kf.steps % prices_mod.DRIFT_EVERY == 0
+    noise = (ctypes.c_double * 1)(kf.noise[channel])
+    out = (ctypes.c_double * 2)()
+    every = prices_mod.DRIFT_EVERY
+    _check(lib, lib.echo_kalman_step_host(
+        _i32(n), _vp(kf.theta.ctypes.data), _vp(kf.cov.ctypes.data), _vp(phi.ctypes.data), ctypes.c_double(y),
+        _vp(kf._cap.ctypes.data), _vp(kf._floor.ctypes.data), ctypes.c_double(every * kf.drift_common ** 2),
+        ctypes.c_double(every * kf.drift_each ** 2), _i32(drift), ctypes.c_double(kf.huber), noise,
+        ctypes.c_double(kf.noise_floor), ctypes.c_double(kf.noise_rate), ctypes.c_double(prices_mod.MIN_SECONDS),
+        out))
+    kf.noise[channel] = noise[0]
+    kf.last_noise_var = out[1]
+    kf.updates += 1
+    return out[0]
 
 
 def host_selector():

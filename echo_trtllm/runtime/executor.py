@@ -236,7 +236,7 @@ class Executor:
         # what the rules read: the learned prices, or (adapt=False) the load-time cost model itself
         self.prices = self.step_cost.prices if self.step_cost is not None and adapt else cost_model
         self.policy = make_policy(config, self.prices, gate_samples)
-        kernels.install_host(self.policy)  # the drafted trees are on the host
+        kernels.install_host(self.policy, self.step_cost)  # the drafted trees and the prices are on the host
         self.controller = None
         if fallback is True and cost_model is None and self.policy.needs_draft_model:
             raise ValueError("fallback=True needs a cost model (cost_model=...): the AR fallback weighs measured steps "

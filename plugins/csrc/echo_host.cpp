@@ -501,4 +501,111 @@ int echo_isotonic_rows_host(const double* y, const double* w, int32_t rows, int3
   return abi::ok();
 }
 
+int echo_kalman_step_host(int32_t n, double* theta, double* cov, const double* phi, double y, const double* cap,
+                          const double* floor, double drift_common, double drift_each, int32_t drift_now, double huber,
+                          double* noise, double noise_floor, double noise_rate, double min_seconds, double* out) {
+  const char* who = "kalman_step";
+  ECHO_REQUIRE(n >= 1, "%s: n must be >= 1, got %d", who, n);
+  ECHO_REQUIRE(theta && cov && phi && cap && floor && noise && out,
+               "%s: a required array is NULL (theta, cov, phi, cap, floor, noise, out)", who);
+  ECHO_REQUIRE(std::isfinite(y), "%s: the measurement must be finite, got %g", who, y);
+  const size_t m = static_cast<size_t>(n);
+  auto at = [&](size_t i, size_t j) -> double& { return cov[i * m + j]; };
+  if (drift_now) {  // KalmanLinear.advance: common and independent drift, the cap, symmetry restored
+    for (size_t i = 0; i < m; ++i)
+      for (size_t j = 0; j < m; ++j) at(i, j) += drift_common * (theta[i] * theta[j]);
+    std::vector<double> d(m, 1.0);
+    bool over = false;
+    for (size_t i = 0; i < m; ++i) {
+      const double level = std::max(theta[i], floor[i]);
+      at(i, i) += drift_each * (level * level);
+      if (at(i, i) > cap[i]) {
+        d[i] = std::sqrt(cap[i] / at(i, i));
+        over = true;
+      }
+    }
+    if (over)
+      for (size_t i = 0; i < m; ++i)
+        for (size_t j = 0; j < m; ++j) at(i, j) *= d[i] * d[j];
+    for (size_t i = 0; i < m; ++i)
+      for (size_t j = i + 1; j < m; ++j) at(i, j) = at(j, i) = (at(i, j) + at(j, i)) * 0.5;
+  }
+  // KalmanLinear.update
+  double dot = 0.0;
+  for (size_t i = 0; i < m; ++i) dot += phi[i] * theta[i];
+  const double predicted = std::max(dot, min_seconds);
+  const double r = y - predicted;
+  const double scale = std::max(std::max(predicted, y), min_seconds);
+  const double noise_var = (*noise * scale) * (*noise * scale);
+  std::vector<double> p_phi(m, 0.0);
+  double s = noise_var, phi_p = 0.0;
+  for (size_t i = 0; i < m; ++i) {
+    for (size_t j = 0; j < m; ++j) p_phi[i] += at(i, j) * phi[j];
+    phi_p += phi[i] * p_phi[i];
+  }
+  s += phi_p;
+  ECHO_REQUIRE(s > 0.0, "%s: the innovation's variance must be > 0, got %g", who, s);
+  const double bound = huber * std::sqrt(s);
+  const double clipped = std::max(-bound, std::min(bound, r));
+  for (size_t i = 0; i < m; ++i) theta[i] += (p_phi[i] / s) * clipped;
+  for (size_t i = 0; i < m; ++i)
+    for (size_t j = 0; j < m; ++j) at(i, j) -= (p_phi[i] / s) * p_phi[j];
+  // KalmanLinear._project: theta >= 0 in cov's metric
+  std::vector<char> held(m, 0);
+  std::vector<size_t> a;
+  std::vector<double> lu, x;
+  for (size_t it = 0; it < m; ++it) {
+    bool any = false;
+    for (size_t i = 0; i < m; ++i)
+      if (theta[i] < 0.0) held[i] = 1, any = true;
+    if (!any) break;
+    a.clear();
+    for (size_t i = 0; i < m; ++i)
+      if (held[i]) a.push_back(i);
+    const size_t k = a.size();
+    double trace = 0.0;
+    for (size_t p = 0; p < k; ++p) trace += at(a[p], a[p]);
+    const double jitter = 1e-12 * std::max(trace / static_cast<double>(k), 1e-30);
+    lu.assign(k * k, 0.0);
+    x.assign(k, 0.0);
+    for (size_t p = 0; p < k; ++p) {
+      for (size_t q = 0; q < k; ++q) lu[p * k + q] = at(a[p], a[q]);
+      lu[p * k + p] += jitter;
+      x[p] = theta[a[p]];
+    }
+    for (size_t c = 0; c < k; ++c) {  // Gaussian elimination with partial pivoting
+      size_t piv = c;
+      for (size_t p = c + 1; p < k; ++p)
+        if (std::fabs(lu[p * k + c]) > std::fabs(lu[piv * k + c])) piv = p;
+      ECHO_REQUIRE(lu[piv * k + c] != 0.0, "%s: the held coefficients' covariance is singular", who);
+      if (piv != c) {
+        for (size_t q = 0; q < k; ++q) std::swap(lu[c * k + q], lu[piv * k + q]);
+        std::swap(x[c], x[piv]);
+      }
+      for (size_t p = c + 1; p < k; ++p) {
+        const double f = lu[p * k + c] / lu[c * k + c];
+        for (size_t q = c; q < k; ++q) lu[p * k + q] -= f * lu[c * k + q];
+        x[p] -= f * x[c];
+      }
+    }
+    for (size_t c = k; c-- > 0;) {
+      double v = x[c];
+      for (size_t q = c + 1; q < k; ++q) v -= lu[c * k + q] * x[q];
+      x[c] = v / lu[c * k + c];
+    }
+    for (size_t i = 0; i < m; ++i) {
+      double corr = 0.0;
+      for (size_t p = 0; p < k; ++p) corr += at(i, a[p]) * x[p];
+      theta[i] -= corr;
+    }
+    for (size_t p = 0; p < k; ++p) theta[a[p]] = 0.0;
+  }
+  for (size_t i = 0; i < m; ++i) theta[i] = std::max(theta[i], 0.0);  // rounding
+  const double rel = std::fabs(clipped) / scale;
+  *noise = std::max(noise_floor, (1 - noise_rate) * *noise + noise_rate * 1.2533 * rel);
+  out[0] = predicted;
+  out[1] = noise_var;
+  return abi::ok();
+}
+
 }  // extern "C"

@@ -6,6 +6,7 @@ spines, confidences and frontier slots, step after step while the policy learns 
 name."""
 
 import dataclasses
+from ctypes import c_double as ctypes_double
 
 import numpy as np
 
@@ -16,6 +17,8 @@ from echo_trtllm import kernels
 from echo_trtllm.core import CostModel, EchoConfig, make_policy
 from echo_trtllm.core.budget import allocate_budget
 from echo_trtllm.core.policies import EchoPolicy, draft_tree_batched
+from echo_trtllm.core.prices import KalmanLinear, StepCostModel
+from echo_trtllm.core.steps import StepSample
 from tests.core.test_batched_drafting import COST, MarkovLevels, same_result, tied_table
 from tests.helpers import markov_draft_fn
 
@@ -421,3 +424,100 @@ def test_levels_of_other_dtypes_are_built_by_the_core(host_backend):
     root, child = _root_and_child([5, 6], [0.5, 0.4], [1, 2])
     narrow = dataclasses.replace(child, request_ids=child.request_ids.int(), path_probs=child.path_probs.double())
     _same_tree(kernels.host_tree_builder()([root, narrow]), SuperTree.from_levels([root, narrow]))
+
+
+class _Spy:
+    """Counts, on the NumPy oracle, the steps whose update projected the mean (a coefficient went below zero) and
+    whose drift hit a coefficient's variance cap: the paths the comparison must cover."""
+
+    def __init__(self):
+        self.projected = self.capped = 0
+
+    def wrap(self, kf):
+        project, advance = kf._project, kf.advance
+
+        def spy_project():
+            self.projected += bool((kf.theta < 0).any())
+            project()
+
+        def spy_advance():
+            before = kf.steps
+            advance()
+            self.capped += kf.steps % 4 == 0 and kf.steps != before and bool(
+                np.isclose(kf._diagonal, kf._cap, rtol=1e-12).any())
+        kf._project, kf.advance = spy_project, spy_advance
+        return kf
+
+
+def _twin_filters(seed, n, drift_common):
+    rng = np.random.default_rng(seed)
+    a = rng.normal(size=(n, n))
+    mean, cov = rng.uniform(0.0, 1.0, n), a @ a.T * 0.1 + np.eye(n) * 0.01
+    return [KalmanLinear(mean, cov, drift_common=drift_common, drift_each=0.05, channels=2) for _ in range(2)], rng
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("drift_common", [0.02, 0.6])
+def test_a_price_filters_step_is_the_numpy_ones(host_backend, seed, drift_common):
+    """`kernels.host_kalman_stepper` against `KalmanLinear.advance` + `update` (the oracle) over 300 measurements on
+    two channels, some far cheaper than predicted (the projection onto costs >= 0 runs) and, with a large drift, the
+    variance cap binding: the same predictions, means, covariances, noise scales and counts, to rounding (the
+    library sums the products in its own order, NumPy in BLAS's)."""
+    spy = _Spy()
+    (oracle, host), rng = _twin_filters(seed, 9, drift_common)
+    spy.wrap(oracle)
+    host.stepper = kernels.host_kalman_stepper()
+    assert host.stepper is not None
+    for _ in range(300):
+        phi = rng.uniform(0.0, 2.0, 9) * (rng.uniform(size=9) < 0.6)
+        y = max(float(phi @ rng.uniform(-0.5, 1.5, 9)) * rng.uniform(0.1, 3.0), 0.0)
+        channel = int(rng.integers(0, 2))
+        want, got = oracle.step(phi, y, channel), host.step(phi, y, channel)
+        assert got == pytest.approx(want, rel=1e-10, abs=1e-15)
+        assert host.last_noise_var == pytest.approx(oracle.last_noise_var, rel=1e-10, abs=1e-18)
+    np.testing.assert_allclose(host.theta, oracle.theta, rtol=1e-9, atol=1e-12 * np.abs(oracle.theta).max())
+    np.testing.assert_allclose(host.cov, oracle.cov, rtol=1e-9, atol=1e-12 * np.abs(oracle.cov).max())
+    np.testing.assert_allclose(host.noise, oracle.noise, rtol=1e-10)
+    assert (host.steps, host.updates) == (oracle.steps, oracle.updates) == (300, 300)
+    assert (host.theta >= 0).all() and np.array_equal(host.theta == 0, oracle.theta == 0)
+    assert spy.projected > 10
+    assert (spy.capped > 0) == (drift_common > 0.1)
+
+
+def test_the_step_prices_learn_on_the_host_as_in_numpy(host_backend):
+    """A whole-step model with the stepper installed (`install_host(policy, step_cost)`, as the runtime does)
+    learns what the NumPy one learns: test_prices' case where a plain step far cheaper than its price drives a
+    coefficient to its bound, then a mixed run of shapes."""
+    def model():
+        return StepCostModel.from_cost_model(CostModel((1, 4096), (1.9015, 1.9 + 0.0015 * 4096), (1, 4096),
+                                                       (0.201, 0.2 + 0.001 * 4096)))
+    oracle, host = model(), model()
+    kernels.install_host(make_policy(EchoConfig(policy="echo")), host)
+    assert host.drafting.stepper is not None and host.verification.stepper is not None
+    shapes = [StepSample(64, 320, 400.0, (128, 64, 64, 64), 1.48, 2.22), StepSample(64, 64, 400.0, (), 0.002, 0.59),
+              StepSample(16, 40, 300.0, (16, 12, 8), 0.02, 0.12, 16), StepSample(1, 5, 90.0, (1, 3, 3), 0.01, 0.05)]
+    for i in range(60):
+        s = shapes[0] if i < 12 else shapes[i % 4]
+        want, got = oracle.observe(s), host.observe(s)
+        assert got.seconds == pytest.approx(want.seconds, rel=1e-9)
+        for p in shapes:
+            assert host.predict_sample(p) == pytest.approx(oracle.predict_sample(p), rel=1e-9)
+    assert (oracle.theta_verification == 0).any()  # the bound was reached
+    assert np.array_equal(host.theta_verification == 0, oracle.theta_verification == 0)
+
+
+def test_bad_price_filter_inputs_are_refused_before_anything_moves(host_backend):
+    (kf, _), _ = _twin_filters(0, 4, 0.02)
+    kf.stepper = kernels.host_kalman_stepper()
+    theta, cov = kf.theta.copy(), kf.cov.copy()
+    with pytest.raises(ValueError, match="finite"):
+        kf.step(np.ones(4), float("nan"))
+    with pytest.raises(ValueError, match=r"kalman_step: phi must be \(4,\)"):
+        kf.step(np.ones(5), 1.0)
+    assert np.array_equal(kf.theta, theta) and np.array_equal(kf.cov, cov) and kf.steps == kf.updates == 0
+    lib = kernels.load_library("host")
+    out = (ctypes_double * 2)()
+    assert lib.echo_kalman_step_host(0, None, None, None, ctypes_double(1.0), None, None, ctypes_double(0.0),
+                                     ctypes_double(0.0), 0, ctypes_double(1.0), None, ctypes_double(0.0),
+                                     ctypes_double(0.0), ctypes_double(1e-6), out) != 0
+    assert b"n must be >= 1" in lib.echo_last_error()

@@ -158,6 +158,19 @@ int echo_tree_from_levels_host(const int64_t* level_sizes, int32_t num_levels, c
  * (> 0; pool adjacent violators: a block's mean is (m w + m' w') / (w + w'), pooled left to right), into out. */
 int echo_isotonic_rows_host(const double* y, const double* w, int32_t rows, int32_t cols, double* out);
 
+/* One step of a phase's step-price filter (echo_trtllm.core.prices.KalmanLinear: `advance` then `update`), n
+ * coefficients, theta (n) and cov (n x n, row-major, symmetric) updated in place. drift_now: apply the drift first
+ * (cov += c outer(theta, theta) with c = drift_common (already times the steps it covers, squared), the diagonal
+ * += e max(theta, floor)^2, a diagonal above cap[i] scaled back by a congruence, then symmetrised). The update
+ * with the measurement y at features phi: the prediction max(phi . theta, min_seconds), the relative noise
+ * (*noise x max(prediction, y, min_seconds))^2, the innovation clipped at huber standard deviations, the gain,
+ * theta and cov updated, theta projected onto theta >= 0 in cov's metric (the coefficients that went negative held at
+ * zero, the others moved by their covariance with them), and *noise moved to the running mean absolute relative
+ * residual (at least noise_floor). out: [the prediction before the update, the noise variance used]. */
+int echo_kalman_step_host(int32_t n, double* theta, double* cov, const double* phi, double y, const double* cap,
+                          const double* floor, double drift_common, double drift_each, int32_t drift_now, double huber,
+                          double* noise, double noise_floor, double noise_rate, double min_seconds, double* out);
+
 #ifdef __cplusplus
 }
 #endif
