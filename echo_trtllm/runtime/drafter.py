@@ -52,48 +52,81 @@ from .inputs import chain_batch, level_batch, make_batch
 from .transfer import HostLink
 from .request import Request
 
-__all__ = ["Drafter", "Eagle3Drafter", "FeatureWindow", "make_drafter"]
+__all__ = ["Drafter", "Eagle3Drafter", "FeatureSpan", "FeatureStore", "make_drafter"]
 
 STEADY_CHAIN = 2  # pending tokens per request in steady speculation: the bonus token and at most one leaf
 MAX_FEATURES = 512  # target features an EAGLE-3 drafter keeps per request (bounded catch-up)
 
 
-class FeatureWindow:
-    """A request's target features of consecutive tokens start, start + 1, ..., end - 1. Appends copy only the new
-    rows (the buffer doubles when full); dropping old rows moves an offset. Per step the cost is the tokens the
-    step committed, not the window's length."""
+class FeatureSpan:
+    """A request's window of kept target features: those of tokens start, start + 1, ..., end - 1 (their rows are
+    in the drafter's `FeatureStore`)."""
 
-    def __init__(self, start: int, feats: Tensor) -> None:
-        self.buf = feats.new_empty((max(16, 2 * feats.shape[0]), feats.shape[1]))
-        self.buf[: feats.shape[0]] = feats
-        self.head, self.start, self.length = 0, start, feats.shape[0]
+    __slots__ = ("start", "end")
 
-    @property
-    def end(self) -> int:
-        return self.start + self.length
-
-    def append(self, feats: Tensor) -> None:
-        n = feats.shape[0]
-        if self.head + self.length + n > self.buf.shape[0]:
-            live = self.buf[self.head : self.head + self.length]
-            if 2 * (self.length + n) > self.buf.shape[0]:
-                grown = self.buf.new_empty((2 * (self.length + n), self.buf.shape[1]))
-                grown[: self.length] = live
-                self.buf = grown
-            else:
-                self.buf[: self.length] = live.clone()
-            self.head = 0
-        self.buf[self.head + self.length : self.head + self.length + n] = feats
-        self.length += n
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end = start, end
 
     def drop_before(self, token: int) -> None:
         """Forget the features of tokens before `token` (the last one is always kept)."""
-        k = max(0, min(token - self.start, self.length - 1))
-        self.head, self.start, self.length = self.head + k, self.start + k, self.length - k
+        self.start += max(0, min(token - self.start, self.end - self.start - 1))
 
-    def rows(self, first: int, last: int) -> Tensor:
-        """Features of tokens first .. last (inclusive)."""
-        return self.buf[self.head + first - self.start : self.head + last + 1 - self.start]
+
+class FeatureStore:
+    """The target features an EAGLE-3 drafter keeps, of every slot in one tensor: slot s's feature of token t at
+    row s * width + t % width (a ring of `width` tokens per slot). A step's new features of every request are
+    written by one `index_copy_` and a forward's reads are one `index_select`, where a window per request cost a
+    copy per request each way. A request's window (`FeatureSpan`) spans at most `width` tokens, so the rows it
+    reads are its own; the rows are allocated at the first write (the features' width and dtype are the
+    target's)."""
+
+    def __init__(self, slots: int, width: int) -> None:
+        if slots < 1 or width < 1:
+            raise ValueError(f"FeatureStore needs slots and width >= 1, got {slots} and {width}")
+        self.slots, self.width = slots, width
+        self.rows: Tensor | None = None
+
+    def _index(self, slot: int, first: int, last: int) -> range | list[int]:
+        """Rows of tokens first .. last (inclusive) of a slot."""
+        w = self.width
+        base, lo, hi = slot * w, first % w, last % w
+        if last - first < w and lo <= hi:  # no wrap
+            return range(base + lo, base + hi + 1)
+        return [base + t % w for t in range(first, last + 1)]
+
+    def write(self, slots: list[int], starts: list[int], counts: list[int], feats: Tensor, send) -> None:
+        """feats (sum(counts), F), request-major: request i's rows are the features of tokens starts[i] ..
+        starts[i] + counts[i] - 1 of slot slots[i]; of each, the last `width` are kept. send: host indices to the
+        features' device."""
+        total = sum(counts)
+        if total != feats.shape[0]:
+            raise ValueError(f"FeatureStore.write: {feats.shape[0]} feature rows for counts summing to {total}")
+        if self.rows is None:
+            self.rows = feats.new_zeros((self.slots * self.width, feats.shape[1]))
+        dst: list[int] = []
+        src: list[int] | None = None
+        offset = 0
+        for slot, start, n in zip(slots, starts, counts):
+            if not 0 <= slot < self.slots:
+                raise ValueError(f"FeatureStore.write: slot {slot} is outside 0 .. {self.slots - 1}")
+            skip = max(0, n - self.width)
+            if skip and src is None:
+                src = list(range(offset))
+            dst.extend(self._index(slot, start + skip, start + n - 1))
+            if src is not None:
+                src.extend(range(offset + skip, offset + n))
+            offset += n
+        if src is not None:
+            feats = feats[send(torch.tensor(src, dtype=torch.long))]
+        if dst:
+            self.rows.index_copy_(0, send(torch.tensor(dst, dtype=torch.long)), feats)
+
+    def read(self, spans: list[tuple[int, int, int]], send) -> Tensor:
+        """The features of tokens first .. last (inclusive) of each (slot, first, last), concatenated."""
+        idx: list[int] = []
+        for slot, first, last in spans:
+            idx.extend(self._index(slot, first, last))
+        return self.rows.index_select(0, send(torch.tensor(idx, dtype=torch.long)))
 
 
 def make_drafter(draft: CausalLM | Eagle3Head, target: CausalLM, slots: int, capacity: int,
@@ -385,27 +418,42 @@ class Eagle3Drafter(Drafter):
                  link: HostLink | None = None) -> None:
         super().__init__(model, cache, clock, steady_chain, link)
         self.capture_layers = tuple(capture_layers)
+        self._store: FeatureStore | None = None
         self.max_features = max_features
+
+    @property
+    def max_features(self) -> int:
+        """Target features kept per request (the feature store's width)."""
+        return self._store.width
+
+    @max_features.setter
+    def max_features(self, value: int) -> None:
+        if self._store is not None and self._store.rows is not None and value != self._store.width:
+            raise ValueError("max_features cannot change once features are stored")
+        self._store = FeatureStore(self.cache.keys[0].shape[0], value)
 
     # ---------------------------------------------------------------- features
 
-    def observe(self, requests: list[Request], starts: list[int], features: list[Tensor]) -> None:
-        """Append the target's features of tokens starts[i] .. of requests[i]. A window that does not continue
-        (a gap left by a failure) restarts at the new tokens; at most max_features are kept, never dropping the
-        ones the head still has to read unless the window is full."""
-        for r, start, feats in zip(requests, starts, features):
-            if r.features is not None and r.features.end == start:
-                r.features.append(feats)
-            else:
-                r.features = FeatureWindow(start, feats)
+    def observe(self, requests: list[Request], starts: list[int], counts: list[int], features: Tensor) -> None:
+        """Store the target's features of tokens starts[i] .. starts[i] + counts[i] - 1 of requests[i] (features:
+        their rows, request-major). A window that does not continue (a gap left by a failure) restarts at the new
+        tokens; at most max_features are kept, never dropping the ones the head still has to read unless the window
+        is full."""
+        for r, start, n in zip(requests, starts, counts):
             w = r.features
+            if w is not None and w.end == start:
+                w.end += n
+            else:
+                w = r.features = FeatureSpan(start, start + n)
             needed = r.draft_offset + r.draft_ctx  # the oldest feature the head will read
             w.drop_before(max(min(needed, w.end - 1), w.end - self.max_features))
+        self._store.write([r.slot for r in requests], starts, counts, features,
+                          lambda t: self.link.send("feature rows", t))
 
-    @staticmethod
-    def _features(r: Request, first: int, last: int) -> Tensor:
-        """Features of tokens first .. last (inclusive) of r."""
-        return r.features.rows(first, last)
+    def _features(self, spans: list[tuple[Request, int, int]]) -> Tensor:
+        """Features of tokens first .. last (inclusive) of each (request, first, last), concatenated."""
+        return self._store.read([(r.slot, first, last) for r, first, last in spans],
+                                lambda t: self.link.send("feature rows", t))
 
     def pending(self, r: Request) -> int:
         return r.num_tokens - 1 - r.draft_offset - r.draft_ctx
@@ -443,7 +491,7 @@ class Eagle3Drafter(Drafter):
         if not todo:
             return
         chains = [r.token_ids(first, last + 1) for r, first, last in todo]  # chain_batch makes one tensor
-        feats = torch.cat([self._features(r, first - 1, last - 1) for r, first, last in todo])
+        feats = self._features([(r, first - 1, last - 1) for r, first, last in todo])
         starts = torch.tensor([r.draft_ctx for r, _, _ in todo])
         slots = torch.tensor([r.slot for r, _, _ in todo])
         self._forward(chain_batch(chains, starts, slots, logits="none"), feats)
@@ -471,7 +519,7 @@ class Eagle3Drafter(Drafter):
         if ok:
             sub = [reqs[k] for k in ok]
             rs = [self._requests[i] for i in sub]
-            feats = torch.cat([self._features(r, r.draft_offset + r.draft_ctx, r.num_tokens - 2) for r in rs])
+            feats = self._features([(r, r.draft_offset + r.draft_ctx, r.num_tokens - 2) for r in rs])
             out, y = self._forward(chain_batch([chains[k] for k in ok], starts[ok], self._slots[sub], logits="last"),
                                    feats)
             lengths = torch.tensor([len(chains[k]) for k in ok])

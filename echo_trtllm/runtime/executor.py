@@ -380,7 +380,7 @@ class Executor:
                 try:
                     if features is not None:
                         self.drafter.observe([r for r, _ in group], [r.target_ctx for r, _ in group],
-                                             list(features.split([n for _, n in group])))
+                                             [n for _, n in group], features)
                     if self._draft_prefill(len(self.running) + len(admitted)):
                         self._prefill_draft(group)
                 except Exception:  # noqa: BLE001 - the draft catches up at the first speculative step
@@ -657,11 +657,14 @@ class Executor:
     def _observe(self, reqs: list[Request], ctx: torch.Tensor, result, keep: list[bool], features) -> None:
         """Hand the drafter the verification forward's features of each kept request's accepted path (root and
         accepted drafts: the tokens ctx, ctx + 1, ... the target has now committed)."""
-        rows = features[self.link.send("accepted path", result.accepted_node_ids)]
-        parts = rows.split(torch.diff(result.cu_accepted).tolist())
+        counts = torch.diff(result.cu_accepted)
+        ids = result.accepted_node_ids
         kept = [i for i, k in enumerate(keep) if k]
-        starts = ctx.tolist()
-        self.drafter.observe([reqs[i] for i in kept], [starts[i] for i in kept], [parts[i] for i in kept])
+        if len(kept) < len(keep):  # the rows of the requests that go on
+            ids = ids[torch.repeat_interleave(torch.tensor(keep), counts)]
+        rows = features[self.link.send("accepted path", ids)]
+        starts, counts = ctx.tolist(), counts.tolist()
+        self.drafter.observe([reqs[i] for i in kept], [starts[i] for i in kept], [counts[i] for i in kept], rows)
 
     def _max_pending(self, batch_size: int) -> int | None:
         """Catch-up bound for the draft (drafter module docstring): the longest pending chain per request whose

@@ -193,7 +193,7 @@ class Request:
     target_ctx: int = 0  # tokens in the target's KV cache (all tokens but the last)
     draft_ctx: int = 0  # tokens in the draft's KV cache
     draft_offset: int = 0  # leading tokens the draft no longer sees (re-primed after a long AR stretch)
-    # an EAGLE-3 drafter's window of target features (runtime.drafter.FeatureWindow)
+    # an EAGLE-3 drafter's window of kept target features (runtime.drafter.FeatureSpan; the rows in its FeatureStore)
     features: object | None = None
     # where the stop strings stand in `text` (runtime.stops.StopMatcher; None without stop strings)
     stop_matcher: object | None = None

@@ -190,22 +190,46 @@ def test_a_head_for_another_target_is_refused(fp32_pair):
         LLM(DEFAULT_TARGET, DEFAULT_EAGLE3 / "config.json")
 
 
-def test_the_feature_window_equals_a_list_of_rows():
-    """Appends, drops and growth against a plain Python list of the same rows."""
-    from echo_trtllm.runtime.drafter import FeatureWindow
+def test_the_feature_store_equals_a_list_of_rows_per_request():
+    """Three requests' windows in one store (width 16: rings that wrap), written a few rows at a time, some writes
+    longer than the width (a prefill chunk), windows restarted after a gap and dropped at random, every read of a
+    request's kept tokens against a plain dict of the rows each was given."""
+    from echo_trtllm.runtime.drafter import FeatureSpan, FeatureStore
 
     gen = torch.Generator().manual_seed(0)
-    rows = {t: torch.randn(3, generator=gen) for t in range(400)}
-    w = FeatureWindow(5, torch.stack([rows[t] for t in range(5, 9)]))
-    kept, nxt = list(range(5, 9)), 9
-    for step in range(120):
-        n = int(torch.randint(1, 5, (1,), generator=gen))
-        w.append(torch.stack([rows[t] for t in range(nxt, nxt + n)]))
-        kept += list(range(nxt, nxt + n))
-        nxt += n
-        if step % 3 == 0:
-            cut = kept[0] + int(torch.randint(0, len(kept) + 2, (1,), generator=gen))
-            w.drop_before(cut)
-            kept = [t for t in kept if t >= cut] or kept[-1:]
-        assert (w.start, w.end) == (kept[0], kept[-1] + 1)
-        assert torch.equal(w.rows(kept[0], kept[-1]), torch.stack([rows[t] for t in kept]))
+    store = FeatureStore(3, 16)
+    given: list[dict[int, torch.Tensor]] = [{}, {}, {}]
+    spans = [FeatureSpan(0, 0) for _ in range(3)]
+    nxt = [5, 0, 40]
+    for step in range(150):
+        slots = [s for s in range(3) if torch.rand(1, generator=gen) < 0.7] or [1]
+        starts, counts, rows = [], [], []
+        for s in slots:
+            n = int(torch.randint(1, 6, (1,), generator=gen)) if step % 17 else 21  # longer than the ring
+            if torch.rand(1, generator=gen) < 0.05:
+                nxt[s] += 3  # a gap: the window restarts
+            feats = torch.randn(n, 4, generator=gen)
+            starts.append(nxt[s])
+            counts.append(n)
+            rows.append(feats)
+            if spans[s].end != nxt[s]:
+                spans[s] = FeatureSpan(nxt[s], nxt[s])
+                given[s] = {}
+            given[s].update({nxt[s] + j: feats[j] for j in range(n)})
+            spans[s].end += n
+            spans[s].drop_before(spans[s].end - 16)
+            if torch.rand(1, generator=gen) < 0.3:
+                spans[s].drop_before(spans[s].start + int(torch.randint(0, 20, (1,), generator=gen)))
+            nxt[s] += n
+        store.write(slots, starts, counts, torch.cat(rows), lambda t: t)
+        reads = [(s, spans[s].start, spans[s].end - 1) for s in range(3) if spans[s].end > spans[s].start]
+        want = torch.stack([given[s][t] for s, lo, hi in reads for t in range(lo, hi + 1)])
+        assert torch.equal(store.read(reads, lambda t: t), want)
+        for s, lo, hi in reads:  # and any part of a window alone
+            mid = (lo + hi) // 2
+            assert torch.equal(store.read([(s, mid, hi)], lambda t: t),
+                               torch.stack([given[s][t] for t in range(mid, hi + 1)]))
+    with pytest.raises(ValueError, match="slot 3 is outside 0 .. 2"):
+        store.write([3], [0], [1], torch.zeros(1, 4), lambda t: t)
+    with pytest.raises(ValueError, match="2 feature rows for counts summing to 1"):
+        store.write([0], [0], [1], torch.zeros(2, 4), lambda t: t)
