@@ -143,6 +143,9 @@ class TreePolicy:
         # the Super-Tree from the drafted levels: None, the core's `SuperTree.from_levels`; the runtime installs the
         # host library's (kernels.host_tree_builder, the same tree)
         self.tree_builder = None
+        # the selected sub-tree: None, the core's `SuperTree.select`; the runtime installs the host library's
+        # (kernels.host_tree_selector, the same tree)
+        self.tree_selector = None
 
     @classmethod
     def uses_cost_curve(cls, fallback: bool | None) -> bool:
@@ -681,7 +684,8 @@ class DraftLoop:
         self.done = True
         candidates = (self.policy.tree_builder or SuperTree.from_levels)(self.levels)
         mask = self.policy.select(candidates, self.state)
-        return DraftResult(candidates, mask, candidates.select(mask), self.state)
+        return DraftResult(candidates, mask, (self.policy.tree_selector or SuperTree.select)(candidates, mask),
+                           self.state)
 
 
 def draft_tree(
@@ -773,7 +777,7 @@ def draft_tree_batched(
                              for lv in levels[len(state.frontier_slots):]]
     candidates = (policy.tree_builder or SuperTree.from_levels)(levels)
     mask = policy.select(candidates, state)
-    return DraftResult(candidates, mask, candidates.select(mask), state)
+    return DraftResult(candidates, mask, (policy.tree_selector or SuperTree.select)(candidates, mask), state)
 
 
 def _keep_active(state: DraftState, drafter: LevelDrafter, send, rows: Tensor, score: Tensor, tokens: Tensor):

@@ -36,7 +36,7 @@ from echo_trtllm.core.tree import SuperTree
 
 __all__ = ["BACKENDS", "load_library", "backend_for", "host_allocator", "host_estimate_reader", "host_level_replayer",
            "host_selector", "host_acceptance_counter", "host_tree_builder", "host_isotonic",
-           "host_kalman_stepper",
+           "host_kalman_stepper", "host_tree_selector",
            "install_host", "gate", "allocate_budget", "pack", "PluginError"]
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def host_allocator():
 def install_host(policy, step_cost=None) -> None:
     """The policy's control plane on the host library where it is built (the runtime's drafted trees are on the
     host): its budget allocation (`host_allocator`), the Super-Tree built from the drafted levels
-    (`host_tree_builder`) and, for the echo family, its acceptance estimates' read
+    (`host_tree_builder`) and its selected sub-tree (`host_tree_selector`) and, for the echo family, its acceptance estimates' read
     (`host_estimate_reader`) and counts' update (`host_acceptance_counter`), its replay of drafted levels
     (`host_level_replayer`) and its selection (`host_selector`); with step_cost (a `core.prices.StepCostModel`),
     its two filters' steps (`host_kalman_stepper`)."""
@@ -112,6 +112,7 @@ def install_host(policy, step_cost=None) -> None:
     if hasattr(policy, "level_replayer"):
         policy.level_replayer = host_level_replayer()
     policy.tree_builder = host_tree_builder()
+    policy.tree_selector = host_tree_selector()
     if hasattr(policy, "selector"):
         policy.selector = host_selector()
         if policy.selector is not None:  # it allocates as this allocator does; a policy given another one skips it
@@ -193,6 +194,48 @@ def _tree_from_levels_host(lib, levels: list) -> SuperTree:
                      path_probs=floats[1], ranks=ints[3], cu_num_nodes=cu, source_index=ints[4])
     tree.__dict__.update(request_ids=ints[5], global_parents=ints[6], on_greedy_path=greedy)
     return tree
+
+
+def host_tree_selector():
+    """`SuperTree.select` on the host library (`TreePolicy.tree_selector`: one call where the core makes about
+    twenty-five tensor operations), or None where the library is not built (or predates it). `install_host`
+    installs it."""
+    return _host_entry("echo_tree_select_host", _tree_select_host)
+
+
+def _tree_select_host(lib, tree: SuperTree, mask: Tensor) -> SuperTree:
+    """`echo_tree_select_host` (the core's `SuperTree.select` is its oracle, and selects where the tree or the mask
+    is not the drafting loop's own: on a device, of other dtypes, or a mask of another shape, which it refuses)."""
+    n = tree.total_nodes
+    ints = (tree.token_ids, tree.depths, tree.ranks, tree.source_index, tree.cu_num_nodes)
+    if (mask.shape != (n,) or mask.dtype != torch.bool or mask.device.type != "cpu"
+            or any(t.device.type != "cpu" or t.dtype != torch.long for t in ints)
+            or any(t.device.type != "cpu" or t.dtype != torch.float32 for t in (tree.draft_probs, tree.path_probs))):
+        return tree.select(mask)
+    req, gp = tree.request_ids.contiguous(), tree.global_parents.contiguous()
+    greedy = tree.__dict__.get("on_greedy_path")
+    greedy = greedy.contiguous().view(torch.uint8) if greedy is not None else None
+    b = tree.batch_size
+    out_ints = torch.empty(7, n, dtype=torch.long)  # token, parent, depth, rank, source, request, global parent
+    out_floats = torch.empty(2, n, dtype=torch.float32)
+    out_greedy = torch.empty(n, dtype=torch.bool) if greedy is not None else None
+    cu = torch.empty(b + 1, dtype=torch.long)
+    m = ctypes.c_int64(0)
+    c = [t.contiguous() for t in (mask.view(torch.uint8), tree.token_ids, tree.depths, tree.draft_probs,
+                                  tree.path_probs, tree.ranks, tree.source_index)]
+    _check(lib, lib.echo_tree_select_host(
+        ctypes.c_int64(n), ctypes.c_int64(b), _ptr(c[0]), _ptr(req), _ptr(gp), _ptr(c[1]), _ptr(c[2]), _ptr(c[3]),
+        _ptr(c[4]), _ptr(c[5]), _ptr(c[6]), _ptr(greedy), ctypes.byref(m), _ptr(out_ints[0]), _ptr(out_ints[1]),
+        _ptr(out_ints[2]), _ptr(out_floats[0]), _ptr(out_floats[1]), _ptr(out_ints[3]), _ptr(out_ints[4]),
+        _ptr(out_ints[5]), _ptr(out_ints[6]), _ptr(out_greedy), _ptr(cu)))
+    k = m.value
+    ints, floats = out_ints[:, :k], out_floats[:, :k]
+    out = SuperTree(token_ids=ints[0], parents=ints[1], depths=ints[2], draft_probs=floats[0],
+                    path_probs=floats[1], ranks=ints[3], cu_num_nodes=cu, source_index=ints[4])
+    out.__dict__.update(request_ids=ints[5], global_parents=ints[6])
+    if out_greedy is not None:
+        out.__dict__["on_greedy_path"] = out_greedy[:k]
+    return out
 
 
 def host_isotonic():

@@ -501,6 +501,60 @@ int echo_isotonic_rows_host(const double* y, const double* w, int32_t rows, int3
   return abi::ok();
 }
 
+int echo_tree_select_host(int64_t n, int64_t b, const uint8_t* mask, const int64_t* request_ids,
+                          const int64_t* global_parents, const int64_t* token_ids, const int64_t* depths,
+                          const float* draft_probs, const float* path_probs, const int64_t* ranks,
+                          const int64_t* source, const uint8_t* greedy, int64_t* out_m, int64_t* out_token_ids,
+                          int64_t* out_parents, int64_t* out_depths, float* out_draft_probs, float* out_path_probs,
+                          int64_t* out_ranks, int64_t* out_source, int64_t* out_request_ids,
+                          int64_t* out_global_parents, uint8_t* out_greedy, int64_t* out_cu) {
+  const char* who = "tree_select";
+  ECHO_REQUIRE(n >= 0 && b >= 1, "%s: n must be >= 0 and b >= 1, got %lld and %lld", who, static_cast<long long>(n),
+               static_cast<long long>(b));
+  ECHO_REQUIRE(out_m && out_cu && (n == 0 || (mask && request_ids && global_parents && token_ids && depths &&
+                                              draft_probs && path_probs && ranks && source && out_token_ids &&
+                                              out_parents && out_depths && out_draft_probs && out_path_probs &&
+                                              out_ranks && out_source && out_request_ids && out_global_parents)),
+               "%s: a required array is NULL", who);
+  ECHO_REQUIRE(!greedy || n == 0 || out_greedy, "%s: greedy given without out_greedy", who);
+  std::vector<int64_t> new_index(static_cast<size_t>(n), -1);
+  std::vector<int64_t> counts(static_cast<size_t>(b), 0);
+  int64_t m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = request_ids[i], gp = global_parents[i];
+    ECHO_REQUIRE(r >= 0 && r < b, "%s: request_ids[%lld] = %lld is outside [0, %lld)", who,
+                 static_cast<long long>(i), static_cast<long long>(r), static_cast<long long>(b));
+    ECHO_REQUIRE(gp >= -1 && gp < i, "%s: global_parents[%lld] = %lld must be -1 or an earlier node", who,
+                 static_cast<long long>(i), static_cast<long long>(gp));
+    if (gp < 0) ECHO_REQUIRE(mask[i], "selection must keep every request's root");
+    if (!mask[i]) continue;
+    ECHO_REQUIRE(gp < 0 || mask[gp], "selection is not ancestor-closed: node %lld lacks its parent",
+                 static_cast<long long>(i));
+    new_index[i] = m++;
+    ++counts[r];
+  }
+  out_cu[0] = 0;
+  for (int64_t r = 0; r < b; ++r) out_cu[r + 1] = out_cu[r] + counts[r];
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t j = new_index[i];
+    if (j < 0) continue;
+    const int64_t r = request_ids[i], gp = global_parents[i];
+    const int64_t g = gp >= 0 ? new_index[gp] : -1;
+    out_token_ids[j] = token_ids[i];
+    out_parents[j] = g >= 0 ? g - out_cu[r] : -1;
+    out_depths[j] = depths[i];
+    out_draft_probs[j] = draft_probs[i];
+    out_path_probs[j] = path_probs[i];
+    out_ranks[j] = ranks[i];
+    out_source[j] = source[i];
+    out_request_ids[j] = r;
+    out_global_parents[j] = g;
+    if (greedy) out_greedy[j] = greedy[i];
+  }
+  *out_m = m;
+  return abi::ok();
+}
+
 int echo_kalman_step_host(int32_t n, double* theta, double* cov, const double* phi, double y, const double* cap,
                           const double* floor, double drift_common, double drift_each, int32_t drift_now, double huber,
                           double* noise, double noise_floor, double noise_rate, double min_seconds, double* out) {

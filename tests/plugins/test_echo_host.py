@@ -407,15 +407,18 @@ def test_every_policy_builds_its_tree_on_the_host_as_the_core_does(host_backend,
     reference, host = make_policy(config), make_policy(config)
     kernels.install_host(host)
     assert host.tree_builder is not None and reference.tree_builder is None
+    assert host.tree_selector is not None and reference.tree_selector is None
     fn = lambda level, frontier: table[level.token_ids[frontier]]  # noqa: E731
     want, got = draft_tree(reference, roots, fn), draft_tree(host, roots, fn)
     same_result(got, want)
     _same_tree(got.candidates, want.candidates)
+    _same_tree(got.selected, want.selected)
     if reference.beam_frontier:
         want = draft_tree_batched(reference, roots, MarkovLevels(table, roots, reference.max_children))
         got = draft_tree_batched(host, roots, MarkovLevels(table, roots, host.max_children))
         same_result(got, want)
         _same_tree(got.candidates, want.candidates)
+        _same_tree(got.selected, want.selected)
 
 
 def test_levels_of_other_dtypes_are_built_by_the_core(host_backend):
@@ -424,6 +427,58 @@ def test_levels_of_other_dtypes_are_built_by_the_core(host_backend):
     root, child = _root_and_child([5, 6], [0.5, 0.4], [1, 2])
     narrow = dataclasses.replace(child, request_ids=child.request_ids.int(), path_probs=child.path_probs.double())
     _same_tree(kernels.host_tree_builder()([root, narrow]), SuperTree.from_levels([root, narrow]))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_selected_tree_is_the_cores(host_backend, seed):
+    """`kernels.host_tree_selector` against `SuperTree.select` on drafted trees and random ancestor-closed masks
+    (each node kept with its parent at random; none, all), with and without the greedy flags computed; masks that
+    drop a root or orphan a node are refused with the core's words; trees or masks the drafting loop never makes
+    (other dtypes, another mask shape) go to the core."""
+    from echo_trtllm.core.tree import SuperTree
+
+    select = kernels.host_tree_selector()
+    gen = torch.Generator().manual_seed(seed)
+    table = markov_draft_fn(40, seed=seed).table
+    batch_size = 1 + seed % 4 * 3
+    roots = torch.randint(0, 40, (batch_size,), generator=gen)
+    policy = make_policy(ECHO_CASES[seed % 3], COST)
+    tree = draft_tree_batched(policy, roots, MarkovLevels(table, roots, policy.max_children), batch_size + 40,
+                              context=80.0, sync_every_level=True).candidates
+    for trial in range(8):
+        keep = torch.rand(tree.total_nodes, generator=gen) < (0.1 + 0.12 * trial)
+        mask = torch.zeros(tree.total_nodes, dtype=torch.bool)
+        for i, p in enumerate(tree.global_parents.tolist()):  # parents precede children
+            mask[i] = p < 0 or (bool(mask[p]) and bool(keep[i]))
+        if trial == 7:
+            mask[:] = True
+        fresh = SuperTree(**{f: getattr(tree, f) for f in ("token_ids", "parents", "depths", "draft_probs",
+                                                            "path_probs", "ranks", "cu_num_nodes", "source_index")})
+        for t in (tree, fresh):  # fresh: no greedy flags computed yet (the selection computes them on demand)
+            had = "on_greedy_path" in t.__dict__
+            got, want = select(t, mask), t.select(mask)
+            assert ("on_greedy_path" in got.__dict__) == had
+            _same_tree(got, want)
+    deep = (tree.depths >= 2).nonzero()[:, 0]  # nodes whose parent is no root (seed 0 drafts some)
+    assert deep.numel() > 0 or seed != 0
+    for child in deep[:1].tolist():
+        orphan = torch.ones(tree.total_nodes, dtype=torch.bool)
+        orphan[int(tree.global_parents[child])] = False
+        with pytest.raises(kernels.PluginError, match=f"not ancestor-closed: node {child} lacks its parent"):
+            select(tree, orphan)
+        with pytest.raises(ValueError, match=f"not ancestor-closed: node {child} lacks its parent"):
+            tree.select(orphan)
+    rootless = torch.ones(tree.total_nodes, dtype=torch.bool)
+    rootless[0] = False
+    with pytest.raises(kernels.PluginError, match="selection must keep every request's root"):
+        select(tree, rootless)
+    with pytest.raises(ValueError, match="mask must be bool"):
+        select(tree, torch.ones(tree.total_nodes + 1, dtype=torch.bool))
+    narrow = SuperTree(**{**{f: getattr(tree, f) for f in ("token_ids", "parents", "depths", "draft_probs", "ranks",
+                                                            "cu_num_nodes", "source_index")},
+                          "path_probs": tree.path_probs.double()})
+    _same_tree(select(narrow, torch.ones(tree.total_nodes, dtype=torch.bool)),
+               narrow.select(torch.ones(tree.total_nodes, dtype=torch.bool)))
 
 
 class _Spy:

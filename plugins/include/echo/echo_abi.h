@@ -158,6 +158,20 @@ int echo_tree_from_levels_host(const int64_t* level_sizes, int32_t num_levels, c
  * (> 0; pool adjacent violators: a block's mean is (m w + m' w') / (w + w'), pooled left to right), into out. */
 int echo_isotonic_rows_host(const double* y, const double* w, int32_t rows, int32_t cols, double* out);
 
+/* The sub-tree of the nodes where mask is 1 (echo_trtllm.core.tree.SuperTree.select) of a Super-Tree of n nodes and
+ * b requests (request-major; global_parents: each node's parent as a flat index, -1 for a root, < the node's own):
+ * every root and every selected node's parent must be selected; the order is kept. Out, for the m selected nodes
+ * (*out_m; the out arrays hold n entries): token, parent within its request, depth, draft and path probabilities,
+ * rank, source index, request, parent as a flat index of the selection, and (where greedy is not NULL) the greedy
+ * flag; out_cu (b + 1). */
+int echo_tree_select_host(int64_t n, int64_t b, const uint8_t* mask, const int64_t* request_ids,
+                          const int64_t* global_parents, const int64_t* token_ids, const int64_t* depths,
+                          const float* draft_probs, const float* path_probs, const int64_t* ranks,
+                          const int64_t* source, const uint8_t* greedy, int64_t* out_m, int64_t* out_token_ids,
+                          int64_t* out_parents, int64_t* out_depths, float* out_draft_probs, float* out_path_probs,
+                          int64_t* out_ranks, int64_t* out_source, int64_t* out_request_ids,
+                          int64_t* out_global_parents, uint8_t* out_greedy, int64_t* out_cu);
+
 /* One step of a phase's step-price filter (echo_trtllm.core.prices.KalmanLinear: `advance` then `update`), n
  * coefficients, theta (n) and cov (n x n, row-major, symmetric) updated in place. drift_now: apply the drift first
  * (cov += c outer(theta, theta) with c = drift_common (already times the steps it covers, squared), the diagonal
