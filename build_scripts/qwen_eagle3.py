@@ -86,12 +86,14 @@ def build_v1(out: Path) -> int:
 
 LEDGER_EVERY = 60.0  # seconds between the v2 ledger's updates while a run is in a stage
 _now = time.time  # the ledger's clock (tests set it)
+_cpu = time.process_time  # the run's own CPU seconds, every thread (tests set it)
 
 
 def build_v2(out: Path, minutes: float) -> int:
     """One run of at most `minutes`: the data shards still missing, then training from its last checkpoint. Returns
-    0 when the head is written, 3 when another run is needed. Every run's minutes are kept in budget.json: its entry
-    is written when it starts, rewritten every LEDGER_EVERY seconds while it runs, at each stage's end and when it
+    0 when the head is written, 3 when another run is needed. Every run's minutes are kept in budget.json (wall
+    minutes, and the run's own CPU minutes of all its threads: on a shared or paused machine the wall minutes
+    count other processes' time and pauses, CPU minutes / cores do not): its entry is written when it starts, rewritten every LEDGER_EVERY seconds while it runs, at each stage's end and when it
     ends (a run killed mid-stage loses at most LEDGER_EVERY seconds of its count)."""
     import eagle3_data
 
@@ -101,8 +103,8 @@ def build_v2(out: Path, minutes: float) -> int:
     work.mkdir(parents=True, exist_ok=True)
     ledger = work / "budget.json"
     spent = json.loads(ledger.read_text()) if ledger.is_file() else {"runs": []}
-    t0 = _now()
-    entry = {"stage": "started", "minutes": 0.0}
+    t0, c0 = _now(), _cpu()
+    entry = {"stage": "started", "minutes": 0.0, "cpu_minutes": 0.0}
     spent["runs"].append(entry)
     lock, done = threading.Lock(), threading.Event()
 
@@ -111,7 +113,8 @@ def build_v2(out: Path, minutes: float) -> int:
 
     def record(stage: str | None = None) -> None:
         with lock:
-            entry.update(stage=stage or entry["stage"], minutes=round((_now() - t0) / 60, 1))
+            entry.update(stage=stage or entry["stage"], minutes=round((_now() - t0) / 60, 1),
+                         cpu_minutes=round((_cpu() - c0) / 60, 1))
             eagle3_data.write_json_atomic(ledger, spent)
 
     def keep_count() -> None:  # the stages last hours: the ledger follows the run while it is in one
@@ -142,7 +145,8 @@ def build_v2(out: Path, minutes: float) -> int:
         record()
     meta = json.loads((work / "training.json").read_text())
     meta.update(recipe=V2_DATA + V2_TRAIN, budget_runs=spent["runs"],
-                budget_minutes=round(sum(r["minutes"] for r in spent["runs"]), 1))
+                budget_minutes=round(sum(r["minutes"] for r in spent["runs"]), 1),
+                budget_cpu_minutes_recorded=round(sum(r.get("cpu_minutes", 0.0) for r in spent["runs"]), 1))
     (work / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

@@ -61,14 +61,16 @@ def test_a_v2_run_that_leaves_shards_to_make_asks_for_another_and_keeps_its_minu
 
 def test_the_v2_ledger_counts_a_run_while_it_is_inside_a_stage(qwen_script, monkeypatch, tmp_path):
     """A stage lasts hours: the ledger is rewritten every LEDGER_EVERY seconds during it, so a run killed there
-    keeps what it spent (on a clock the test moves: 12 minutes pass inside the data stage)."""
+    keeps what it spent (on clocks the test moves: 12 minutes and 21 CPU minutes pass inside the data stage; the
+    CPU minutes are the run's own, which wall minutes cannot tell from pauses and other processes)."""
     import threading
     import time
 
     import eagle3_data
 
-    clock = {"t": 1000.0}
+    clock = {"t": 1000.0, "cpu": 50.0}
     monkeypatch.setattr(qwen_script, "_now", lambda: clock["t"])
+    monkeypatch.setattr(qwen_script, "_cpu", lambda: clock["cpu"])
     monkeypatch.setattr(qwen_script, "LEDGER_EVERY", 0.01)
     monkeypatch.setattr(qwen_script, "fetch", lambda *a, **k: tmp_path / "target.gguf")
     ledger = qwen_script.head_dir("v2").with_name(qwen_script.V2_HEAD_DIR + ".work") / "budget.json"
@@ -76,10 +78,11 @@ def test_the_v2_ledger_counts_a_run_while_it_is_inside_a_stage(qwen_script, monk
 
     def data_stage(argv):  # 12 minutes pass; the stage waits until the ledger shows them, then ends
         clock["t"] += 12 * 60
+        clock["cpu"] += 21 * 60  # both cores busy most of the time
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             runs = json.loads(ledger.read_text())["runs"]
-            if runs[-1] == {"stage": "started", "minutes": 12.0}:
+            if runs[-1] == {"stage": "started", "minutes": 12.0, "cpu_minutes": 21.0}:
                 seen.set()
                 break
             time.sleep(0.01)
@@ -89,7 +92,7 @@ def test_the_v2_ledger_counts_a_run_while_it_is_inside_a_stage(qwen_script, monk
     monkeypatch.setattr(eagle3_data, "read_manifest", lambda data: {"shards": {}})
     assert qwen_script.main(["--recipe", "v2", "--minutes", "30"]) == 3
     assert seen.is_set()  # written mid-stage, by the run's own timer
-    assert json.loads(ledger.read_text())["runs"] == [{"stage": "data", "minutes": 12.0}]
+    assert json.loads(ledger.read_text())["runs"] == [{"stage": "data", "minutes": 12.0, "cpu_minutes": 21.0}]
 
 
 def test_training_refuses_fewer_than_three_ttt_steps(monkeypatch):
