@@ -168,6 +168,8 @@ class KalmanLinear:
         noise_var = self.last_noise_var = (self.noise[channel] * scale) ** 2
         p_phi = self.cov @ phi
         s = float(phi @ p_phi) + noise_var
+        if not s > 0:  # no noise and no uncertainty along phi: the gain is undefined (the host library refuses too)
+            raise ValueError(f"KalmanLinear.update: the innovation's variance must be > 0, got {s}")
         bound = self.huber * math.sqrt(s)
         clipped = max(-bound, min(bound, r))
         gain = p_phi / s

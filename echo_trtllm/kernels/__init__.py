@@ -205,7 +205,8 @@ def host_tree_selector():
 
 def _tree_select_host(lib, tree: SuperTree, mask: Tensor) -> SuperTree:
     """`echo_tree_select_host` (the core's `SuperTree.select` is its oracle, and selects where the tree or the mask
-    is not the drafting loop's own: on a device, of other dtypes, or a mask of another shape, which it refuses)."""
+    is not the drafting loop's own: on a device, of other dtypes, or a mask of another shape, which it refuses). A
+    mask that drops a root or orphans a node raises `PluginError` with the core's words (the core: ValueError)."""
     n = tree.total_nodes
     ints = (tree.token_ids, tree.depths, tree.ranks, tree.source_index, tree.cu_num_nodes)
     if (mask.shape != (n,) or mask.dtype != torch.bool or mask.device.type != "cpu"
@@ -214,6 +215,9 @@ def _tree_select_host(lib, tree: SuperTree, mask: Tensor) -> SuperTree:
         return tree.select(mask)
     req, gp = tree.request_ids.contiguous(), tree.global_parents.contiguous()
     greedy = tree.__dict__.get("on_greedy_path")
+    if (any(t.device.type != "cpu" or t.dtype != torch.long or t.shape != (n,) for t in (req, gp))
+            or (greedy is not None and (greedy.device.type != "cpu" or greedy.dtype != torch.bool))):
+        return tree.select(mask)  # derived tensors of other dtypes (levels the core built)
     greedy = greedy.contiguous().view(torch.uint8) if greedy is not None else None
     b = tree.batch_size
     out_ints = torch.empty(7, n, dtype=torch.long)  # token, parent, depth, rank, source, request, global parent
@@ -275,9 +279,9 @@ def _kalman_step_host(lib, kf, phi: np.ndarray, y: float, channel: int = 0) -> f
             or any(a.dtype != np.float64 or not a.flags.c_contiguous for a in arrays)):
         raise ValueError(f"kalman_step: phi must be ({n},) and the filter's theta, cov, cap and floor contiguous "
                          f"float64 of n = {n}, got phi {phi.shape}, cov {kf.cov.shape}")
+    noise = (ctypes.c_double * 1)(kf.noise[channel])  # an unknown channel raises before anything moves
     kf.steps += 1
     drift = kf.steps % prices_mod.DRIFT_EVERY == 0
-    noise = (ctypes.c_double * 1)(kf.noise[channel])
     out = (ctypes.c_double * 2)()
     every = prices_mod.DRIFT_EVERY
     _check(lib, lib.echo_kalman_step_host(

@@ -19,7 +19,8 @@ its input, from the state the target had one token earlier); token 0 has no entr
 the head's own output at their parent instead of a target feature, so after verification the head keeps only the
 entries up to the root and the accepted drafts plus the bonus token become the next pending chain, read again with
 the features the verification forward captured for them (SGLang's "draft extend"). The features of the tokens the
-target has processed and the head has not read yet travel with the request (`Request.features`).
+target has processed and the head has not read yet are kept in one ring per slot (`FeatureStore`); each request
+holds its window's bounds (`Request.features`, a `FeatureSpan`).
 
 Bounded catch-up: after a stretch of plain AR steps the pending chain holds every token since the draft last ran.
 `begin(..., max_pending=W)` re-primes a request whose chain is longer than W: the draft restarts from the last W
@@ -89,6 +90,8 @@ class FeatureStore:
     def _index(self, slot: int, first: int, last: int) -> range | list[int]:
         """Rows of tokens first .. last (inclusive) of a slot."""
         w = self.width
+        if last < first:
+            return range(0)
         base, lo, hi = slot * w, first % w, last % w
         if last - first < w and lo <= hi:  # no wrap
             return range(base + lo, base + hi + 1)
@@ -101,8 +104,8 @@ class FeatureStore:
         total = sum(counts)
         if total != feats.shape[0]:
             raise ValueError(f"FeatureStore.write: {feats.shape[0]} feature rows for counts summing to {total}")
-        if self.rows is None:
-            self.rows = feats.new_zeros((self.slots * self.width, feats.shape[1]))
+        if self.rows is None:  # never read before written: a read is bounded by its window
+            self.rows = feats.new_empty((self.slots * self.width, feats.shape[1]))
         dst: list[int] = []
         src: list[int] | None = None
         offset = 0
@@ -177,8 +180,9 @@ class Drafter:
         for r, n in level:
             r.draft_ctx += n
 
-    def observe(self, requests: list[Request], starts: list[int], features: list[Tensor]) -> None:
-        """The target processed tokens starts[i], ... of requests[i] with these features (EAGLE-3 only)."""
+    def observe(self, requests: list[Request], starts: list[int], counts: list[int], features: Tensor) -> None:
+        """The target processed tokens starts[i] .. starts[i] + counts[i] - 1 of requests[i] with these features
+        (rows, request-major; EAGLE-3 only)."""
 
     def pending(self, r: Request) -> int:
         """Tokens of r the draft has not read yet (its root included)."""
@@ -428,7 +432,9 @@ class Eagle3Drafter(Drafter):
 
     @max_features.setter
     def max_features(self, value: int) -> None:
-        if self._store is not None and self._store.rows is not None and value != self._store.width:
+        if self._store is not None and value == self._store.width:
+            return
+        if self._store is not None and self._store.rows is not None:
             raise ValueError("max_features cannot change once features are stored")
         self._store = FeatureStore(self.cache.keys[0].shape[0], value)
 
@@ -438,7 +444,9 @@ class Eagle3Drafter(Drafter):
         """Store the target's features of tokens starts[i] .. starts[i] + counts[i] - 1 of requests[i] (features:
         their rows, request-major). A window that does not continue (a gap left by a failure) restarts at the new
         tokens; at most max_features are kept, never dropping the ones the head still has to read unless the window
-        is full."""
+        is full. The rows are written first: a write that fails leaves every window as it was."""
+        self._store.write([r.slot for r in requests], starts, counts, features,
+                          lambda t: self.link.send("feature rows", t))
         for r, start, n in zip(requests, starts, counts):
             w = r.features
             if w is not None and w.end == start:
@@ -447,8 +455,6 @@ class Eagle3Drafter(Drafter):
                 w = r.features = FeatureSpan(start, start + n)
             needed = r.draft_offset + r.draft_ctx  # the oldest feature the head will read
             w.drop_before(max(min(needed, w.end - 1), w.end - self.max_features))
-        self._store.write([r.slot for r in requests], starts, counts, features,
-                          lambda t: self.link.send("feature rows", t))
 
     def _features(self, spans: list[tuple[Request, int, int]]) -> Tensor:
         """Features of tokens first .. last (inclusive) of each (request, first, last), concatenated."""

@@ -509,8 +509,8 @@ int echo_tree_select_host(int64_t n, int64_t b, const uint8_t* mask, const int64
                           int64_t* out_ranks, int64_t* out_source, int64_t* out_request_ids,
                           int64_t* out_global_parents, uint8_t* out_greedy, int64_t* out_cu) {
   const char* who = "tree_select";
-  ECHO_REQUIRE(n >= 0 && b >= 1, "%s: n must be >= 0 and b >= 1, got %lld and %lld", who, static_cast<long long>(n),
-               static_cast<long long>(b));
+  ECHO_REQUIRE(n >= 0 && b >= 0 && (b >= 1 || n == 0), "%s: n must be >= 0 and b >= 1 (0 for an empty tree), got "
+               "%lld and %lld", who, static_cast<long long>(n), static_cast<long long>(b));
   ECHO_REQUIRE(out_m && out_cu && (n == 0 || (mask && request_ids && global_parents && token_ids && depths &&
                                               draft_probs && path_probs && ranks && source && out_token_ids &&
                                               out_parents && out_depths && out_draft_probs && out_path_probs &&
@@ -520,13 +520,16 @@ int echo_tree_select_host(int64_t n, int64_t b, const uint8_t* mask, const int64
   std::vector<int64_t> new_index(static_cast<size_t>(n), -1);
   std::vector<int64_t> counts(static_cast<size_t>(b), 0);
   int64_t m = 0;
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = 0; i < n; ++i) {  // the arrays, and every root kept (checked before any orphan, as the core)
     const int64_t r = request_ids[i], gp = global_parents[i];
     ECHO_REQUIRE(r >= 0 && r < b, "%s: request_ids[%lld] = %lld is outside [0, %lld)", who,
                  static_cast<long long>(i), static_cast<long long>(r), static_cast<long long>(b));
     ECHO_REQUIRE(gp >= -1 && gp < i, "%s: global_parents[%lld] = %lld must be -1 or an earlier node", who,
                  static_cast<long long>(i), static_cast<long long>(gp));
-    if (gp < 0) ECHO_REQUIRE(mask[i], "selection must keep every request's root");
+    ECHO_REQUIRE(gp >= 0 || mask[i], "selection must keep every request's root");
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = request_ids[i], gp = global_parents[i];
     if (!mask[i]) continue;
     ECHO_REQUIRE(gp < 0 || mask[gp], "selection is not ancestor-closed: node %lld lacks its parent",
                  static_cast<long long>(i));

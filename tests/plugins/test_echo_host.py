@@ -474,11 +474,44 @@ def test_the_selected_tree_is_the_cores(host_backend, seed):
         select(tree, rootless)
     with pytest.raises(ValueError, match="mask must be bool"):
         select(tree, torch.ones(tree.total_nodes + 1, dtype=torch.bool))
+    both = rootless.clone()  # a root dropped and a node orphaned: the root is named first, as the core names it
+    if deep.numel():
+        both[int(tree.global_parents[int(deep[0])])] = False
+    with pytest.raises(kernels.PluginError, match="selection must keep every request's root"):
+        select(tree, both)
+    with pytest.raises(ValueError, match="selection must keep every request's root"):
+        tree.select(both)
     narrow = SuperTree(**{**{f: getattr(tree, f) for f in ("token_ids", "parents", "depths", "draft_probs", "ranks",
                                                             "cu_num_nodes", "source_index")},
                           "path_probs": tree.path_probs.double()})
     _same_tree(select(narrow, torch.ones(tree.total_nodes, dtype=torch.bool)),
                narrow.select(torch.ones(tree.total_nodes, dtype=torch.bool)))
+    # levels of int32 requests (the core builds their tree, its derived request ids int32): the core selects
+    levels = [dataclasses.replace(lv, request_ids=lv.request_ids.int()) for lv in _levels_of(tree)]
+    core_built = SuperTree.from_levels(levels)
+    assert core_built.request_ids.dtype == torch.int32
+    keep_all = torch.ones(core_built.total_nodes, dtype=torch.bool)
+    _same_tree(select(core_built, keep_all), core_built.select(keep_all))
+    none, nothing = torch.zeros(0, dtype=torch.long), torch.zeros(0)
+    empty = SuperTree(token_ids=none, parents=none, depths=none, draft_probs=nothing, path_probs=nothing, ranks=none,
+                      cu_num_nodes=torch.zeros(1, dtype=torch.long), source_index=none)
+    _same_tree(select(empty, torch.zeros(0, dtype=torch.bool)), empty.select(torch.zeros(0, dtype=torch.bool)))
+
+
+def _levels_of(tree):
+    """A one-request-per-root tree's drafted levels again (depth by depth, request-major within a level)."""
+    from echo_trtllm.core.tree import DraftLevel
+
+    levels, index = [], {}
+    for d in range(int(tree.depths.max()) + 1):
+        nodes = (tree.depths == d).nonzero()[:, 0]
+        gp = tree.global_parents[nodes]
+        parent_ids = torch.tensor([index[int(p)] if p >= 0 else -1 for p in gp.tolist()], dtype=torch.long)
+        index = {int(n): i for i, n in enumerate(nodes.tolist())}
+        levels.append(DraftLevel(depth=d, request_ids=tree.request_ids[nodes], parent_ids=parent_ids,
+                                 token_ids=tree.token_ids[nodes], ranks=tree.ranks[nodes],
+                                 draft_probs=tree.draft_probs[nodes], path_probs=tree.path_probs[nodes]))
+    return levels
 
 
 class _Spy:
@@ -561,6 +594,15 @@ def test_the_step_prices_learn_on_the_host_as_in_numpy(host_backend):
     assert np.array_equal(host.theta_verification == 0, oracle.theta_verification == 0)
 
 
+def test_a_measurement_with_no_variance_is_refused_on_both_paths(host_backend):
+    """No prior uncertainty and no noise: the gain is undefined; NumPy and the library refuse it alike."""
+    for stepper in (None, kernels.host_kalman_stepper()):
+        kf = KalmanLinear(np.ones(3), np.zeros((3, 3)), noise=0.0, noise_floor=0.0)
+        kf.stepper = stepper
+        with pytest.raises((ValueError, kernels.PluginError), match="innovation's variance must be > 0"):
+            kf.step(np.ones(3), 2.0)
+
+
 def test_bad_price_filter_inputs_are_refused_before_anything_moves(host_backend):
     (kf, _), _ = _twin_filters(0, 4, 0.02)
     kf.stepper = kernels.host_kalman_stepper()
@@ -569,6 +611,8 @@ def test_bad_price_filter_inputs_are_refused_before_anything_moves(host_backend)
         kf.step(np.ones(4), float("nan"))
     with pytest.raises(ValueError, match=r"kalman_step: phi must be \(4,\)"):
         kf.step(np.ones(5), 1.0)
+    with pytest.raises(IndexError):
+        kf.step(np.ones(4), 1.0, channel=2)  # two channels
     assert np.array_equal(kf.theta, theta) and np.array_equal(kf.cov, cov) and kf.steps == kf.updates == 0
     lib = kernels.load_library("host")
     out = (ctypes_double * 2)()

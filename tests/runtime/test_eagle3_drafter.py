@@ -130,6 +130,13 @@ def test_the_heads_drafts_equal_a_dense_recomputation_every_step(fp32_pair, prom
         return top
 
     d.expand_roots, d.expand_level = spy_roots, spy_level
+    partial = []  # steps where some requests ended and the others' features were stored (executor._observe)
+    real_observe = ex._observe
+
+    def spy_observe(reqs, ctx, result, keep, features):
+        partial.append(0 < sum(keep) < len(keep))
+        return real_observe(reqs, ctx, result, keep, features)
+    ex._observe = spy_observe
     long = ["def _check(value):\n    if not isinstance(value, int):\n        raise TypeError(value)\n    return value\n\n",
             "MACBETH:\nIs this a dagger which I see before me,\nThe handle toward my hand? Come, let me clutch thee.\n"]
     reqs = [ex.make_request(p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
@@ -140,6 +147,7 @@ def test_the_heads_drafts_equal_a_dense_recomputation_every_step(fp32_pair, prom
         ex.step()
     assert not ex.failures, ex.last_error
     assert len(records) > 30
+    assert any(partial), "no step stored the features of some requests while others ended"
     if max_features == 10:
         assert any(rec[1] > 0 for rec in records), "no request was re-primed"
     for tokens, offset, chain, got in records:
@@ -229,6 +237,11 @@ def test_the_feature_store_equals_a_list_of_rows_per_request():
             mid = (lo + hi) // 2
             assert torch.equal(store.read([(s, mid, hi)], lambda t: t),
                                torch.stack([given[s][t] for t in range(mid, hi + 1)]))
+    # empty ranges (a count of 0, a window read from its end): no rows, wherever they fall in the ring
+    assert store.read([(0, 16, 15), (1, 5, 4)], lambda t: t).shape == (0, 4)
+    before = store.rows.clone()
+    store.write([0, 1], [32, 7], [0, 0], torch.zeros(0, 4), lambda t: t)
+    assert torch.equal(store.rows, before)
     with pytest.raises(ValueError, match="slot 3 is outside 0 .. 2"):
         store.write([3], [0], [1], torch.zeros(1, 4), lambda t: t)
     with pytest.raises(ValueError, match="2 feature rows for counts summing to 1"):
