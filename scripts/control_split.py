@@ -15,7 +15,8 @@ reads), the acceptance counts (learning) and the gate's thresholds (start), with
 --model / --head run it on another target and head (default: the embedded pair). Part 2 times, at 151,936 vocabulary entries, `verify` over 64 plain rows and over 64
 requests with 22 extra tree nodes, the argmax alone and the tree walk alone; and the Qwen LM head (1536 -> 151,936,
 bfloat16, prepacked) at 64 / 87 rows as one product then a float32 copy and argmax, against the same product in
-vocabulary chunks of 8,192 with each chunk's row maxima kept (no float32 copy of every row).
+vocabulary chunks of 8,192 with each chunk's row maxima kept (no float32 copy of every row); and the head's
+feature store's row write at the Qwen target's feature width (`store_copy`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ WRAPPED = ((policies, "_level_on_device", "level work on the device (head forwar
            (executor_mod.Executor, "_verify", "verify"), (executor_mod.Executor, "_learn", "learn"),
            (executor_mod.Executor, "_finish_step", "finish"), (executor_mod.Executor, "_commit_step", "commit"),
            (executor_mod.Executor, "_target_forward", "target forward"),
+           (executor_mod.Executor, "_commit", "target KV commit (in commit)"),
+           (executor_mod.Executor, "_observe", "the head's features observed (in commit)"),
+           (drafter_mod.FeatureStore, "write", "feature store write (in commit and prefill)"),
            (acceptance_mod.OnlineAcceptance, "estimate", "acceptance estimates (in stop and select)"),
            (acceptance_mod.OnlineAcceptance, "observe", "acceptance counts (in learn)"),
            (acceptance_mod.OnlineAcceptance, "threshold", "gate thresholds (in start)"),
@@ -168,6 +172,26 @@ def lm_head_argmax(hidden: int = 1536, vocab: int = 151_936, chunk: int = 8192) 
     return out
 
 
+def store_copy(rows: int = 64, width: int = 4608, ring: int = 512) -> dict:
+    """The feature store's row write at the Qwen target's feature width (three layers of 1536, bfloat16): one row
+    for each of `rows` slots into a store of rows x ring, as `index_copy_` (the store's write), `index_put_`, and
+    `index_copy_` on an int64 view of the same bytes (bit-equal), beside `index_select` of the same rows and a
+    contiguous copy of the same bytes."""
+    store = torch.zeros(rows * ring, width, dtype=torch.bfloat16)
+    feats = torch.randn(rows, width).bfloat16()
+    idx = torch.arange(rows) * ring + 100
+    wide, wide_feats = store.view(torch.int64), feats.view(torch.int64)
+    check = store.clone()
+    check.view(torch.int64).index_copy_(0, idx, wide_feats)
+    return {"rows": rows, "width": width, "dtype": "bfloat16",
+            "index_copy_ms": _median_ms(lambda: store.index_copy_(0, idx, feats), 101),
+            "index_put_ms": _median_ms(lambda: store.index_put_((idx,), feats), 101),
+            "index_copy_int64_view_ms": _median_ms(lambda: wide.index_copy_(0, idx, wide_feats), 101),
+            "int64_view_equal": bool(torch.equal(check, store.index_copy_(0, idx, feats))),
+            "index_select_ms": _median_ms(lambda: store.index_select(0, idx), 101),
+            "contiguous_copy_ms": _median_ms(lambda: store[:rows].copy_(feats), 101)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch-sizes", default="1,16,64")
@@ -186,7 +210,8 @@ def main(argv=None) -> int:
         split = control_split([int(b) for b in args.batch_sizes.split(",")], args.steps, args.model, args.head,
                               args.dtype)
         result = {"control_split": split, **({} if args.split_only else {"accept_cost": accept_cost(),
-                                                                          "lm_head_argmax": lm_head_argmax()}),
+                                                                          "lm_head_argmax": lm_head_argmax(),
+                                                                          "store_copy": store_copy()}),
                   "command": "python scripts/control_split.py " + " ".join(sys.argv[1:] if argv is None else argv),
                   "threads": args.threads}
     for row in result["control_split"]:
@@ -196,6 +221,7 @@ def main(argv=None) -> int:
     if not args.split_only:
         print("acceptance:", result["accept_cost"])
         print("LM head:", result["lm_head_argmax"])
+        print("feature store rows:", result["store_copy"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
