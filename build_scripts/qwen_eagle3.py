@@ -93,8 +93,9 @@ def build_v2(out: Path, minutes: float) -> int:
     """One run of at most `minutes`: the data shards still missing, then training from its last checkpoint. Returns
     0 when the head is written, 3 when another run is needed. Every run's minutes are kept in budget.json (wall
     minutes, and the run's own CPU minutes of all its threads: on a shared or paused machine the wall minutes
-    count other processes' time and pauses, CPU minutes / cores do not): its entry is written when it starts, rewritten every LEDGER_EVERY seconds while it runs, at each stage's end and when it
-    ends (a run killed mid-stage loses at most LEDGER_EVERY seconds of its count)."""
+    count other processes' time and pauses, CPU minutes / cores do not): its entry is written when it starts,
+    rewritten every LEDGER_EVERY seconds while it runs, at each stage's end and when it ends (a run killed
+    mid-stage loses at most LEDGER_EVERY seconds of its count)."""
     import eagle3_data
 
     target = fetch(QWEN_CODER_1_5B)

@@ -97,9 +97,9 @@ def host_allocator():
 def install_host(policy, step_cost=None) -> None:
     """The policy's control plane on the host library where it is built (the runtime's drafted trees are on the
     host): its budget allocation (`host_allocator`), the Super-Tree built from the drafted levels
-    (`host_tree_builder`) and its selected sub-tree (`host_tree_selector`) and, for the echo family, its acceptance estimates' read
-    (`host_estimate_reader`) and counts' update (`host_acceptance_counter`), its replay of drafted levels
-    (`host_level_replayer`) and its selection (`host_selector`); with step_cost (a `core.prices.StepCostModel`),
+    (`host_tree_builder`) and its selected sub-tree (`host_tree_selector`) and, for the echo family, its acceptance
+    estimates' read (`host_estimate_reader`) and counts' update (`host_acceptance_counter`), its replay of drafted
+    levels (`host_level_replayer`) and its selection (`host_selector`); with step_cost (a `core.prices.StepCostModel`),
     its two filters' steps (`host_kalman_stepper`)."""
     if step_cost is not None:
         step_cost.drafting.stepper = step_cost.verification.stepper = host_kalman_stepper()
@@ -280,10 +280,10 @@ def _kalman_step_host(lib, kf, phi: np.ndarray, y: float, channel: int = 0) -> f
         raise ValueError(f"kalman_step: phi must be ({n},) and the filter's theta, cov, cap and floor contiguous "
                          f"float64 of n = {n}, got phi {phi.shape}, cov {kf.cov.shape}")
     noise = (ctypes.c_double * 1)(kf.noise[channel])  # an unknown channel raises before anything moves
-    kf.steps += 1
-    drift = kf.steps % prices_mod.DRIFT_EVERY == 0
-    out = (ctypes.c_double * 2)()
     every = prices_mod.DRIFT_EVERY
+    kf.steps += 1
+    drift = kf.steps % every == 0
+    out = (ctypes.c_double * 2)()
     _check(lib, lib.echo_kalman_step_host(
         _i32(n), _vp(kf.theta.ctypes.data), _vp(kf.cov.ctypes.data), _vp(phi.ctypes.data), ctypes.c_double(y),
         _vp(kf._cap.ctypes.data), _vp(kf._floor.ctypes.data), ctypes.c_double(every * kf.drift_common ** 2),
