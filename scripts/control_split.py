@@ -3,8 +3,8 @@ LM head: wall time around the control plane's parts of real ECHO steps (pure, ev
 target with its EAGLE-3 head, and microbenchmarks of verification and of a fused LM-head argmax at the Qwen
 target's shapes. Prints a table; writes JSON.
 
-    python scripts/control_split.py [--batch-sizes 1,16,64] [--steps 40] [--json out.json] [--split-only]
-        [--model <target> --head <its EAGLE-3 head> --dtype bfloat16]
+    python scripts/control_split.py [--batch-sizes 1,16,64] [--steps 40] [--json out.json] [--split-only | --micro-only]
+        [--model <target> --head <its EAGLE-3 head> --dtype bfloat16] [--threads N]
 
 Part 1 wraps, by monkeypatching, the functions a step calls (their own time plus what they call): the drafting
 loop's device-side level work (`_level_on_device`, the head's forward included, and the head's forward alone), the
@@ -15,8 +15,9 @@ reads), the acceptance counts (learning) and the gate's thresholds (start), with
 --model / --head run it on another target and head (default: the embedded pair). Part 2 times, at 151,936 vocabulary entries, `verify` over 64 plain rows and over 64
 requests with 22 extra tree nodes, the argmax alone and the tree walk alone; and the Qwen LM head (1536 -> 151,936,
 bfloat16, prepacked) at 64 / 87 rows as one product then a float32 copy and argmax, against the same product in
-vocabulary chunks of 8,192 with each chunk's row maxima kept (no float32 copy of every row); and the head's
-feature store's row write at the Qwen target's feature width (`store_copy`).
+vocabulary chunks of 8,192 with each chunk's row maxima kept (no float32 copy of every row); the head's
+feature store's row write at the Qwen target's feature width (`store_copy`); and a drafter's top-k of a level's
+distribution, torch.topk against `core.tree.row_topk`, over 8,192 and 151,936 entries (`draft_topk`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import echo_trtllm.runtime.executor as executor_mod
 from echo_trtllm.bench.prompts import load_prompts
 from echo_trtllm.bench.run import make_engine
 from echo_trtllm.core import EchoConfig, pack, verify
-from echo_trtllm.core.tree import SuperTree
+from echo_trtllm.core.tree import SuperTree, row_topk
 from echo_trtllm.core.verify import _accept_predicted, verify_paths
 from echo_trtllm.models import DEFAULT_EAGLE3, DEFAULT_TARGET
 from echo_trtllm.models.eagle3 import load_eagle3
@@ -192,6 +193,22 @@ def store_copy(rows: int = 64, width: int = 4608, ring: int = 512) -> dict:
             "contiguous_copy_ms": _median_ms(lambda: store[:rows].copy_(feats), 101)}
 
 
+def draft_topk(k: int = EchoConfig().top_k) -> list[dict]:
+    """A drafter's top-k of a level (`core.tree.DraftTopK.of`): the softmax of the level's rows, then torch.topk
+    (before) or `row_topk` (after) of the distribution, over the Qwen head's draft vocabulary and the Qwen draft
+    model's whole vocabulary, with whether both give the same values."""
+    out = []
+    for vocab in (8192, 151_936):
+        for rows in (1, 4, 16, 64):
+            probs = torch.softmax(torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows)), -1)
+            same = bool(torch.equal(torch.topk(probs, k, dim=-1).values, row_topk(probs, k)[0]))
+            out.append({"vocab": vocab, "rows": rows, "k": k,
+                        "softmax_ms": _median_ms(lambda: torch.softmax(probs, -1), 51),
+                        "torch_topk_ms": _median_ms(lambda: torch.topk(probs, k, dim=-1), 51),
+                        "row_topk_ms": _median_ms(lambda: row_topk(probs, k), 51), "same_values": same})
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch-sizes", default="1,16,64")
@@ -199,19 +216,23 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
     ap.add_argument("--split-only", action="store_true", help="the engine's split alone (no microbenchmarks)")
+    ap.add_argument("--micro-only", action="store_true", help="the microbenchmarks alone (no engine split)")
     ap.add_argument("--model", default=None, help="target (HF directory or .gguf; default: the embedded target)")
     ap.add_argument("--head", default=None, help="its EAGLE-3 head directory (default: the embedded head)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args(argv)
     if (args.model is None) != (args.head is None):
         ap.error("--model and --head go together (a head is trained for its target)")
+    if args.split_only and args.micro_only:
+        ap.error("--split-only and --micro-only exclude each other (neither: both parts)")
     torch.set_num_threads(args.threads)
     with torch.no_grad():  # not inference mode: a bfloat16 model's prepacked weights track their tensors' versions
-        split = control_split([int(b) for b in args.batch_sizes.split(",")], args.steps, args.model, args.head,
-                              args.dtype)
+        split = [] if args.micro_only else control_split([int(b) for b in args.batch_sizes.split(",")], args.steps,
+                                                         args.model, args.head, args.dtype)
         result = {"control_split": split, **({} if args.split_only else {"accept_cost": accept_cost(),
                                                                           "lm_head_argmax": lm_head_argmax(),
-                                                                          "store_copy": store_copy()}),
+                                                                          "store_copy": store_copy(),
+                                                                          "draft_topk": draft_topk()}),
                   "command": "python scripts/control_split.py " + " ".join(sys.argv[1:] if argv is None else argv),
                   "threads": args.threads}
     for row in result["control_split"]:
@@ -222,6 +243,10 @@ def main(argv=None) -> int:
         print("acceptance:", result["accept_cost"])
         print("LM head:", result["lm_head_argmax"])
         print("feature store rows:", result["store_copy"])
+        for row in result["draft_topk"]:
+            print(f"draft top-k, vocabulary {row['vocab']}, {row['rows']} rows: softmax {row['softmax_ms']} ms, "
+                  f"torch.topk {row['torch_topk_ms']} ms, row_topk {row['row_topk_ms']} ms, "
+                  f"same values {row['same_values']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
