@@ -248,13 +248,17 @@ TOPK_MIN_ENTRIES = 16_384
 def row_topk(x: Tensor, k: int, chunk: int | None = None) -> tuple[Tensor, Tensor]:
     """torch.topk(x, k, dim=-1) of a (N, V) CPU floating-point tensor: the same values in every row, largest first,
     and indices of entries holding them (among equal values any of them, as torch.topk's own choice among equals
-    is unspecified). Two passes: the maximum of every block of `chunk` entries, then torch.topk over the k blocks
-    with the largest maxima, which hold the row's k largest entries (a block outside them has a maximum no larger
-    than the k-th largest entry). PyTorch's CPU topk over a row is a partial sort: at 64 rows it takes 0.64 ms over
-    a draft vocabulary of 8,192 and 11 ms over Qwen's 151,936, this 0.19 / 1.6 ms (one thread; docs/performance.md).
-    NaN ranks above everything in both passes, as in torch.topk. Elsewhere (other devices, small inputs, a
-    vocabulary no block size divides, k too large for blocks to help) torch.topk itself. chunk: the block size
-    (None: 64 below 65,536 entries a row, else 128; given, small inputs take the two passes too)."""
+    is unspecified; so is which of -0.0 and 0.0 comes back). Two passes: the maximum of every block of `chunk`
+    entries, then torch.topk over the k blocks with the largest maxima, which hold the row's k largest entries (a
+    block outside them has a maximum no larger than the k-th largest entry). PyTorch's CPU topk over a row is a
+    partial sort: at 64 rows it takes 0.64 ms over a draft vocabulary of 8,192 and 11 ms over Qwen's 151,936, this
+    0.19 / 1.6 ms (one thread; docs/performance.md). NaN ranks above everything in both passes, as in torch.topk.
+    Elsewhere (other devices, small inputs, a vocabulary no block size divides, k too large for blocks to help)
+    torch.topk itself; which path a call takes depends on its rows, so among exactly equal entries the index a
+    row gets may depend on how many rows were asked with it. chunk: the block size (None: 64 below 65,536 entries a
+    row, else 128; given, small inputs take the two passes too)."""
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"row_topk: chunk must be a positive block size, got {chunk}")
     n, v = x.shape if x.ndim == 2 else (0, 0)
     small = chunk is None and n * v < TOPK_MIN_ENTRIES
     chunk = chunk or (64 if v < 65_536 else 128)

@@ -69,3 +69,8 @@ def test_draft_top_k_reads_row_topk():
     top = DraftTopK.of(probs, 6)
     ref = torch.topk(probs, 6, dim=-1)
     assert torch.equal(top.probs, ref.values) and torch.equal(top.tokens, ref.indices)
+
+
+def test_bad_block_size_is_refused():
+    with pytest.raises(ValueError, match="chunk must be a positive block size"):
+        row_topk(torch.randn(4, 8192), 3, -64)
