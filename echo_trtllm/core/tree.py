@@ -251,8 +251,8 @@ def row_topk(x: Tensor, k: int, chunk: int | None = None) -> tuple[Tensor, Tenso
     is unspecified; so is which of -0.0 and 0.0 comes back). Two passes: the maximum of every block of `chunk`
     entries, then torch.topk over the k blocks with the largest maxima, which hold the row's k largest entries (a
     block outside them has a maximum no larger than the k-th largest entry). PyTorch's CPU topk over a row is a
-    partial sort: at 64 rows it takes 0.64 ms over a draft vocabulary of 8,192 and 11 ms over Qwen's 151,936, this
-    0.19 / 1.6 ms (one thread; docs/performance.md). NaN ranks above everything in both passes, as in torch.topk.
+    partial sort: at 64 rows it takes 0.31 ms over a draft vocabulary of 8,192 and 5.5 ms over Qwen's 151,936, this
+    0.12 / 0.65 ms (two threads; docs/performance.md). NaN ranks above everything in both passes, as in torch.topk.
     Elsewhere (other devices, small inputs, a vocabulary no block size divides, k too large for blocks to help)
     torch.topk itself; which path a call takes depends on its rows, so among exactly equal entries the index a
     row gets may depend on how many rows were asked with it. chunk: the block size (None: 64 below 65,536 entries a
