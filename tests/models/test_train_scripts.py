@@ -1,5 +1,5 @@
 """The Qwen head script is idempotent: with a head of its recipe in the cache it prints the directory and neither
-fetches nor trains; a head of another recipe is not taken for it."""
+fetches nor trains; a head of another recipe is not taken for it. The default recipe is v2."""
 
 import importlib.util
 import json
@@ -21,25 +21,34 @@ def qwen_script(monkeypatch, tmp_path):
     return module
 
 
-def test_a_head_of_this_recipe_is_reused_without_fetching_or_training(qwen_script, monkeypatch, capsys):
-    out = qwen_script.head_dir()
+def _head(out: Path, recipe: list[str]) -> None:
     out.mkdir(parents=True)
     for name in ("model.safetensors", "config.json"):
         (out / name).write_text("x")
-    (out / "training.json").write_text(json.dumps({"recipe": qwen_script.RECIPE}))
+    (out / "training.json").write_text(json.dumps({"recipe": recipe}))
+
+
+@pytest.mark.parametrize("argv, recipe", [([], "v2"), (["--recipe", "v2"], "v2"), (["--recipe", "v1"], "v1")])
+def test_a_head_of_the_asked_recipe_is_reused_without_fetching_or_training(qwen_script, monkeypatch, capsys, argv,
+                                                                          recipe):
+    """The default is v2; each recipe's head is found in its own directory by its own arguments."""
+    out = qwen_script.head_dir(recipe)
+    _head(out, qwen_script.V2_DATA + qwen_script.V2_TRAIN if recipe == "v2" else qwen_script.RECIPE)
     monkeypatch.setattr(qwen_script, "fetch", lambda *a, **k: pytest.fail("fetched"))
     monkeypatch.setattr(qwen_script.train_eagle3, "main", lambda *a, **k: pytest.fail("trained"))
-    assert qwen_script.main([]) == 0
+    assert qwen_script.main(argv) == 0
     assert capsys.readouterr().out.strip() == str(out)
+    assert out.name == {"v1": "eagle3-qwen2.5-coder-1.5b", "v2": "eagle3-qwen2.5-coder-1.5b-v2"}[recipe]
 
 
 def test_a_head_of_another_recipe_is_not_taken(qwen_script):
     out = qwen_script.head_dir()
-    out.mkdir(parents=True)
-    for name in ("model.safetensors", "config.json"):
-        (out / name).write_text("x")
-    (out / "training.json").write_text(json.dumps({"recipe": ["--steps", "1"]}))
+    _head(out, ["--steps", "1"])
     assert not qwen_script.is_done(out)
+    v1_in_v2s_place = qwen_script.head_dir("v2").with_name("other")
+    _head(v1_in_v2s_place, qwen_script.RECIPE)  # a v1 head is not the default recipe's
+    assert not qwen_script.is_done(v1_in_v2s_place)
+    assert qwen_script.is_done(v1_in_v2s_place, qwen_script.RECIPE)
 
 
 def test_a_v2_run_that_leaves_shards_to_make_asks_for_another_and_keeps_its_minutes(qwen_script, monkeypatch, tmp_path):
