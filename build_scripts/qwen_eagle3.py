@@ -12,7 +12,7 @@ read as they are) and 512 HumanEval-shaped docstring prompts continued by the ta
 steps from a checkpoint every 25. Each run stops after `--minutes` (exit status 3: run again; stdout stays empty) and
 the next one resumes; budget.json in the work directory adds up the runs. Budget: 240 minutes of a 2-core machine
 (480 CPU minutes). On a 2-core AVX512-BF16 EPYC it took 437.8 CPU minutes of its threads (219 minutes of the machine)
-in four runs, 255.3 wall minutes: about 66 minutes of data and 4.9 s a step on the quiet machine, the wall minutes
+in four runs, 255.3 wall minutes: about 67 minutes of data and about 5 s a step on the quiet machine, the wall minutes
 over the budget by the steps that ran two to three times slower beside other work. Held-out top-1 0.56 / 0.51 /
 0.49 / 0.46 per TTT step.
 
