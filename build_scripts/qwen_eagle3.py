@@ -59,13 +59,18 @@ V2_HEAD_DIR = "eagle3-qwen2.5-coder-1.5b-v2"
 V2_BUDGET_MINUTES = 240
 
 
+# each recipe's head directory and the arguments its training.json records (v1: train_eagle3's; v2: the data's,
+# then training's)
+RECIPES = {"v1": (HEAD_DIR, RECIPE), "v2": (V2_HEAD_DIR, V2_DATA + V2_TRAIN)}
+
+
 def head_dir(recipe: str = "v2") -> Path:
-    return default_cache_dir() / QWEN_CODER_1_5B.subdir / (HEAD_DIR if recipe == "v1" else V2_HEAD_DIR)
+    return default_cache_dir() / QWEN_CODER_1_5B.subdir / RECIPES[recipe][0]
 
 
 def recipe_args(recipe: str) -> list[str]:
-    """What `training.json` records as the recipe's arguments (v1: train_eagle3's; v2: the data's, then training's)."""
-    return RECIPE if recipe == "v1" else V2_DATA + V2_TRAIN
+    """What `training.json` records as the recipe's arguments."""
+    return RECIPES[recipe][1]
 
 
 def is_done(out: Path, recipe=None) -> bool:
@@ -163,7 +168,7 @@ def build_v2(out: Path, minutes: float) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--recipe", default="v2", choices=["v1", "v2"],
+    ap.add_argument("--recipe", default="v2", choices=sorted(RECIPES),
                     help="v2 (default): several times the data, resumable, in runs of --minutes; v1: the first head "
                          "(85 minutes, one run)")
     ap.add_argument("--minutes", type=float, default=None,
