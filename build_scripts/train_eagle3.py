@@ -23,7 +23,9 @@ Pipeline (every stage seeded):
    p - k plus its own chain of steps 1..k, exactly what a depth-k tree node sees at inference. Loss: cross-entropy
    against the target's distribution over the draft vocabulary (positions whose target top-1 lies outside it are
    skipped), step k weighted 0.8^k.
-5. Evaluation on held-out text: per-step top-1 agreement with the target (teacher-forced TTT, same as training);
+5. `--init HEAD`: start from a head this script wrote (its weights and draft vocabulary; a fresh optimizer and
+   learning-rate schedule): a head fine-tuned on data added since, without paying again for the steps it has.
+6. Evaluation on held-out text: per-step top-1 agreement with the target (teacher-forced TTT, same as training);
    with `--data`, also each source's held-out files on their own, so a run with `--sources` (training on some
    sources' shards only) measures what a source adds, on every source.
 
@@ -339,6 +341,24 @@ def save_head(head: Eagle3Head, cfg: dict, dv_ids: torch.Tensor, out: Path, meta
     (out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
+def load_init(path: Path, expected: dict) -> tuple[dict, torch.Tensor, dict]:
+    """--init: (the head's config, its draft vocabulary as target ids, its weights as float32) from a directory
+    `save_head` wrote. Refused, naming the keys, where its config is not the one this run would make (another
+    target, draft vocabulary size, MLP width or feature layers)."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((path / "config.json").read_text())
+    differ = sorted(k for k in expected if cfg.get(k) != expected[k] and k != "torch_dtype")
+    if differ:
+        raise SystemExit(f"error: --init {path}: its config differs from this run's in "
+                         + ", ".join(f"{k} ({cfg.get(k)!r}, this run {expected[k]!r})" for k in differ))
+    state = load_file(str(path / "model.safetensors"))
+    state.pop("t2d", None)
+    d2t = state["d2t"].long()
+    dv_ids = torch.arange(d2t.numel()) + d2t
+    return cfg, dv_ids, {k: v.long() if k == "d2t" else v.float() for k, v in state.items()}
+
+
 def lr_at(base: float, step: int, steps: int, elapsed: float, budget: float | None) -> float:
     """Warm-up over 50 steps, then a cosine to 0 over the run, whose progress is the larger of the share of steps
     done and the share of the training time budget spent (a run stopped by --time-limit ends decayed)."""
@@ -362,6 +382,9 @@ def parse_args(argv):
     ap.add_argument("--sources", default=None,
                     help="--data: train on these sources' shards only (comma-separated names, e.g. stdlib,docstrings);"
                          " every source's held-out shards are still evaluated, each on its own (what a source adds)")
+    ap.add_argument("--init", default=None,
+                    help="start from this head (a directory this script wrote: its weights and draft vocabulary) "
+                         "instead of a new one; its --draft-vocab and --intermediate must be this run's")
     ap.add_argument("--corpus", default="stdlib", choices=["stdlib", "stdlib+plays"])
     ap.add_argument("--dtype", default="float32",
                     help="target dtype for data generation: float32, bfloat16, or auto (the runtime's choice: "
@@ -408,6 +431,9 @@ def parse_args(argv):
         unknown = [x for x in args.sources.split(",") if x not in known] if args.sources else ["(none)"]
         if unknown:
             ap.error(f"--sources {', '.join(unknown)}: the data holds training shards of {', '.join(known)} only")
+    if args.init is not None and not all((Path(args.init) / f).is_file() for f in ("config.json", "model.safetensors")):
+        ap.error(f"--init {args.init}: not a head directory (config.json and model.safetensors, as this script "
+                 f"writes them)")
     if args.time_limit is not None and not args.time_limit > 0:
         ap.error(f"--time-limit must be a number of minutes > 0, got {args.time_limit}")
     for name in ("dtype", "train_dtype"):
@@ -455,7 +481,7 @@ def make_data(args, target, tok, layers):
 
 # the flags a resumed run must share with the run that wrote the checkpoint (else its steps are not the same run's)
 RESUME_FLAGS = ("steps", "batch", "lr", "ttt", "draft_vocab", "intermediate", "seed", "fc_init", "train_dtype", "dtype",
-                "sources")
+                "sources", "init")
 
 
 def run_identity(args, train_data) -> dict:
@@ -542,6 +568,13 @@ def evaluate(args, head, held: Batches, n_rows: int) -> list[float]:
     return [sum(a[k] for a in accs_all) / len(accs_all) for k in range(args.ttt)]
 
 
+def _init_record(path: Path) -> dict:
+    """What --init started from, for training.json: the head's name and, where it has one, its own record."""
+    meta = path / "training.json"
+    own = json.loads(meta.read_text()) if meta.is_file() else {}
+    return {"head": path.name, **{k: own[k] for k in ("data", "train_steps", "heldout_top1_per_ttt_step") if k in own}}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
@@ -562,6 +595,9 @@ def main(argv=None) -> int:
         check_resume(start, identity, state_path)
         dv_ids, cfg = start["dv_ids"], start["cfg"]
         print(f"[train] resuming from step {start['step']} ({start['seconds']:.0f} s trained)", flush=True)
+    elif args.init is not None:
+        cfg, dv_ids, init_state = load_init(Path(args.init), head_config(target, args.draft_vocab, layers,
+                                                                         args.intermediate))
     else:
         dv_ids = draft_vocabulary(train_data.ids, target.config.vocab_size, args.draft_vocab)
         cfg = head_config(target, args.draft_vocab, layers, args.intermediate)
@@ -571,6 +607,8 @@ def main(argv=None) -> int:
     head = init_head(target, cfg, dv_ids, args.seed, args.fc_init)
     if start is not None:
         head.load_state_dict(start["head"])
+    elif args.init is not None:
+        head.load_state_dict(init_state)
     t_train = time.time()
     budget = args.time_limit * 60 - (t_train - t_start) - 60 if args.time_limit else None  # a minute to evaluate
     steps_done, seconds = train(args, head, Batches(target, train_data, dv_ids), len(train_data), state_path, start,
@@ -587,6 +625,7 @@ def main(argv=None) -> int:
         "ttt_steps": args.ttt, "dtype": args.dtype, "train_dtype": args.train_dtype,
         "fc_init": args.fc_init, "intermediate_size": cfg["intermediate_size"], "train_steps": steps_done,
         "batch": args.batch, "lr": args.lr, "seed": args.seed,
+        **({"init": _init_record(Path(args.init))} if args.init else {}),
         "capture_layers": list(layers),
         "heldout_top1_per_ttt_step": [round(a, 4) for a in held_acc],
         "minutes": round((time.time() - t_start) / 60, 1),

@@ -237,3 +237,35 @@ def test_training_on_some_sources_evaluates_every_source_held_out(tmp_path, refe
     bad = run("train_eagle3.py", [*TRAIN_ARGS, "--data", str(reference), "--out", str(tmp_path / "x"),
                                   "--sources", "stdlib,nope"])
     assert bad.returncode != 0 and "--sources nope" in bad.stderr and "stdlib" in bad.stderr
+
+
+def test_a_head_started_from_another_keeps_its_weights_until_it_trains(tmp_path, reference):
+    """--init: a run of 0 steps from a head writes that head again (its weights, float16 both ways, and draft
+    vocabulary, compared entry by entry; the same held-out agreement), a run of 2 steps moves it and records what it
+    started from; a head of another shape is refused by the key that differs."""
+    from safetensors.torch import load_file
+
+    first = tmp_path / "first"
+    done = run("train_eagle3.py", [*TRAIN_ARGS, "--data", str(reference), "--out", str(first)])
+    assert done.returncode == 0, done.stderr
+    base = [a if a != "6" else "0" for a in TRAIN_ARGS]
+    same = run("train_eagle3.py", [*base, "--data", str(reference), "--out", str(tmp_path / "same"), "--init", str(first)])
+    assert same.returncode == 0, same.stderr
+    a, b = load_file(first / "model.safetensors"), load_file(tmp_path / "same" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    meta_a = json.loads((first / "training.json").read_text())
+    meta_b = json.loads((tmp_path / "same" / "training.json").read_text())
+    assert meta_b["heldout_top1_per_ttt_step"] == meta_a["heldout_top1_per_ttt_step"]
+    assert meta_b["init"] == {"head": "first", "data": meta_a["data"], "train_steps": 6,
+                              "heldout_top1_per_ttt_step": meta_a["heldout_top1_per_ttt_step"]}
+    moved = run("train_eagle3.py", [*[a if a != "6" else "2" for a in TRAIN_ARGS], "--data", str(reference),
+                                    "--out", str(tmp_path / "moved"), "--init", str(first)])
+    assert moved.returncode == 0, moved.stderr
+    c = load_file(tmp_path / "moved" / "model.safetensors")
+    assert torch.equal(c["d2t"], a["d2t"]) and not torch.equal(c["fc.weight"], a["fc.weight"])
+    other = run("train_eagle3.py", [*[a if a != "64" else "32" for a in TRAIN_ARGS], "--data", str(reference),
+                                    "--out", str(tmp_path / "other"), "--init", str(first)])
+    assert other.returncode != 0 and "draft_vocab_size" in other.stderr and "Traceback" not in other.stderr
+    missing = run("train_eagle3.py", [*TRAIN_ARGS, "--data", str(reference), "--out", str(tmp_path / "x"),
+                                      "--init", str(tmp_path / "nowhere")])
+    assert missing.returncode == 2 and "--init" in missing.stderr
