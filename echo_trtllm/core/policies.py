@@ -760,19 +760,24 @@ def draft_tree_batched(
     replaying = True  # False once the replay met an empty frontier (draft_tree's break)
     score = tokens = None  # the previous level on the device: path probabilities (padding: -1) and tokens
     width, children = policy.expand_width, 1
+    host = getattr(policy, "replays_on_host", False)  # read once a step: the policy's methods do not change in it
+    row_of = _row_of(state.batch_size, rows)
     for depth in range(1, depth_cap + 1 if rows.numel() else 1):
         width_prev = 1 if depth == 1 else score.shape[1]  # slots per row of the previous level
         front, fvalid, probs, toks, score, tokens, children = _level_on_device(
             policy, drafter, depth, rows, score, tokens, width, children)
         pending.append((depth, rows, width_prev, front, fvalid, probs, toks))
         if depth in syncs and depth < depth_cap:
-            replaying = _replay(policy, state, levels, slots, pending, read)
+            replaying = _replay(policy, state, levels, slots, pending, read, row_of, host)
             pending = []
             if not replaying or not bool(state.active.any()):
                 break
-            rows, score, tokens = _keep_active(state, drafter, send, rows, score, tokens)
+            kept = _keep_active(state, drafter, send, rows, score, tokens)
+            if kept[0] is not rows:
+                row_of = _row_of(state.batch_size, kept[0])
+            rows, score, tokens = kept
     if pending and replaying:
-        _replay(policy, state, levels, slots, pending, read)
+        _replay(policy, state, levels, slots, pending, read, row_of, host)
     state.frontier_slots += [torch.full((lv.num_nodes,), -1, dtype=torch.long)
                              for lv in levels[len(state.frontier_slots):]]
     candidates = (policy.tree_builder or SuperTree.from_levels)(levels)
@@ -824,15 +829,21 @@ def _level_on_device(policy: TreePolicy, drafter: LevelDrafter, depth: int, rows
     return front, fvalid, probs, toks, score, toks.reshape(rows.numel(), -1), k
 
 
+def _row_of(batch_size: int, rows: Tensor) -> Tensor:
+    """Each request's row among the drafting rows; the others read row len(rows), the all -1 padding row of each
+    frontier table (`_replay`)."""
+    row_of = torch.full((batch_size,), rows.numel(), dtype=torch.long)
+    row_of[rows] = torch.arange(rows.numel())
+    return row_of
+
+
 def _replay(policy: TreePolicy, state: DraftState, levels: list[DraftLevel], slots: list[Tensor],
-            pending: list, read) -> bool:
-    """draft_tree's loop over levels the device drafted (draft_tree_batched). False at an empty frontier."""
+            pending: list, read, row_of: Tensor, host: bool) -> bool:
+    """draft_tree's loop over levels the device drafted (draft_tree_batched), the pending levels' rows mapped by
+    row_of (`_row_of`); host: the policy replays on the host library (`replays_on_host`). False at an empty
+    frontier."""
     flat = read(*[t for rec in pending for t in rec[3:]])  # front, fvalid, probs, tokens of every level
-    rows = pending[0][1]  # the same rows for every pending level: they change only after a replay
-    pad = rows.numel()  # requests off the device read the all -1 padding row of each frontier table
-    row_of = torch.full((state.batch_size,), pad, dtype=torch.long)
-    row_of[rows] = torch.arange(pad)
-    host = getattr(policy, "replays_on_host", False)
+    pad = pending[0][1].numel()  # the same rows for every pending level: they change only after a replay
     for i, (depth, _, width, *_) in enumerate(pending):
         front, fvalid, probs, toks = flat[4 * i: 4 * i + 4]
         prev = levels[-1]
