@@ -772,10 +772,7 @@ def draft_tree_batched(
             pending = []
             if not replaying or not bool(state.active.any()):
                 break
-            kept = _keep_active(state, drafter, send, rows, score, tokens)
-            if kept[0] is not rows:
-                row_of = _row_of(state.batch_size, kept[0])
-            rows, score, tokens = kept
+            rows, score, tokens, row_of = _keep_active(state, drafter, send, rows, score, tokens, row_of)
     if pending and replaying:
         _replay(policy, state, levels, slots, pending, read, row_of, host)
     state.frontier_slots += [torch.full((lv.num_nodes,), -1, dtype=torch.long)
@@ -785,15 +782,17 @@ def draft_tree_batched(
     return DraftResult(candidates, mask, (policy.tree_selector or SuperTree.select)(candidates, mask), state)
 
 
-def _keep_active(state: DraftState, drafter: LevelDrafter, send, rows: Tensor, score: Tensor, tokens: Tensor):
-    """Requests the replay stopped leave the device's batch: (rows, score, tokens) of those still drafting."""
+def _keep_active(state: DraftState, drafter: LevelDrafter, send, rows: Tensor, score: Tensor, tokens: Tensor,
+                 row_of: Tensor):
+    """Requests the replay stopped leave the device's batch: (rows, score, tokens, row_of) of those still
+    drafting (row_of: `_row_of` of the rows kept)."""
     keep = state.active[rows]
     if bool(keep.all()):
-        return rows, score, tokens
+        return rows, score, tokens, row_of
     index = torch.nonzero(keep, as_tuple=True)[0]
     drafter.keep_rows(index)
     on_dev = send(index) if send is not None else index.to(score.device)
-    return rows[index], score[on_dev], tokens[on_dev]
+    return rows[index], score[on_dev], tokens[on_dev], _row_of(state.batch_size, rows[index])
 
 
 def _level_on_device(policy: TreePolicy, drafter: LevelDrafter, depth: int, rows: Tensor, score: Tensor | None,
