@@ -71,7 +71,7 @@ def run_steps(args) -> dict:
         return _measured_steps(ex, args.steps, refill)
 
 
-def fold(raw_lines, rate: float, steps: int, top: int = 60) -> dict:
+def fold(raw_lines, rate: float, steps: int, top: int = 200) -> dict:
     """py-spy's raw output (one `frame;frame;... count` line per stack) folded into ms a step: inclusive per
     function (counted once a stack), self per line; only the stacks under MARK."""
     inclusive, own = collections.Counter(), collections.Counter()
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--py-spy", default="py-spy", help="the py-spy binary")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--run", action="store_true", help=argparse.SUPPRESS)  # the sampled child
+    ap.add_argument("--run", default=None, help=argparse.SUPPRESS)  # the sampled child: its timings go to this file
     args = ap.parse_args(argv)
     if (args.model is None) != (args.head is None):
         ap.error("--model and --head go together (a head is trained for its target)")
@@ -126,32 +126,34 @@ def main(argv=None) -> int:
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.run:
-        print(json.dumps(run_steps(args)))
+        with open(args.run, "w") as f:
+            json.dump(run_steps(args), f)
         return 0
     spy = shutil.which(args.py_spy)
     if spy is None:
         ap.error(f"--py-spy {args.py_spy}: not found (install py-spy in any environment and name its binary)")
     own_argv = sys.argv[1:] if argv is None else list(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        raw = os.path.join(tmp, "raw.txt")
-        child = [sys.executable, os.path.abspath(__file__), *own_argv, "--run"]
+        raw, own = os.path.join(tmp, "raw.txt"), os.path.join(tmp, "timings.json")
+        child = [sys.executable, os.path.abspath(__file__), *own_argv, "--run", own]
         done = subprocess.run([spy, "record", "-r", str(args.rate), "-f", "raw", "--nonblocking", "-o", raw, "--",
                                *child], capture_output=True, text=True)
         if done.returncode != 0:
             sys.stderr.write(done.stderr[-4000:])
             return done.returncode
-        timings = json.loads(done.stdout.strip().splitlines()[-1])
+        with open(own) as f:
+            timings = json.load(f)
         with open(raw) as f:
             folded = fold(f, args.rate, args.steps)
     result = {"batch_size": args.batch_size, **timings, "rate": args.rate, **folded,
               "command": "python scripts/control_sampled.py " + " ".join(own_argv), "threads": args.threads}
-    print(f"B={args.batch_size}: step {timings['step_ms']} ms, control {timings['control_ms']} ms (the engine's "
-          f"timers); sampled {folded['sampled_ms_per_step']} ms a step")
-    for k, v in folded["inclusive_ms_per_step"].items():
-        print(f"   {v:8.3f}  {k}")
-    if args.json:
+    if args.json:  # before printing: a reader that stops reading the table early does not lose the JSON
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+    print(f"B={args.batch_size}: step {timings['step_ms']} ms, control {timings['control_ms']} ms (the engine's "
+          f"timers); sampled {folded['sampled_ms_per_step']} ms a step")
+    for k, v in list(folded["inclusive_ms_per_step"].items())[:60]:
+        print(f"   {v:8.3f}  {k}")
     return 0
 
 
