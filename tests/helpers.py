@@ -1,8 +1,11 @@
-"""Shared test helpers: random trees, synthetic drafts, naive (loop-based) references, a greedy executor run."""
+"""Shared test helpers: random trees, synthetic drafts, naive (loop-based) references, a greedy executor run, a
+script loaded as a module."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from pathlib import Path
 
 import torch
 
@@ -117,3 +120,11 @@ def random_online_acceptance(seed: int, depth: int, calibrated: bool, prior_weig
         prior = AcceptanceModel.from_samples(d, c, torch.rand(400, generator=gen, dtype=torch.float64) < c, 10)
     return OnlineAcceptance(depth, prior, prior_weight=prior_weight, half_life=half_life,
                             refit_every=refit_every), gen
+
+
+def load_script(path: Path):
+    """A script (scripts/, build_scripts/) loaded as a module, named by its file, without running its main."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,18 +1,16 @@
 """scripts/control_sampled.py's folding of py-spy's raw stacks, against counts done by hand."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "control_sampled.py"
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("control_sampled", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def test_only_the_measured_steps_count_and_a_function_counts_once_a_stack():

@@ -2,20 +2,18 @@
 vLLM step that follows it (recorded at the next call), and the drafting steps grouped by their longest chain,
 against values read off the trace by hand."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("echo_trace_summary", ROOT / "scripts" / "echo_trace_summary.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "scripts" / "echo_trace_summary.py")
 
 
 def _step(lengths, decision, propose, step, catch_up=0, spec=None):

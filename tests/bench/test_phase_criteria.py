@@ -1,16 +1,14 @@
 """scripts/phase_criteria.py against the arithmetic done by hand on a two-row phases table."""
 
-import importlib.util
 from pathlib import Path
+
+from tests.helpers import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "phase_criteria.py"
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("phase_criteria", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def row(method, b, plain=None, spec=None):

@@ -1,12 +1,13 @@
 """The Qwen head script is idempotent: with a head of its recipe in the cache it prints the directory and neither
 fetches nor trains; a head of another recipe is not taken for it. The default recipe is v2."""
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import load_script
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "build_scripts"
 
@@ -15,10 +16,7 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "build_scripts"
 def qwen_script(monkeypatch, tmp_path):
     monkeypatch.setenv("ECHO_MODEL_CACHE", str(tmp_path))
     monkeypatch.syspath_prepend(str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location("qwen_eagle3", SCRIPTS / "qwen_eagle3.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPTS / "qwen_eagle3.py")
 
 
 def _head(out: Path, recipe: list[str]) -> None:
