@@ -40,35 +40,21 @@ def _measured_steps(executor, steps: int, refill) -> dict:
 
 
 def run_steps(args) -> dict:
+    """The sampled child: the pair loaded, the steps control_split.py measures set up its way, then measured."""
     import torch
 
+    from control_split import pure_echo  # this script's folder is the child's first import path
     from echo_trtllm.bench.prompts import load_prompts
-    from echo_trtllm.bench.run import make_engine
-    from echo_trtllm.core import EchoConfig
     from echo_trtllm.models import DEFAULT_EAGLE3, DEFAULT_TARGET
     from echo_trtllm.models.eagle3 import load_eagle3
     from echo_trtllm.models.loader import load_model
-    from echo_trtllm.runtime.request import SamplingParams
 
     torch.set_num_threads(args.threads)
     target, tok = load_model(args.model or DEFAULT_TARGET, dtype=args.dtype)
     head = load_eagle3(args.head or DEFAULT_EAGLE3, target)
-    prompts = load_prompts("humaneval")
-    b = args.batch_size
     with torch.no_grad():  # not inference mode: a bfloat16 model's prepacked weights track their tensors' versions
-        llm = make_engine(target, head, tok, EchoConfig(policy="echo"), b, 1024, fallback="off")
-        llm.shutdown()
-        ex = llm.executor
-        params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
-
-        def refill(n: int) -> None:
-            for i in range(b):
-                ex.submit(ex.make_request(prompts[(i + n) % len(prompts)], params))
-
-        refill(0)
-        for _ in range(4):
-            ex.step()
-        return _measured_steps(ex, args.steps, refill)
+        ex, submit = pure_echo(target, head, tok, args.batch_size, 400, load_prompts("humaneval"))
+        return _measured_steps(ex, args.steps, submit)
 
 
 def fold(raw_lines, rate: float, steps: int, top: int = 200) -> dict:

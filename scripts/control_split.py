@@ -87,6 +87,25 @@ def timed(seconds: dict, calls: dict):
         setattr(owner, name, g)
 
 
+def pure_echo(target, head, tok, batch_size: int, max_tokens: int, prompts: list[str], warm: int = 4):
+    """ECHO pure (every step drafts) on target and head with batch_size greedy requests of `max_tokens`, warmed by
+    `warm` steps: the steps this script and `control_sampled.py` measure. Returns (executor, submit), where
+    submit(n) adds batch_size more requests, the i-th of prompt n + i."""
+    llm = make_engine(target, head, tok, EchoConfig(policy="echo"), batch_size, 1024, fallback="off")
+    llm.shutdown()
+    ex = llm.executor
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+    def submit(n: int) -> None:
+        for i in range(batch_size):
+            ex.submit(ex.make_request(prompts[(n + i) % len(prompts)], params))
+
+    submit(0)
+    for _ in range(warm):
+        ex.step()
+    return ex, submit
+
+
 def control_split(batch_sizes: list[int], steps: int, model=None, head_dir=None, dtype="float32") -> list[dict]:
     seconds: dict[str, float] = collections.defaultdict(float)
     calls: dict[str, int] = collections.defaultdict(int)
@@ -96,14 +115,7 @@ def control_split(batch_sizes: list[int], steps: int, model=None, head_dir=None,
     prompts = load_prompts("humaneval")
     out = []
     for b in batch_sizes:
-        llm = make_engine(target, head, tok, EchoConfig(policy="echo"), b, 1024, fallback="off")
-        llm.shutdown()
-        ex = llm.executor
-        params = SamplingParams(max_tokens=steps * 8 + 64, temperature=0, ignore_eos=True)
-        for i in range(b):
-            ex.submit(ex.make_request(prompts[i % len(prompts)], params))
-        for _ in range(4):
-            ex.step()
+        ex, _ = pure_echo(target, head, tok, b, steps * 8 + 64, prompts)
         seconds.clear()
         calls.clear()
         total = control = 0.0
