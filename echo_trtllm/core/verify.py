@@ -31,7 +31,7 @@ then the bonus token. Example: tree [r, a, b, c] with a and c accepted -> nodes 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -372,15 +372,18 @@ def verify_paths(
     draft_probs: Tensor | None = None,
     position_uniforms: Tensor | None = None,
     max_depth: int | None = None,
+    acceptor: Callable[[PackedVerifyBatch, Tensor, int | None], AcceptedPaths] | None = None,
 ) -> AcceptedPaths:
     """`verify`'s accepted paths in fixed shapes (`AcceptedPaths`): greedy without `sampling`, else the sampling
     rule (greedy rows one-hot). max_depth: the tree's deepest depth, known on the host (it must not be below the
     real one; position_uniforms then need max_depth + 1 columns): greedy verification then never reads the device,
     and sampling with deterministic drafts reads it only in `process_logits`' two checks (whether any row needs
-    top-k / top-p filtering, whether any is greedy). The runtime reads the result once."""
+    top-k / top-p filtering, whether any is greedy). The runtime reads the result once. acceptor(batch, pred,
+    max_depth): greedy acceptance of the target's top-1 `pred` (default `_accept_predicted`; on the CPU the runtime
+    passes the host library's, `kernels.host_greedy_acceptor`, of which `_accept_predicted` is the oracle)."""
     if sampling is None:
         _check_logits(batch, target_logits, "target_logits")
-        return _accept_predicted(batch, row_argmax(target_logits), max_depth)
+        return (acceptor or _accept_predicted)(batch, row_argmax(target_logits), max_depth)
     return _sampling_paths(batch, target_logits, sampling, generators, draft_probs, position_uniforms, max_depth)
 
 

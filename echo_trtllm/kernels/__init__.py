@@ -33,10 +33,11 @@ from echo_trtllm.core.budget import BudgetAllocation
 from echo_trtllm.core.pack import PackedVerifyBatch, words_per_row
 from echo_trtllm.core.pack import pack as core_pack
 from echo_trtllm.core.tree import SuperTree
+from echo_trtllm.core.verify import AcceptedPaths
 
 __all__ = ["BACKENDS", "load_library", "backend_for", "host_allocator", "host_estimate_reader", "host_level_replayer",
            "host_selector", "host_acceptance_counter", "host_tree_builder", "host_isotonic",
-           "host_kalman_stepper", "host_tree_selector",
+           "host_kalman_stepper", "host_tree_selector", "host_greedy_acceptor",
            "install_host", "gate", "allocate_budget", "pack", "PluginError"]
 
 logger = logging.getLogger(__name__)
@@ -309,6 +310,35 @@ def host_level_replayer():
     tokens), or None where the library is not built (or predates it): the levels are then replayed in torch, with
     the same results. `install_host` installs it."""
     return _host_entry("echo_replay_level_host", _replay_level_host)
+
+
+def host_greedy_acceptor():
+    """Greedy verification's acceptance on the host library (`core.verify.verify_paths`' acceptor: the accepted
+    path of every request and its bonus token in one call, where `_accept_predicted` takes about twenty tensor
+    operations and the batch's flat parents), or None where the library is not built (or predates it): the runtime
+    then accepts in torch, with the same results. The runtime passes it where the target runs on the CPU."""
+    return _host_entry("echo_accept_greedy_host", _accept_greedy_host)
+
+
+def _accept_greedy_host(lib, batch: PackedVerifyBatch, pred: Tensor, max_depth: int | None) -> AcceptedPaths:
+    """`echo_accept_greedy_host` (echo_abi.h) on a packed batch on the host; `core.verify._accept_predicted` is its
+    oracle (tests/plugins/test_echo_host.py). pred (N_tot,): the target's top-1 after each node; max_depth: the
+    tree's deepest depth (None: read from the batch), the paths' width less one."""
+    n, b = batch.total_nodes, batch.batch_size
+    if pred.shape != (n,) or pred.device.type != "cpu":
+        raise ValueError(f"accept_greedy: pred must be one CPU entry per node ({n}), got {tuple(pred.shape)} on "
+                         f"{pred.device}")
+    depths = batch.node_depths.to(torch.int32).contiguous()
+    if max_depth is None:
+        max_depth = int(depths.max()) if n else 0
+    ids, pred = batch.input_ids.long().contiguous(), pred.long().contiguous()
+    parents, cu = batch.parents.to(torch.int32).contiguous(), batch.cu_num_nodes.to(torch.int32).contiguous()
+    nodes = torch.empty(b, max_depth + 1, dtype=torch.long)
+    tokens = torch.empty(b, max_depth + 1, dtype=torch.long)
+    counts = torch.empty(b, dtype=torch.long)
+    _check(lib, lib.echo_accept_greedy_host(_ptr(ids), _ptr(pred), _ptr(parents), _ptr(depths), _ptr(cu), _i32(b),
+                                            _i32(n), _i32(max_depth + 1), _ptr(nodes), _ptr(tokens), _ptr(counts)))
+    return AcceptedPaths(nodes, tokens, counts)
 
 
 def _host_entry(symbol: str, fn, bind: bool = True):

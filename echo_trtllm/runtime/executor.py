@@ -218,6 +218,8 @@ class Executor:
         self.clock = clock or WallClock(target.device)
         self.link = HostLink(target.device)  # every tensor crossing host <-> model device, counted per step
         self._pack_backend = kernels.backend_for(target.device)  # packing runs where the target is (`_pack`)
+        # greedy acceptance where the logits are: the host library's on the CPU, torch's elsewhere (`_verify`)
+        self._acceptor = kernels.host_greedy_acceptor() if self._pack_backend == "host" else None
         self._init_pricing(config, cost_model, gate_samples, fallback, adapt)
         self._init_memory(target, draft, config, max_batch_size, max_seq_len, max_num_tokens)
         self.waiting: deque[Request] = deque()
@@ -443,7 +445,8 @@ class Executor:
             )
             u = torch.tensor([r.position_uniforms(len(r.output_token_ids), depth) for r in reqs], dtype=torch.float64)
             uniforms = send("uniforms", u)
-        paths = verify_paths(packed, logits, sampling, position_uniforms=uniforms, max_depth=depth - 1)
+        paths = verify_paths(packed, logits, sampling, position_uniforms=uniforms, max_depth=depth - 1,
+                             acceptor=self._acceptor)
         return AcceptedPaths(*self.link.read("accepted path", paths.nodes, paths.tokens, paths.counts)).flatten()
 
     def _finish(self, req: Request, tokens: list[int]) -> int:

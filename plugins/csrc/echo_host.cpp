@@ -665,4 +665,49 @@ int echo_kalman_step_host(int32_t n, double* theta, double* cov, const double* p
   return abi::ok();
 }
 
+int echo_accept_greedy_host(const int64_t* input_ids, const int64_t* pred, const int32_t* parents,
+                            const int32_t* depths, const int32_t* cu, int32_t batch_size, int32_t num_nodes,
+                            int32_t width, int64_t* nodes, int64_t* tokens, int64_t* counts) {
+  const char* who = "accept_greedy";
+  ECHO_REQUIRE(batch_size >= 1 && num_nodes >= batch_size && width >= 1,
+               "%s: batch_size must be >= 1, num_nodes >= batch_size (a root each) and width >= 1, got %d, %d, %d",
+               who, batch_size, num_nodes, width);
+  ECHO_REQUIRE(input_ids && pred && parents && depths && cu && nodes && tokens && counts,
+               "%s: a required array is NULL", who);
+  ECHO_REQUIRE(cu[0] == 0 && cu[batch_size] == num_nodes, "%s: cu must run from 0 to num_nodes (%d), got %d to %d",
+               who, num_nodes, cu[0], cu[batch_size]);
+  std::vector<uint8_t> ok(static_cast<size_t>(num_nodes), 0);
+  for (int32_t r = 0; r < batch_size; ++r) {
+    const int32_t start = cu[r], end = cu[r + 1];
+    ECHO_REQUIRE(end > start, "%s: request %d has no nodes (cu[%d] = %d, cu[%d] = %d): every request needs its root",
+                 who, r, r, start, r + 1, end);
+    int32_t last = start;
+    for (int32_t j = start; j < end; ++j) {
+      const int32_t p = parents[j], d = depths[j];
+      ECHO_REQUIRE((j == start) == (p < 0), "%s: node %d: a request's first node is its root (parent -1) and no "
+                   "other is, got parent %d", who, j, p);
+      ECHO_REQUIRE(p < j - start, "%s: node %d: its parent %d must come before it in its request", who, j, p);
+      ECHO_REQUIRE(d == (p < 0 ? 0 : depths[start + p] + 1) && d < width, "%s: node %d: depth %d must be its "
+                   "parent's + 1 (a root's 0) and below width %d", who, j, d, width);
+      // on an accepted path iff its draft is the target's choice after its parent, and the parent is on one
+      ok[j] = p < 0 || (ok[start + p] && input_ids[j] == pred[start + p]);
+      if (ok[j] && d > depths[last]) last = j;  // the deepest; at equal depth the lowest index stays
+    }
+    const int32_t n = depths[last];
+    int64_t* row_nodes = nodes + static_cast<size_t>(r) * width;
+    int64_t* row_tokens = tokens + static_cast<size_t>(r) * width;
+    for (int32_t c = 0; c < width; ++c) {
+      row_nodes[c] = -1;
+      row_tokens[c] = pred[last];  // the bonus: the path's last column and every one after it
+    }
+    for (int32_t j = last, c = n; c >= 0; j = start + parents[j], --c) {
+      row_nodes[c] = j;
+      if (c > 0) row_tokens[c - 1] = input_ids[j];
+      if (c == 0) break;
+    }
+    counts[r] = n + 1;
+  }
+  return abi::ok();
+}
+
 }  // extern "C"

@@ -185,6 +185,18 @@ int echo_kalman_step_host(int32_t n, double* theta, double* cov, const double* p
                           const double* floor, double drift_common, double drift_each, int32_t drift_now, double huber,
                           double* noise, double noise_floor, double noise_rate, double min_seconds, double* out);
 
+/* Greedy acceptance over a packed verification batch (echo_trtllm.core.verify's `_accept_predicted` is its oracle):
+ * per request, the deepest root path whose every draft equals pred at its parent (ties: the lowest node index),
+ * then pred at its last node as the bonus token. num_nodes nodes, batch_size requests (cu[B+1]; each request's
+ * first node is its root), parents within the request (-1: the root; each parent before its child), depths (the
+ * parent's + 1), input_ids the token fed at each node, pred the target's top-1 after each node; width = the
+ * deepest depth allowed + 1. Outputs, width columns per request: nodes (flat node indices of the path, root first,
+ * -1 past its end) and tokens (the accepted drafts, then the bonus in every later column); counts[B]: accepted
+ * drafts + 1. */
+int echo_accept_greedy_host(const int64_t* input_ids, const int64_t* pred, const int32_t* parents,
+                            const int32_t* depths, const int32_t* cu, int32_t batch_size, int32_t num_nodes,
+                            int32_t width, int64_t* nodes, int64_t* tokens, int64_t* counts);
+
 #ifdef __cplusplus
 }
 #endif
