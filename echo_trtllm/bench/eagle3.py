@@ -9,7 +9,9 @@ For each speculative step the number of accepted drafts a is recorded (before st
 alpha_d = P(a >= d | a >= d - 1) is the acceptance of depth d given its parent was accepted, and the mean accepted
 length is 1 + E[a] tokens per step. Calibration, what ECHO's gate and budget read: per depth, the ROC-AUC of each
 drafted node's path probability (the head's probabilities multiplied along its chain) against whether the target
-accepted it (`core.gating.roc_auc`), and the mean path probability beside the rate accepted.
+accepted it (`core.gating.roc_auc`), and the mean path probability beside the rate accepted. By position: the
+same per band of the completion's tokens (0-31, 32-63, 64+), with the share of the target's tokens there that the
+head's draft vocabulary holds (a ceiling on its acceptance).
 
 Cost: B requests, each with `--context` tokens cached; the target's AR step (B new tokens, logits of all) against
 one head level over B frontier nodes, the head's forward alone and with what the drafter does after it (the
@@ -34,7 +36,7 @@ from echo_trtllm.runtime.executor import Executor
 from echo_trtllm.runtime.inputs import chain_batch
 from echo_trtllm.runtime.request import SamplingParams
 
-__all__ = ["acceptance_by_depth", "calibration_by_depth", "level_cost"]
+__all__ = ["acceptance_by_depth", "by_position", "calibration_by_depth", "level_cost"]
 
 
 def acceptance_by_depth(target: CausalLM, head: Eagle3Head, tokenizer, prompts: list[str], depth: int = 6,
@@ -42,16 +44,21 @@ def acceptance_by_depth(target: CausalLM, head: Eagle3Head, tokenizer, prompts: 
     ex = Executor(target, head, tokenizer, EchoConfig(policy="chain", num_draft_tokens=depth), max_batch_size=1,
                   max_seq_len=max_seq_len)
     accepted: list[int] = []
+    positions: list[int] = []  # per step: the completion's tokens before it
+    outputs: list[list[int]] = []
     nodes: list[tuple[Tensor, Tensor, Tensor]] = []  # per step: depths, path probabilities, accepted
     for p in prompts:
-        ex.submit(ex.make_request(p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)))
+        req = ex.make_request(p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        ex.submit(req)
         while ex.has_work:
             report = ex.step()
             if report.speculated and report.result is not None:
                 a = torch.diff(report.result.cu_accepted) - 1
                 accepted += a.tolist()
+                positions.append(report.positions[0])
                 tree = report.draft.selected  # one request: its chain
                 nodes.append((tree.depths.cpu(), tree.path_probs.cpu(), tree.depths.cpu() <= int(a[0])))
+        outputs.append(list(req.output_token_ids))
     if ex.failures:
         raise RuntimeError(f"the run had failures: {ex.last_error}")
     a = torch.tensor(accepted)
@@ -60,7 +67,30 @@ def acceptance_by_depth(target: CausalLM, head: Eagle3Head, tokenizer, prompts: 
     return {"steps": len(accepted), "prompts": len(prompts), "depth": depth, "max_tokens": max_tokens,
             "alpha_by_depth": [round(x, 4) for x in alpha], "reach_by_depth": reach,
             "mean_accepted_length": round(1 + float(a.float().mean()), 4) if accepted else 1.0,
-            **calibration_by_depth(nodes, depth)}
+            **by_position(accepted, positions, outputs, head), **calibration_by_depth(nodes, depth)}
+
+
+POSITION_BANDS = ((0, 32), (32, 64), (64, None))  # tokens of the completion before a step
+
+
+def by_position(accepted: list[int], positions: list[int], outputs: list[list[int]], head: Eagle3Head) -> dict:
+    """Per band of completion positions (`POSITION_BANDS`, a step's band: the tokens before it): the steps, the
+    depth-1 acceptance and the mean accepted length, and the share of the target's tokens in that band that the head
+    can draft at all (inside its draft vocabulary, `d2t`): a ceiling on any depth's acceptance there."""
+    drafted = set((torch.arange(head.d2t.numel()) + head.d2t.cpu()).tolist())
+    out = {}
+    for lo, hi in POSITION_BANDS:
+        name = f"{lo}-{hi - 1}" if hi is not None else f"{lo}+"
+        steps = [a for a, p in zip(accepted, positions) if p >= lo and (hi is None or p < hi)]
+        tokens = [t for o in outputs for t in o[lo:hi]]
+        if not steps and not tokens:
+            continue
+        out[name] = {"steps": len(steps),
+                     "alpha_1": round(sum(a >= 1 for a in steps) / len(steps), 4) if steps else None,
+                     "mean_accepted_length": round(1 + sum(steps) / len(steps), 4) if steps else None,
+                     "target_tokens": len(tokens),
+                     "in_draft_vocab": round(sum(t in drafted for t in tokens) / len(tokens), 4) if tokens else None}
+    return {"by_position": out}
 
 
 def calibration_by_depth(nodes: list[tuple[Tensor, Tensor, Tensor]], depth: int) -> dict:
@@ -145,6 +175,10 @@ def main(argv=None) -> int:
     print(f"acceptance per depth (alpha_d, {acc['steps']} steps over {len(prompts)} prompts): "
           + " ".join(f"{a:.3f}" for a in acc["alpha_by_depth"]) + f"; mean accepted length {acc['mean_accepted_length']}")
     print("path probability AUC per depth: " + " ".join("-" if x is None else f"{x:.3f}" for x in acc["auc_by_depth"]))
+    for band, row in acc["by_position"].items():
+        print(f"completion tokens {band}: {row['steps']} steps, alpha_1 {row['alpha_1']}, mean accepted length "
+              f"{row['mean_accepted_length']}; {row['in_draft_vocab']} of the target's {row['target_tokens']} tokens "
+              f"inside the draft vocabulary")
     costs = [level_cost(target, head, int(b), args.context, args.repeats) for b in args.batch_sizes.split(",")]
     for c in costs:
         print(f"B={c['batch_size']}: target step {c['target_step_ms']} ms, head level {c['head_level_ms']} ms "

@@ -48,3 +48,27 @@ def test_the_report_on_the_embedded_pair_agrees_with_its_accepted_counts():
         assert abs(acc["accepted_share_by_depth"][d - 1] - reach[d] / reach[0]) < 1e-3
         assert acc["auc_by_depth"][d - 1] is None or 0.0 <= acc["auc_by_depth"][d - 1] <= 1.0
     assert all(0 < p <= 1 for p in acc["mean_path_prob_by_depth"])
+    bands = acc["by_position"]
+    assert sum(b["steps"] for b in bands.values()) == acc["steps"] and set(bands) <= {"0-31", "32-63", "64+"}
+    assert sum(b["target_tokens"] for b in bands.values()) == 2 * 24
+    assert all(0.0 <= b["in_draft_vocab"] <= 1.0 for b in bands.values())
+
+
+def test_the_position_bands_against_counts_by_hand():
+    """by_position: steps split by the completion tokens before them, alpha_1 and accepted length per band, and the
+    target's tokens inside the draft vocabulary (d2t maps draft id i to target id i + d2t[i])."""
+    from types import SimpleNamespace
+
+    from echo_trtllm.bench.eagle3 import by_position
+
+    head = SimpleNamespace(d2t=torch.tensor([0, 0, 5]))  # drafts target ids 0, 1, 7
+    accepted = [2, 0, 1, 3, 0]
+    positions = [0, 3, 31, 32, 70]
+    outputs = [[0] * 32 + [1, 7, 9, 9] + [2] * 30 + [7] * 10]  # one completion of 76 tokens
+    got = by_position(accepted, positions, outputs, head)["by_position"]
+    assert got["0-31"] == {"steps": 3, "alpha_1": round(2 / 3, 4), "mean_accepted_length": 2.0,
+                           "target_tokens": 32, "in_draft_vocab": 1.0}
+    assert got["32-63"] == {"steps": 1, "alpha_1": 1.0, "mean_accepted_length": 4.0, "target_tokens": 32,
+                            "in_draft_vocab": round(2 / 32, 4)}
+    assert got["64+"] == {"steps": 1, "alpha_1": 0.0, "mean_accepted_length": 1.0, "target_tokens": 12,
+                          "in_draft_vocab": round(10 / 12, 4)}
