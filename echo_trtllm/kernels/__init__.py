@@ -322,12 +322,17 @@ def host_greedy_acceptor():
 
 def _accept_greedy_host(lib, batch: PackedVerifyBatch, pred: Tensor, max_depth: int | None) -> AcceptedPaths:
     """`echo_accept_greedy_host` (echo_abi.h) on a packed batch on the host; `core.verify._accept_predicted` is its
-    oracle (tests/plugins/test_echo_host.py). pred (N_tot,): the target's top-1 after each node; max_depth: the
-    tree's deepest depth (None: read from the batch), the paths' width less one."""
+    oracle (tests/plugins/test_greedy_accept_host.py). pred (N_tot,): the target's top-1 after each node; max_depth:
+    the tree's deepest depth (None: read from the batch), the paths' width less one."""
     n, b = batch.total_nodes, batch.batch_size
     if pred.shape != (n,) or pred.device.type != "cpu":
         raise ValueError(f"accept_greedy: pred must be one CPU entry per node ({n}), got {tuple(pred.shape)} on "
                          f"{pred.device}")
+    for name, t, size in (("input_ids", batch.input_ids, n), ("parents", batch.parents, n),
+                          ("node_depths", batch.node_depths, n), ("cu_num_nodes", batch.cu_num_nodes, b + 1)):
+        if t.shape != (size,) or t.device.type != "cpu":  # the library reads these lengths from n and b
+            raise ValueError(f"accept_greedy: the batch's {name} must be {size} entries on the CPU, got "
+                             f"{tuple(t.shape)} on {t.device}")
     depths = batch.node_depths.to(torch.int32).contiguous()
     if max_depth is None:
         max_depth = int(depths.max()) if n else 0

@@ -676,11 +676,13 @@ int echo_accept_greedy_host(const int64_t* input_ids, const int64_t* pred, const
                "%s: a required array is NULL", who);
   ECHO_REQUIRE(cu[0] == 0 && cu[batch_size] == num_nodes, "%s: cu must run from 0 to num_nodes (%d), got %d to %d",
                who, num_nodes, cu[0], cu[batch_size]);
+  for (int32_t r = 0; r < batch_size; ++r)  // every request's range inside [0, num_nodes) before any node is read
+    ECHO_REQUIRE(cu[r + 1] > cu[r] && cu[r + 1] <= num_nodes, "%s: request %d has no nodes or runs past num_nodes "
+                 "(cu[%d] = %d, cu[%d] = %d): cu must rise strictly to num_nodes (%d), a root each", who, r, r, cu[r],
+                 r + 1, cu[r + 1], num_nodes);
   std::vector<uint8_t> ok(static_cast<size_t>(num_nodes), 0);
   for (int32_t r = 0; r < batch_size; ++r) {
     const int32_t start = cu[r], end = cu[r + 1];
-    ECHO_REQUIRE(end > start, "%s: request %d has no nodes (cu[%d] = %d, cu[%d] = %d): every request needs its root",
-                 who, r, r, start, r + 1, end);
     int32_t last = start;
     for (int32_t j = start; j < end; ++j) {
       const int32_t p = parents[j], d = depths[j];

@@ -14,7 +14,7 @@ ABI = ["echo_abi_version", "echo_has_cuda", "echo_last_error", "echo_gate_host",
        "echo_pack_host", "echo_pack_workspace_bytes", "echo_pack_cuda", "echo_acceptance_estimate_host",
        "echo_replay_level_host", "echo_select_host", "echo_acceptance_observe_host",
        "echo_tree_from_levels_host", "echo_isotonic_rows_host", "echo_kalman_step_host",
-       "echo_tree_select_host"]
+       "echo_tree_select_host", "echo_accept_greedy_host"]
 
 
 @pytest.fixture(scope="module")

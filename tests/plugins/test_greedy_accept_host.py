@@ -81,6 +81,8 @@ def test_siblings_with_the_same_token_accept_the_lowest_index(host_backend):
 
 @pytest.mark.parametrize("change, message", [
     ("empty request", "request 0 has no nodes"),
+    ("cu past the end", "request 0 has no nodes or runs past num_nodes"),
+    ("short parents", "parents must be"),
     ("child first", "parent 2 must come before it"),
     ("depth", "depth 2 must be its parent's \\+ 1"),
     ("too deep", "below width 1"),
@@ -94,6 +96,10 @@ def test_malformed_batches_are_refused_by_name(host_backend, change, message):
     if change == "empty request":
         cu = torch.tensor([0, 0, int(cu[-1])], dtype=cu.dtype)
         batch = dataclasses.replace(batch, generation_lengths=torch.zeros(2, dtype=torch.int32))
+    elif change == "cu past the end":  # request 0 claims more nodes than there are: refused before any is read
+        cu = torch.tensor([0, int(cu[-1]) + 3, int(cu[-1])], dtype=cu.dtype)
+    elif change == "short parents":
+        parents = parents[:-1]
     elif change == "child first":
         parents[1] = 2
     elif change == "depth":
