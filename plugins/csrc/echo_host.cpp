@@ -702,10 +702,9 @@ int echo_accept_greedy_host(const int64_t* input_ids, const int64_t* pred, const
       row_nodes[c] = -1;
       row_tokens[c] = pred[last];  // the bonus: the path's last column and every one after it
     }
-    for (int32_t j = last, c = n; c >= 0; j = start + parents[j], --c) {
+    for (int32_t j = last, c = n; c >= 0; j = start + parents[j], --c) {  // up to the root (its -1 parent never indexed)
       row_nodes[c] = j;
       if (c > 0) row_tokens[c - 1] = input_ids[j];
-      if (c == 0) break;
     }
     counts[r] = n + 1;
   }
