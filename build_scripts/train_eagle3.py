@@ -24,7 +24,9 @@ Pipeline (every stage seeded):
    against the target's distribution over the draft vocabulary (positions whose target top-1 lies outside it are
    skipped), step k weighted 0.8^k.
 5. `--init HEAD`: start from a head this script wrote (its weights and draft vocabulary; a fresh optimizer and
-   learning-rate schedule): a head fine-tuned on data added since, without paying again for the steps it has.
+   learning-rate schedule): a head fine-tuned on data added since, without paying again for the steps it has. A
+   `--draft-vocab` larger than the head's grows its vocabulary: its tokens keep their rows, the most frequent tokens
+   of the training data it lacks join with the target's rows (as a new head's rows start).
 6. Evaluation on held-out text: per-step top-1 agreement with the target (teacher-forced TTT, same as training);
    with `--data`, also each source's held-out files on their own, so a run with `--sources` (training on some
    sources' shards only) measures what a source adds, on every source.
@@ -348,7 +350,9 @@ def load_init(path: Path, expected: dict) -> tuple[dict, torch.Tensor, dict]:
     from safetensors.torch import load_file
 
     cfg = json.loads((path / "config.json").read_text())
-    differ = sorted(k for k in expected if cfg.get(k) != expected[k] and k != "torch_dtype")
+    grows = isinstance(cfg.get("draft_vocab_size"), int) and cfg["draft_vocab_size"] < expected["draft_vocab_size"]
+    differ = sorted(k for k in expected if cfg.get(k) != expected[k] and k != "torch_dtype"
+                    and not (k == "draft_vocab_size" and grows))
     if differ:
         raise SystemExit(f"error: --init {path}: its config differs from this run's in "
                          + ", ".join(f"{k} ({cfg.get(k)!r}, this run {expected[k]!r})" for k in differ))
@@ -357,6 +361,22 @@ def load_init(path: Path, expected: dict) -> tuple[dict, torch.Tensor, dict]:
     d2t = state["d2t"].long()
     dv_ids = torch.arange(d2t.numel()) + d2t
     return cfg, dv_ids, {k: v.long() if k == "d2t" else v.float() for k, v in state.items()}
+
+
+def grow_vocabulary(cfg: dict, dv_ids: torch.Tensor, state: dict, ids: torch.Tensor, target: CausalLM,
+                    size: int) -> tuple[dict, torch.Tensor, dict]:
+    """--init of a head with a smaller draft vocabulary than --draft-vocab: (config, vocabulary, weights) of the
+    head grown to `size` tokens. Its tokens keep their lm_head rows; the most frequent tokens of `ids` (the training
+    data; ties by id) that it lacks join, their rows the target's own (as `init_head` starts every row)."""
+    vocab = target.config.vocab_size
+    counts = torch.bincount(ids.flatten(), minlength=vocab).double()
+    counts[dv_ids] = -1.0  # the head's own tokens are not joined again
+    order = torch.argsort(-(counts - torch.arange(vocab) * 1e-9))  # frequency, then smaller id first
+    grown = torch.cat([dv_ids, order[: size - dv_ids.numel()]]).sort().values
+    rows = target.lm_head.weight.detach()[grown].float().clone()
+    rows[torch.searchsorted(grown, dv_ids)] = state["lm_head.weight"]
+    state = {**state, "lm_head.weight": rows, "d2t": grown - torch.arange(size)}
+    return {**cfg, "draft_vocab_size": size}, grown, state
 
 
 def lr_at(base: float, step: int, steps: int, elapsed: float, budget: float | None) -> float:
@@ -384,7 +404,8 @@ def parse_args(argv):
                          " every source's held-out shards are still evaluated, each on its own (what a source adds)")
     ap.add_argument("--init", default=None,
                     help="start from this head (a directory this script wrote: its weights and draft vocabulary) "
-                         "instead of a new one; its --draft-vocab and --intermediate must be this run's")
+                         "instead of a new one; its --intermediate must be this run's and its --draft-vocab this "
+                         "run's or smaller (a smaller one grows: the data's most frequent tokens it lacks join)")
     ap.add_argument("--corpus", default="stdlib", choices=["stdlib", "stdlib+plays"])
     ap.add_argument("--dtype", default="float32",
                     help="target dtype for data generation: float32, bfloat16, or auto (the runtime's choice: "
@@ -568,11 +589,14 @@ def evaluate(args, head, held: Batches, n_rows: int) -> list[float]:
     return [sum(a[k] for a in accs_all) / len(accs_all) for k in range(args.ttt)]
 
 
-def _init_record(path: Path) -> dict:
-    """What --init started from, for training.json: the head's name and, where it has one, its own record."""
+def _init_record(path: Path, draft_vocab: int) -> dict:
+    """What --init started from, for training.json: the head's name and, where it has one, its own record (and
+    its draft vocabulary's size where this run's, `draft_vocab`, grew from it)."""
     meta = path / "training.json"
     own = json.loads(meta.read_text()) if meta.is_file() else {}
-    return {"head": path.name, **{k: own[k] for k in ("data", "train_steps", "heldout_top1_per_ttt_step") if k in own}}
+    size = json.loads((path / "config.json").read_text()).get("draft_vocab_size")
+    return {"head": path.name, **{k: own[k] for k in ("data", "train_steps", "heldout_top1_per_ttt_step") if k in own},
+            **({"draft_vocab": size} if size != draft_vocab else {})}
 
 
 def main(argv=None) -> int:
@@ -598,6 +622,9 @@ def main(argv=None) -> int:
     elif args.init is not None:
         cfg, dv_ids, init_state = load_init(Path(args.init), head_config(target, args.draft_vocab, layers,
                                                                          args.intermediate))
+        if cfg["draft_vocab_size"] < args.draft_vocab:
+            cfg, dv_ids, init_state = grow_vocabulary(cfg, dv_ids, init_state, train_data.ids, target,
+                                                      args.draft_vocab)
     else:
         dv_ids = draft_vocabulary(train_data.ids, target.config.vocab_size, args.draft_vocab)
         cfg = head_config(target, args.draft_vocab, layers, args.intermediate)
@@ -625,7 +652,7 @@ def main(argv=None) -> int:
         "ttt_steps": args.ttt, "dtype": args.dtype, "train_dtype": args.train_dtype,
         "fc_init": args.fc_init, "intermediate_size": cfg["intermediate_size"], "train_steps": steps_done,
         "batch": args.batch, "lr": args.lr, "seed": args.seed,
-        **({"init": _init_record(Path(args.init))} if args.init else {}),
+        **({"init": _init_record(Path(args.init), cfg["draft_vocab_size"])} if args.init else {}),
         "capture_layers": list(layers),
         "heldout_top1_per_ttt_step": [round(a, 4) for a in held_acc],
         "minutes": round((time.time() - t_start) / 60, 1),
