@@ -346,7 +346,8 @@ def save_head(head: Eagle3Head, cfg: dict, dv_ids: torch.Tensor, out: Path, meta
 def load_init(path: Path, expected: dict) -> tuple[dict, torch.Tensor, dict]:
     """--init: (the head's config, its draft vocabulary as target ids, its weights as float32) from a directory
     `save_head` wrote. Refused, naming the keys, where its config is not the one this run would make (another
-    target, draft vocabulary size, MLP width or feature layers)."""
+    target, a larger draft vocabulary, MLP width or feature layers); a smaller draft vocabulary is returned as it is,
+    for `grow_vocabulary`."""
     from safetensors.torch import load_file
 
     cfg = json.loads((path / "config.json").read_text())
@@ -606,6 +607,9 @@ def main(argv=None) -> int:
     t_start = time.time()
     torch.manual_seed(args.seed)
     target, tok = load_model(args.target, dtype=args.dtype)
+    if args.draft_vocab > target.config.vocab_size:
+        raise SystemExit(f"error: --draft-vocab {args.draft_vocab} is more than the target's vocabulary of "
+                         f"{target.config.vocab_size} tokens")
     args.dtype = str(target.dtype).removeprefix("torch.")  # what "auto" chose, for training.json
     if args.train_dtype == "auto":
         args.train_dtype = args.dtype  # bf16 matrices for the head where they are the faster ones for the target

@@ -30,8 +30,11 @@ TOKENS = (1, 3, 5, 16)  # a head forward's tokens: a level at one row, a chain's
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the parameters a forward reads in full (embeddings excluded)."""
-    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed" not in n)
+    """Bytes of the parameters a forward reads in full: every module's own but an embedding's (a forward gathers a
+    few of its rows), a weight shared by two modules counted for each (a tied LM head reads the embedding matrix in
+    full)."""
+    return sum(p.numel() * p.element_size() for m in model.modules() if not isinstance(m, nn.Embedding)
+               for p in m.parameters(recurse=False))
 
 
 class Int8WeightOnly:

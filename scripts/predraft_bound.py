@@ -7,9 +7,10 @@ control + t_verify(B + n)) beats B / (drafting spent + t_verify(B)). Before draf
 any drafted token can be worth is the fit's largest estimate (`best_estimate`: every table row read at path
 probability 1), and drafting spent only makes verifying more attractive (it is sunk by then). So a step could skip
 drafting, with the same tree verified, only where even `best_estimate` for every token at the largest drafting
-spend (`max_depth` levels of B x beam width) leaves rate(n) <= rate(0) for every n. The script prints, per step,
-that best-case ratio max_n rate(n) / rate(0) at one level's spend and at the largest (a ratio above 1: the check
-cannot skip), with the prices it read.
+spend (`max_depth` levels of B x beam width) leaves rate(n) <= rate(0) for every n up to what full trees hold. The
+script prints, per step, that best-case ratio max_n rate(n) / rate(0) at one level's spend and at the largest (a
+ratio above 1: the check cannot skip), the ratio at one drafted token and at B of them beside it, with the prices it
+read.
 
     python scripts/predraft_bound.py --model <target> --head <its EAGLE-3 head> [--dtype bfloat16]
         [--batch-size 16] [--steps 40] [--json OUT]
@@ -32,11 +33,15 @@ from echo_trtllm.models.eagle3 import load_eagle3
 from echo_trtllm.models.loader import load_model
 
 
-def best_case_ratio(cost, b: int, n: int, spent: float, estimate: float, context: float) -> float:
-    """max over 1..n drafted tokens of the budget rule's rate with every token at `estimate`, over its rate at 0."""
+def best_case_ratios(cost, b: int, n: int, spent: float, estimate: float, context: float) -> tuple[float, ...]:
+    """The budget rule's rate with every drafted token at `estimate`, over its rate at none: at 1 token, at b
+    tokens (one a request) and the largest over 1..n (n < 1: nothing can be drafted, all 1.0)."""
+    if n < 1:
+        return 1.0, 1.0, 1.0
     seconds = budget_seconds(n, b, cost, spent, context)
     rate = (b + estimate * torch.arange(n + 1, dtype=torch.float64)) / seconds
-    return float(rate[1:].max() / rate[0])
+    ratio = rate / rate[0]
+    return float(ratio[1]), float(ratio[min(b, n)]), float(ratio[1:].max())
 
 
 def read_step(executor, report) -> dict | None:
@@ -53,16 +58,20 @@ def read_step(executor, report) -> dict | None:
     width = b * policy.expand_width
     one_level = cost.drafting_time([width], ctx)
     largest = cost.drafting_time([width] * policy.max_depth, ctx)
-    n = executor._budget() - b
+    # the most drafted tokens a step can verify: the budget beyond the roots, and no more than full trees hold
+    n = min(executor._budget() - b, b * (policy.max_tree_nodes - 1))
     v0 = float(cost.verify_time(b, ctx, b))
+    one = best_case_ratios(cost, b, n, one_level, best, ctx)
+    most = best_case_ratios(cost, b, n, largest, best, ctx)
     return {"speculated": report.speculated, "verified": report.verified_tokens, "drafted": report.drafted_tokens,
             "decision": getattr(report.decision, "reason", None), "depth1_estimate_at_1": round(depth1, 4),
             "best_estimate": round(best, 4), "plain_ms": round(v0 * 1e3, 2),
             "token_ms": round((float(cost.verify_time(b + 1, ctx, b)) - v0) * 1e3, 3),
             "control_ms": round(cost.control_seconds * 1e3, 2), "one_level_ms": round(one_level * 1e3, 2),
             "largest_drafting_ms": round(largest * 1e3, 2),
-            "ratio_one_level": round(best_case_ratio(cost, b, n, one_level, best, ctx), 4),
-            "ratio_largest": round(best_case_ratio(cost, b, n, largest, best, ctx), 4)}
+            "max_drafted": n, "ratio_one_level_1_token": round(one[0], 4),
+            "ratio_one_level_b_tokens": round(one[1], 4), "ratio_one_level": round(one[2], 4),
+            "ratio_largest": round(most[2], 4)}
 
 
 def main(argv=None) -> int:
@@ -94,11 +103,13 @@ def main(argv=None) -> int:
             if row is not None:
                 steps.append(row)
     ratios = [s["ratio_one_level"] for s in steps]
+    first = [s["ratio_one_level_1_token"] for s in steps]
     summary = {"steps_read": len(steps), "speculative_steps": sum(s["speculated"] for s in steps),
                "roots_only_speculative_steps": sum(s["speculated"] and s["verified"] == args.batch_size
                                                    for s in steps),
                "best_estimate_min": min((s["best_estimate"] for s in steps), default=None),
                "ratio_one_level": [min(ratios), statistics.median(ratios), max(ratios)] if ratios else None,
+               "ratio_one_level_1_token": [min(first), statistics.median(first), max(first)] if first else None,
                "steps_a_check_could_skip": sum(s["ratio_largest"] <= 1.0 for s in steps)}
     out = {"batch_size": args.batch_size, "steps": args.steps, "dtype": args.dtype, "threads": args.threads,
            "summary": summary, "per_step": steps,

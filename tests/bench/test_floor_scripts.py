@@ -2,6 +2,7 @@
 drafting (scripts/head_floor.py, scripts/predraft_bound.py): their arithmetic against hand computations, and a run
 on the embedded pair that writes its JSON (timings are the machine's: not checked)."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -26,14 +27,17 @@ def floor():
 
 
 def test_the_best_case_ratio_is_the_budget_rules_rate_at_its_best_n(predraft):
-    """t(T) = 0.1 + 0.01 T, no control: with 4 requests, 1 s of drafting spent and every token at 0.5, rate(n) =
-    (4 + 0.5 n) / (1.14 + 0.01 n); its best over n = 1..3 against n = 0, by hand."""
-    cost = CostModel.linear(0.1, 0.01)
-    rate = [(4 + 0.5 * n) / (1.0 + 0.1 + 0.01 * (4 + n)) for n in range(4)]
-    assert predraft.best_case_ratio(cost, 4, 3, 1.0, 0.5, None) == pytest.approx(max(rate[1:]) / rate[0])
-    # a token that costs more than it can bring: the ratio stays at or below 1 (a check could skip drafting)
-    dear = CostModel.linear(0.0, 1.0)
-    assert predraft.best_case_ratio(dear, 4, 3, 0.0, 1.0, None) <= 1.0
+    """t(T) = 0.1 + 0.01 T and 0.05 s of control charged once anything is drafted: with 4 requests, 1 s of drafting
+    spent and every token at 0.5, rate(n) = (4 + 0.5 n) / (1.1 + 0.05 [n > 0] + 0.01 (4 + n)), by hand; at 1 token,
+    at 4 (one a request) and the best over n = 1..6, each against n = 0."""
+    cost = dataclasses.replace(CostModel.linear(0.1, 0.01), control_seconds=0.05)
+    rate = [(4 + 0.5 * n) / (1.0 + 0.1 + 0.05 * (n > 0) + 0.01 * (4 + n)) for n in range(7)]
+    got = predraft.best_case_ratios(cost, 4, 6, 1.0, 0.5, None)
+    assert got == pytest.approx((rate[1] / rate[0], rate[4] / rate[0], max(rate[1:]) / rate[0]))
+    # tokens that cost more than they can bring: every ratio below 1 (a check could skip drafting)
+    dear = dataclasses.replace(CostModel.linear(0.0, 1.0), control_seconds=0.5)
+    assert max(predraft.best_case_ratios(dear, 4, 3, 0.0, 1.0, None)) < 0.95
+    assert predraft.best_case_ratios(cost, 4, 0, 1.0, 0.5, None) == (1.0, 1.0, 1.0)  # nothing to draft
 
 
 def test_the_predraft_reading_runs_on_the_embedded_pair(predraft, tmp_path):
@@ -41,7 +45,7 @@ def test_the_predraft_reading_runs_on_the_embedded_pair(predraft, tmp_path):
     assert predraft.main(["--model", str(DEFAULT_TARGET), "--head", str(DEFAULT_EAGLE3), "--dtype", "float32",
                           "--batch-size", "2", "--steps", "4", "--threads", "1", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert doc["batch_size"] == 2 and doc["summary"]["steps_read"] == len(doc["per_step"])
+    assert doc["batch_size"] == 2 and doc["per_step"] and doc["summary"]["steps_read"] == len(doc["per_step"])
     for row in doc["per_step"]:
         assert 0.0 <= row["depth1_estimate_at_1"] <= row["best_estimate"] <= 1.0
         assert row["ratio_largest"] >= row["ratio_one_level"] > 0  # sunk drafting favours verifying
@@ -59,9 +63,32 @@ def test_the_head_floor_counts_bytes_and_runs_both_heads(floor, tmp_path):
     model = torch.nn.Module()
     model.embed_tokens, model.proj = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 3)
     assert floor.weight_bytes(model) == (4 * 3 + 3) * 4
+    model.lm_head = torch.nn.Linear(4, 10, bias=False)
+    model.lm_head.weight = model.embed_tokens.weight  # tied: the head reads the whole matrix
+    assert floor.weight_bytes(model) == (4 * 3 + 3 + 10 * 4) * 4
     out = tmp_path / "floor.json"
     assert floor.main(["--model", str(DEFAULT_TARGET), "--head", str(DEFAULT_EAGLE3), "--dtype", "bfloat16",
                        "--rounds", "1", "--threads", "1", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert [r["head_tokens"] for r in doc["rows"]] == list(floor.TOKENS)
     assert 0 < doc["bytes_ratio"] == round(doc["head_weight_bytes"] / doc["target_weight_bytes"], 4)
+
+
+def test_the_load_prices_reading_matches_the_prices_it_reads(tmp_path):
+    """scripts/load_prices.py on the embedded pair: one record per build, and its plain step and marginal token
+    are what the engine's prices give for that shape (read again here from a model built the same way)."""
+    script = load_script(SCRIPTS / "load_prices.py")
+    out = tmp_path / "prices.json"
+    assert script.main(["--model", str(DEFAULT_TARGET), "--head", str(DEFAULT_EAGLE3), "--dtype", "float32",
+                        "--builds", "2", "--batch-size", "4", "--context", "32", "--threads", "1",
+                        "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert len(doc["builds"]) == 2
+    for b in doc["builds"]:
+        assert b["plain_step_ms"] > 0 and len(b["verify_knots_ms"]) == 13
+    from echo_trtllm.core.prices import StepCostModel, StepPrices
+
+    # a prior from t(T) = 10 + 2 T ms with nothing learnt yet (no attention, no per-request term): by hand
+    got = script.read_prices(StepPrices(StepCostModel.from_cost_model(CostModel.linear(0.01, 0.002))), 4, 32.0)
+    assert got["plain_step_ms"] == pytest.approx(18.0) and got["one_more_token_ms"] == pytest.approx(2.0)
+    assert got["attention_ms"] == 0 and got["per_request_ms"] == 0

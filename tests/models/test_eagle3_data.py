@@ -272,15 +272,17 @@ def test_a_head_started_from_another_keeps_its_weights_until_it_trains(tmp_path,
 
 
 def test_a_larger_draft_vocabulary_grows_the_head_it_starts_from(tmp_path, reference):
-    """--init with a larger --draft-vocab: the head's tokens keep their lm_head rows, the data's most frequent tokens
-    it lacks join with the target's rows (counted here from the store's training shards, ties by id), every other
-    weight is the head's; the record names the size it grew from, and a smaller --draft-vocab stays refused."""
+    """--init with a larger --draft-vocab: the head's tokens (from one source's shards) keep their lm_head rows, the
+    most frequent tokens of all the training data it lacks join with the target's rows (counted here from the
+    store's training shards, ties by id), every other weight is the head's; the record names the size it grew from,
+    and a smaller --draft-vocab stays refused."""
     from safetensors.torch import load_file
 
     from echo_trtllm.models.loader import load_model
 
-    first = tmp_path / "first"
-    done = run("train_eagle3.py", [*TRAIN_ARGS, "--data", str(reference), "--out", str(first)])
+    first = tmp_path / "first"  # its vocabulary from the docstring shards alone; it grows on every source's
+    done = run("train_eagle3.py", [*TRAIN_ARGS, "--data", str(reference), "--out", str(first),
+                                   "--sources", "docstrings"])
     assert done.returncode == 0, done.stderr
     grow = [a if a != "6" else "0" for a in TRAIN_ARGS]
     grow[grow.index("--draft-vocab") + 1] = "96"
@@ -291,14 +293,16 @@ def test_a_larger_draft_vocabulary_grows_the_head_it_starts_from(tmp_path, refer
     old_ids = (torch.arange(64) + a["d2t"].long()).tolist()
     new_ids = (torch.arange(96) + b["d2t"].long()).tolist()
     assert new_ids == sorted(new_ids) and set(old_ids) <= set(new_ids)
+    assert torch.nonzero(b["t2d"]).flatten().tolist() == new_ids
     counts: dict[int, int] = {}
     for name, shard in shards(reference).items():
         if "-train-" in name:
             for t in shard["ids"].flatten().tolist():
                 counts[t] = counts.get(t, 0) + 1
     target, _ = load_model(str(TARGET), dtype="float32")
-    missing = [t for t in range(target.config.vocab_size) if t not in set(old_ids)]
-    joined = sorted(missing, key=lambda t: (-counts.get(t, 0), t))[:32]
+    by_count = sorted(range(target.config.vocab_size), key=lambda t: (-counts.get(t, 0), t))
+    assert set(old_ids) != set(by_count[:64])  # the head's own tokens are not the whole data's most frequent
+    joined = [t for t in by_count if t not in set(old_ids)][:32]
     assert set(new_ids) == set(old_ids) | set(joined)
     for row, t in enumerate(new_ids):
         want = a["lm_head.weight"][old_ids.index(t)] if t in old_ids else target.lm_head.weight[t].detach().half()
@@ -306,7 +310,6 @@ def test_a_larger_draft_vocabulary_grows_the_head_it_starts_from(tmp_path, refer
     assert all(torch.equal(a[k], b[k]) for k in a if k not in ("lm_head.weight", "d2t", "t2d"))
     meta = json.loads((tmp_path / "grown" / "training.json").read_text())
     assert meta["draft_vocab"] == 96 and meta["init"]["draft_vocab"] == 64
-    shrink = [a if a != "64" else "32" for a in TRAIN_ARGS]
-    refused = run("train_eagle3.py", [*shrink, "--data", str(reference), "--out", str(tmp_path / "s"),
-                                      "--init", str(tmp_path / "grown")])
+    refused = run("train_eagle3.py", [*TRAIN_ARGS, "--data", str(reference), "--out", str(tmp_path / "s"),
+                                      "--init", str(tmp_path / "grown")])  # 64 draft tokens from a head of 96
     assert refused.returncode != 0 and "draft_vocab_size" in refused.stderr and "Traceback" not in refused.stderr
