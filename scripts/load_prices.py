@@ -7,7 +7,10 @@ budget rule ever verifies a drafted token at that batch size, and steps that ver
 tokens as requests) cannot correct it: their token count never differs from their request count.
 
     python scripts/load_prices.py --model <target> --head <its EAGLE-3 head> [--dtype bfloat16] [--builds 3]
-        [--batch-size 16] [--context 150] [--json OUT]
+        [--batch-size 16] [--context 150] [--no-warm-up] [--json OUT]
+
+--no-warm-up builds the engines without their warm-up steps (the executor's `warm_up` replaced by a no-op in this
+process, for the measurement only): the prices are then the curve measured at load alone.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from echo_trtllm.bench.run import make_engine
 from echo_trtllm.core.config import EchoConfig
 from echo_trtllm.models.eagle3 import load_eagle3
 from echo_trtllm.models.loader import load_model
+from echo_trtllm.runtime.executor import Executor
 
 
 def read_prices(prices, batch_size: int, context: float) -> dict:
@@ -43,6 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--context", type=float, default=150.0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-warm-up", action="store_true", help="build without the warm-up steps (module docstring)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.builds < 1 or args.batch_size < 1 or args.context < 0:
@@ -51,16 +56,23 @@ def main(argv=None) -> int:
     target, tok = load_model(args.model, dtype=args.dtype)
     head = load_eagle3(args.head, target)
     builds = []
-    with torch.no_grad():
-        for _ in range(args.builds):
-            llm = make_engine(target, head, tok, EchoConfig(policy="echo"), args.batch_size, 1024)
-            llm.shutdown()
-            builds.append(read_prices(llm.executor.policy.cost_model, args.batch_size, args.context))
-            del llm
+    real_warm_up = Executor.warm_up
+    if args.no_warm_up:
+        Executor.warm_up = lambda self, *a, **k: 0
+    try:
+        with torch.no_grad():
+            for _ in range(args.builds):
+                llm = make_engine(target, head, tok, EchoConfig(policy="echo"), args.batch_size, 1024)
+                llm.shutdown()
+                builds.append(read_prices(llm.executor.policy.cost_model, args.batch_size, args.context))
+                del llm
+    finally:
+        Executor.warm_up = real_warm_up
     out = {"batch_size": args.batch_size, "context": args.context, "dtype": args.dtype, "threads": args.threads,
-           "builds": builds,
+           "warm_up": not args.no_warm_up, "builds": builds,
            "command": f"python scripts/load_prices.py --model <target> --head <head> --dtype {args.dtype} "
-                      f"--builds {args.builds} --batch-size {args.batch_size} --context {args.context:g}"}
+                      f"--builds {args.builds} --batch-size {args.batch_size} --context {args.context:g}"
+                      + (" --no-warm-up" if args.no_warm_up else "")}
     for i, b in enumerate(builds):
         print(f"build {i}: plain {b['plain_step_ms']} ms, one more token {b['one_more_token_ms']} ms, attention "
               f"{b['attention_ms']} ms, per request {b['per_request_ms']} ms")

@@ -83,9 +83,20 @@ def test_the_load_prices_reading_matches_the_prices_it_reads(tmp_path):
                         "--builds", "2", "--batch-size", "4", "--context", "32", "--threads", "1",
                         "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert len(doc["builds"]) == 2
+    assert len(doc["builds"]) == 2 and doc["warm_up"]
     for b in doc["builds"]:
         assert b["plain_step_ms"] > 0 and len(b["verify_knots_ms"]) == 13
+    # without the warm-up the prices are the prior the load curve makes: nothing learnt (no attention, no per-request
+    # term), and the executor's warm_up is its own again afterwards
+    from echo_trtllm.runtime.executor import Executor
+
+    real = Executor.warm_up
+    assert script.main(["--model", str(DEFAULT_TARGET), "--head", str(DEFAULT_EAGLE3), "--dtype", "float32",
+                        "--builds", "1", "--batch-size", "4", "--context", "32", "--threads", "1", "--no-warm-up",
+                        "--json", str(out)]) == 0
+    cold = json.loads(out.read_text())
+    assert not cold["warm_up"] and cold["command"].endswith("--no-warm-up") and Executor.warm_up is real
+    assert cold["builds"][0]["attention_ms"] == 0 and cold["builds"][0]["per_request_ms"] == 0
     from echo_trtllm.core.prices import StepCostModel, StepPrices
 
     # a prior from t(T) = 10 + 2 T ms with nothing learnt yet (no attention, no per-request term): by hand
