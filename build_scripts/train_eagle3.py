@@ -168,9 +168,12 @@ def generate_and_capture(target: CausalLM, layers: tuple[int, ...], prompts: lis
     return torch.cat(out_ids), torch.cat(out_feats), torch.cat(out_lasts), torch.cat(out_tops)
 
 
-def draft_vocabulary(ids: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor:
-    """The `size` most frequent token ids of the data (ties by id), sorted ascending."""
+def draft_vocabulary(ids: torch.Tensor, vocab_size: int, size: int, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """The `size` most frequent token ids of the data (ties by id), sorted ascending; `keep`: ids that are in it
+    whatever their count (a grown head's own tokens), the rest of it the most frequent others."""
     counts = torch.bincount(ids.flatten(), minlength=vocab_size).double()
+    if keep is not None:
+        counts[keep] = float("inf")
     order = torch.argsort(-(counts - torch.arange(vocab_size) * 1e-9))  # frequency, then smaller id first
     return order[:size].sort().values
 
@@ -369,11 +372,7 @@ def grow_vocabulary(cfg: dict, dv_ids: torch.Tensor, state: dict, ids: torch.Ten
     """--init of a head with a smaller draft vocabulary than --draft-vocab: (config, vocabulary, weights) of the
     head grown to `size` tokens. Its tokens keep their lm_head rows; the most frequent tokens of `ids` (the training
     data; ties by id) that it lacks join, their rows the target's own (as `init_head` starts every row)."""
-    vocab = target.config.vocab_size
-    counts = torch.bincount(ids.flatten(), minlength=vocab).double()
-    counts[dv_ids] = -1.0  # the head's own tokens are not joined again
-    order = torch.argsort(-(counts - torch.arange(vocab) * 1e-9))  # frequency, then smaller id first
-    grown = torch.cat([dv_ids, order[: size - dv_ids.numel()]]).sort().values
+    grown = draft_vocabulary(ids, target.config.vocab_size, size, keep=dv_ids)
     rows = target.lm_head.weight.detach()[grown].float().clone()
     rows[torch.searchsorted(grown, dv_ids)] = state["lm_head.weight"]
     state = {**state, "lm_head.weight": rows, "d2t": grown - torch.arange(size)}
