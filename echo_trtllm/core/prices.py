@@ -121,6 +121,23 @@ class KalmanLinear:
             theta[a] = 0.0
         np.maximum(theta, 0.0, out=theta)  # rounding
 
+    def _update_held(self, phi: np.ndarray, p_phi: np.ndarray, s: float, noise_var: float, residual: float,
+                     free: np.ndarray) -> None:
+        """An update that moves the free coefficients only, reading the held ones as known: the gain is the free
+        block's (their covariance along phi's free part and the noise; zero on the held), and the covariance is what
+        that gain leaves (Joseph form with the whole phi, P - K phi'P - P phi K' + s K K', s the innovation's
+        variance: the held coefficients' own uncertainty stays correlated with what the free ones learnt). The held
+        coefficients keep their means and their block of the covariance, through the projection too."""
+        f, h = np.flatnonzero(free), np.flatnonzero(~free)
+        kept = self.theta[h].copy()
+        gain = np.zeros_like(self.theta)
+        p_f = self.cov[np.ix_(f, f)] @ phi[f]
+        gain[f] = p_f / (float(phi[f] @ p_f) + noise_var)
+        self.theta += gain * residual
+        self.cov += s * np.multiply.outer(gain, gain) - np.multiply.outer(gain, p_phi) - np.multiply.outer(p_phi, gain)
+        self._project()
+        self.theta[h] = kept
+
     def predict(self, phi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(mean, variance of the mean) of phi . theta for phi (n, features)."""
         phi = np.atleast_2d(phi)
@@ -147,21 +164,27 @@ class KalmanLinear:
             self.cov *= np.outer(d, d)
         self.cov[...] = (self.cov + self.cov.T) * 0.5  # rounding leaves the updates' symmetry slowly: restore it
 
-    def step(self, phi: np.ndarray, y: float, channel: int = 0) -> float:
+    def step(self, phi: np.ndarray, y: float, channel: int = 0, free: np.ndarray | None = None) -> float:
         """One step: the drift (`advance`), then the measurement y at features phi (`update`); returns the
-        prediction before the update. A measurement that is not finite is refused before anything moves."""
+        prediction before the update. A measurement that is not finite is refused before anything moves. free:
+        `update`'s (a held update runs this class's NumPy code)."""
         if not math.isfinite(y):
             raise ValueError(f"KalmanLinear.update: the measurement must be finite, got {y}")
-        if self.stepper is not None:
+        if self.stepper is not None and free is None:
             return self.stepper(self, phi, y, channel)
         self.advance()
-        return self.update(phi, y, channel)
+        return self.update(phi, y, channel, free)
 
-    def update(self, phi: np.ndarray, y: float, channel: int = 0) -> float:
+    def update(self, phi: np.ndarray, y: float, channel: int = 0, free: np.ndarray | None = None) -> float:
         """One measured y at features phi (features,) on a channel (no drift: `advance` once per step). Returns
-        the prediction before the update. A measurement that is not finite is refused (it would poison theta)."""
+        the prediction before the update. A measurement that is not finite is refused (it would poison theta).
+        free: a boolean mask (features,) of the coefficients this measurement may move (`_update_held`); None: all."""
         if not math.isfinite(y):
             raise ValueError(f"KalmanLinear.update: the measurement must be finite, got {y}")
+        if free is not None:
+            free = np.asarray(free, dtype=bool)
+            if free.shape != self.theta.shape:
+                raise ValueError(f"KalmanLinear.update: free must be a ({self.theta.size},) mask, got {free.shape}")
         predicted = max(float(phi @ self.theta), MIN_SECONDS)
         r = y - predicted
         scale = max(predicted, y, MIN_SECONDS)  # relative to the larger: a tiny prediction is no yardstick
@@ -172,10 +195,13 @@ class KalmanLinear:
             raise ValueError(f"KalmanLinear.update: the innovation's variance must be > 0, got {s}")
         bound = self.huber * math.sqrt(s)
         clipped = max(-bound, min(bound, r))
-        gain = p_phi / s
-        self.theta += gain * clipped
-        self.cov -= np.multiply.outer(gain, p_phi)  # symmetric: (P phi)(P phi)^T / s
-        self._project()
+        if free is None:
+            gain = p_phi / s
+            self.theta += gain * clipped
+            self.cov -= np.multiply.outer(gain, p_phi)  # symmetric: (P phi)(P phi)^T / s
+            self._project()
+        else:
+            self._update_held(phi, p_phi, s, noise_var, clipped, free)
         # the noise scale: running mean absolute relative residual (x 1.25: the normal's sd from its mean |x|)
         rel = abs(clipped) / scale
         self.noise[channel] = max(self.noise_floor, (1 - self.noise_rate) * self.noise[channel]
@@ -290,11 +316,17 @@ class StepCostModel:
 
     # ------------------------------------------------------------------ learning
 
-    def observe(self, sample: StepSample) -> StepPrediction:
-        """Learn from one measured step; returns what was predicted for it before."""
+    def observe(self, sample: StepSample, forwards: bool = True) -> StepPrediction:
+        """Learn from one measured step; returns what was predicted for it before. forwards=False: the step
+        teaches each phase's constants only (drafting's per-step and speculative host work, verification's draft
+        commit and tree), read with the rest as known; the forward curves (both phases' knots and attention) and
+        the per-request term are held. The engine's warm-up learns so: its few steps at one context and one and
+        four rows cannot tell knots, attention and a per-request term apart, and left free they moved the 16-row
+        prices measured at load by -25 % to +140 % (docs/performance.md)."""
         phi_d, phi_v = sample_features(sample)
-        pred_d = self.drafting.step(phi_d, sample.drafting_seconds)
-        pred_v = self.verification.step(phi_v, sample.verification_seconds)
+        free_d, free_v = (None, None) if forwards else _CONSTANTS
+        pred_d = self.drafting.step(phi_d, sample.drafting_seconds, free=free_d)
+        pred_v = self.verification.step(phi_v, sample.verification_seconds, free=free_v)
         self.default_context = float(sample.context)
         self.version += 1
         out = StepPrediction(pred_d, pred_v, sample.drafting_seconds, sample.verification_seconds)
@@ -346,6 +378,11 @@ class StepCostModel:
                 "verification": dict(zip(VERIFICATION_FEATURES, self.theta_verification.round(9).tolist())),
                 "noise": {"drafting": self.drafting.noise[0], "verification": self.verification.noise[0]},
                 "steps": self.version}
+
+
+# each phase's constants (`StepCostModel.observe` with forwards=False): drafting's "step" and "speculative",
+# verification's "drafted" and "tree"; held: the forward curves (knots, attention) and the per-request term
+_CONSTANTS = (np.isin(DRAFTING_FEATURES, ("step", "speculative")), np.isin(VERIFICATION_FEATURES, ("drafted", "tree")))
 
 
 def _context_slope(cost, grid: str) -> float:

@@ -83,9 +83,12 @@ def test_the_load_prices_reading_matches_the_prices_it_reads(tmp_path):
                         "--builds", "2", "--batch-size", "4", "--context", "32", "--threads", "1",
                         "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert len(doc["builds"]) == 2 and doc["warm_up"]
+    assert len(doc["builds"]) == 2 and doc["warm_up"] and doc["warm_up_learns"] == "constants"
     for b in doc["builds"]:
         assert b["plain_step_ms"] > 0 and len(b["verify_knots_ms"]) == 13
+        # the warm-up taught the speculative step's host work and left the forwards and the per-request term held
+        # (no grid measured: the attention prior is zero)
+        assert b["speculative_host_ms"] > 0 and b["attention_ms"] == 0 and b["per_request_ms"] == 0
     # without the warm-up the prices are the prior the load curve makes: nothing learnt (no attention, no per-request
     # term), and the executor's warm_up is its own again afterwards
     from echo_trtllm.runtime.executor import Executor
@@ -99,6 +102,15 @@ def test_the_load_prices_reading_matches_the_prices_it_reads(tmp_path):
     assert cold["builds"][0]["attention_ms"] == 0 and cold["builds"][0]["per_request_ms"] == 0
     from echo_trtllm.core.prices import StepCostModel, StepPrices
 
+    real_observe = StepCostModel.observe
+    assert script.main(["--model", str(DEFAULT_TARGET), "--head", str(DEFAULT_EAGLE3), "--dtype", "float32",
+                        "--builds", "1", "--batch-size", "4", "--context", "32", "--threads", "1",
+                        "--warm-up-learns-all", "--json", str(out)]) == 0
+    every = json.loads(out.read_text())
+    assert every["warm_up_learns"] == "all" and every["command"].endswith("--warm-up-learns-all")
+    assert StepCostModel.observe is real_observe
+    with pytest.raises(SystemExit):  # the two are exclusive
+        script.main(["--model", "m", "--head", "h", "--no-warm-up", "--warm-up-learns-all"])
     # a prior from t(T) = 10 + 2 T ms with nothing learnt yet (no attention, no per-request term): by hand
     got = script.read_prices(StepPrices(StepCostModel.from_cost_model(CostModel.linear(0.01, 0.002))), 4, 32.0)
     assert got["plain_step_ms"] == pytest.approx(18.0) and got["one_more_token_ms"] == pytest.approx(2.0)
