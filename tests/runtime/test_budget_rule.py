@@ -400,3 +400,30 @@ def test_a_failure_in_the_online_learning_or_the_decision_ends_no_request(defaul
     reqs, _ = drive(ex, prompts[:8], 24)
     assert [r.output_token_ids for r in reqs] == ar_outputs
     assert ex.failures.get("learning from a step", 0) > 0 and ex.failures.get("speculation decision", 0) > 0
+
+
+def test_the_warm_up_teaches_the_constants_and_leaves_the_load_curve(default_pair, prompts):
+    """`Executor.warm_up` on a clock that charges host work the load curve never saw (3 ms a target forward, 2 ms a
+    draft forward): its steps move the speculative step's constants (drafting's host work, the draft commit and
+    tree terms) and leave every forward coefficient (both phases' knots, attention) and the per-request term exactly
+    as the load's curve put them, the path the engine runs before its first request (`StepCostModel.observe` with
+    forwards=False). Traffic then learns every coefficient."""
+    import numpy as np
+
+    from echo_trtllm.core.prices import _CONSTANTS
+
+    target, draft, tok = default_pair
+    ex = Executor(target, draft, tok, EchoConfig(k_max=64, max_nodes_per_request=16), max_batch_size=4,
+                  max_seq_len=256, cost_model=FLAT, clock=HostWorkClock(FLAT, 0.003, 0.002), fallback=True)
+    d0, v0 = ex.step_cost.theta_drafting.copy(), ex.step_cost.theta_verification.copy()
+    assert ex.warm_up(tok.encode(prompts[0])) > 4
+    d1, v1 = ex.step_cost.theta_drafting, ex.step_cost.theta_verification
+    held_d, held_v = ~_CONSTANTS[0], ~_CONSTANTS[1]
+    assert np.array_equal(d1[held_d], d0[held_d]) and np.array_equal(v1[held_v], v0[held_v])
+    assert not np.allclose(d1[~held_d], d0[~held_d])  # the draft forwards' host work: the speculative constant
+    assert d1[1] > d0[1]
+    for p in prompts[:4]:
+        ex.submit(ex.make_request(p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)))
+    while ex.has_work:
+        ex.step()
+    assert not np.allclose(ex.step_cost.theta_verification[held_v], v0[held_v])  # traffic moves the forwards
