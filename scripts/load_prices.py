@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     finally:
         Executor.warm_up, StepCostModel.observe = real_warm_up, real_observe
     out = {"batch_size": args.batch_size, "context": args.context, "dtype": args.dtype, "threads": args.threads,
-           "warm_up": not args.no_warm_up, "warm_up_learns": "all" if args.warm_up_learns_all else "constants",
+           "warm_up": not args.no_warm_up, "warm_up_learns": None if args.no_warm_up else "all" if args.warm_up_learns_all else "constants",
            "builds": builds,
            "command": f"python scripts/load_prices.py --model <target> --head <head> --dtype {args.dtype} "
                       f"--builds {args.builds} --batch-size {args.batch_size} --context {args.context:g}"

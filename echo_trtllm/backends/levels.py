@@ -93,7 +93,9 @@ class LevelSpeculator:
     plain steps chosen here ("forced"), not by the controller: the first of each kind pays an engine's one-off costs
     and is not learnt from; the others teach the prices both kinds of step, and the speculative ones are the
     controller's first evidence without charging its exploration budget (the engine's own warm-up at load does
-    the same, `Executor.warm_up`). 0: none."""
+    the same, `Executor.warm_up`, except that its steps, of one prompt at one and four rows, teach only the
+    speculative step's constants; these are the traffic's own steps, at its batch sizes and contexts, and teach
+    every coefficient). 0: none."""
 
     def __init__(self, config: EchoConfig, max_draft_len: int, k_max: int | None = None, cost: CostModel | None = None,
                  clock: Callable[[], float] = time.perf_counter, prices: bool = True,

@@ -102,41 +102,47 @@ class KalmanLinear:
         # where `advance` and `update` make a few dozen NumPy operations; None: this class's NumPy code, its oracle
         self.stepper = None
 
-    def _project(self) -> None:
+    def _project(self, moving: np.ndarray | None = None) -> None:
         """No coefficient below zero (a cost): the mean is projected onto theta >= 0 in the covariance's metric,
         the coefficients that went negative held at zero and the others moved as their correlation with them says
         (the covariance is kept). Clipping them alone would move the others nowhere: after a step cheaper than
         predicted, a coefficient pushed below zero and clipped back can leave the prediction higher than before
-        (a plain step measured 3 x cheaper raised its own price by 17 %: tests/core/test_prices.py)."""
-        theta, held = self.theta, np.zeros(self.theta.size, dtype=bool)
-        for _ in range(theta.size):
-            below = theta < 0
+        (a plain step measured 3 x cheaper raised its own price by 17 %: tests/core/test_prices.py). moving: a
+        boolean mask of the coefficients the projection may move (the others are neither moved nor pinned, as
+        `_update_held` needs); None: all."""
+        theta = self.theta
+        idx = np.arange(theta.size) if moving is None else np.flatnonzero(moving)
+        pinned = np.zeros(theta.size, dtype=bool)
+        for _ in range(idx.size):
+            below = np.zeros(theta.size, dtype=bool)
+            below[idx] = theta[idx] < 0
             if not below.any():
                 break
-            held |= below
-            a = np.flatnonzero(held)
+            pinned |= below
+            a = np.flatnonzero(pinned)
             p_aa = self.cov[np.ix_(a, a)]
             jitter = 1e-12 * max(float(np.trace(p_aa)) / a.size, 1e-30)
-            theta -= self.cov[:, a] @ np.linalg.solve(p_aa + jitter * np.eye(a.size), theta[a])
+            theta[idx] -= self.cov[np.ix_(idx, a)] @ np.linalg.solve(p_aa + jitter * np.eye(a.size), theta[a])
             theta[a] = 0.0
-        np.maximum(theta, 0.0, out=theta)  # rounding
+        theta[idx] = np.maximum(theta[idx], 0.0)  # rounding
 
-    def _update_held(self, phi: np.ndarray, p_phi: np.ndarray, s: float, noise_var: float, residual: float,
-                     free: np.ndarray) -> None:
-        """An update that moves the free coefficients only, reading the held ones as known: the gain is the free
-        block's (their covariance along phi's free part and the noise; zero on the held), and the covariance is what
-        that gain leaves (Joseph form with the whole phi, P - K phi'P - P phi K' + s K K', s the innovation's
-        variance: the held coefficients' own uncertainty stays correlated with what the free ones learnt). The held
-        coefficients keep their means and their block of the covariance, through the projection too."""
-        f, h = np.flatnonzero(free), np.flatnonzero(~free)
-        kept = self.theta[h].copy()
-        gain = np.zeros_like(self.theta)
-        p_f = self.cov[np.ix_(f, f)] @ phi[f]
-        gain[f] = p_f / (float(phi[f] @ p_f) + noise_var)
+    def _update_held(self, phi: np.ndarray, residual: float, noise_var: float, free: np.ndarray) -> None:
+        """An update that moves the free coefficients only, reading the held ones as known: the measurement less
+        the held coefficients' part is a measurement of the free ones along phi's free part (phi_f), and the
+        update is that measurement's, the gain P phi_f / (phi_f' P phi_f + R) with its held rows zero and the
+        covariance that gain leaves under that reading (Joseph form with phi_f: P - K phi_f'P - P phi_f K'
+        + (phi_f' P phi_f + R) K K', never above P). The held coefficients keep their means and their block of the
+        covariance, and the projection onto costs >= 0 moves the free ones only. A step with no free feature
+        (phi_f = 0) teaches nothing."""
+        phi_f = np.where(free, phi, 0.0)
+        p_f = self.cov @ phi_f
+        s_f = float(phi_f @ p_f) + noise_var
+        if not float(phi_f @ phi_f) > 0 or not s_f > 0:
+            return
+        gain = np.where(free, p_f / s_f, 0.0)
         self.theta += gain * residual
-        self.cov += s * np.multiply.outer(gain, gain) - np.multiply.outer(gain, p_phi) - np.multiply.outer(p_phi, gain)
-        self._project()
-        self.theta[h] = kept
+        self.cov += s_f * np.multiply.outer(gain, gain) - np.multiply.outer(gain, p_f) - np.multiply.outer(p_f, gain)
+        self._project(free)
 
     def predict(self, phi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(mean, variance of the mean) of phi . theta for phi (n, features)."""
@@ -201,7 +207,7 @@ class KalmanLinear:
             self.cov -= np.multiply.outer(gain, p_phi)  # symmetric: (P phi)(P phi)^T / s
             self._project()
         else:
-            self._update_held(phi, p_phi, s, noise_var, clipped, free)
+            self._update_held(phi, clipped, noise_var, free)
         # the noise scale: running mean absolute relative residual (x 1.25: the normal's sd from its mean |x|)
         rel = abs(clipped) / scale
         self.noise[channel] = max(self.noise_floor, (1 - self.noise_rate) * self.noise[channel]
@@ -321,8 +327,9 @@ class StepCostModel:
         teaches each phase's constants only (drafting's per-step and speculative host work, verification's draft
         commit and tree), read with the rest as known; the forward curves (both phases' knots and attention) and
         the per-request term are held. The engine's warm-up learns so: its few steps at one context and one and
-        four rows cannot tell knots, attention and a per-request term apart, and left free they moved the 16-row
-        prices measured at load by -25 % to +140 % (docs/performance.md)."""
+        four rows cannot tell knots, attention and a per-request term apart: left free, four builds on the Qwen pair
+        priced the 16-row plain step at 217-330 ms and one more token at 6.3-16.7 ms, where the load alone priced
+        them at 182-209 and 7.1-7.8 (docs/performance.md)."""
         phi_d, phi_v = sample_features(sample)
         free_d, free_v = (None, None) if forwards else _CONSTANTS
         pred_d = self.drafting.step(phi_d, sample.drafting_seconds, free=free_d)

@@ -99,6 +99,7 @@ def test_the_load_prices_reading_matches_the_prices_it_reads(tmp_path):
                         "--json", str(out)]) == 0
     cold = json.loads(out.read_text())
     assert not cold["warm_up"] and cold["command"].endswith("--no-warm-up") and Executor.warm_up is real
+    assert cold["warm_up_learns"] is None
     assert cold["builds"][0]["attention_ms"] == 0 and cold["builds"][0]["per_request_ms"] == 0
     from echo_trtllm.core.prices import StepCostModel, StepPrices
 
