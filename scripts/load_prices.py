@@ -59,8 +59,8 @@ def main(argv=None) -> int:
                       help="the warm-up's steps move every coefficient (module docstring)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    if args.builds < 1 or args.batch_size < 1 or args.context < 0:
-        ap.error("--builds and --batch-size must be at least 1 and --context at least 0")
+    if args.builds < 1 or args.batch_size < 1 or args.threads < 1 or args.context < 0:
+        ap.error("--builds, --batch-size and --threads must be at least 1 and --context at least 0")
     torch.set_num_threads(args.threads)
     target, tok = load_model(args.model, dtype=args.dtype)
     head = load_eagle3(args.head, target)
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
            "warm_up": not args.no_warm_up, "warm_up_learns": None if args.no_warm_up else "all" if args.warm_up_learns_all else "constants",
            "builds": builds,
            "command": f"python scripts/load_prices.py --model <target> --head <head> --dtype {args.dtype} "
-                      f"--builds {args.builds} --batch-size {args.batch_size} --context {args.context:g}"
+                      f"--builds {args.builds} --batch-size {args.batch_size} --context {args.context:g} --threads {args.threads}"
                       + (" --no-warm-up" if args.no_warm_up else "")
                       + (" --warm-up-learns-all" if args.warm_up_learns_all else "")}
     for i, b in enumerate(builds):

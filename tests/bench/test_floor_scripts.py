@@ -112,6 +112,8 @@ def test_the_load_prices_reading_matches_the_prices_it_reads(tmp_path):
     assert StepCostModel.observe is real_observe
     with pytest.raises(SystemExit):  # the two are exclusive
         script.main(["--model", "m", "--head", "h", "--no-warm-up", "--warm-up-learns-all"])
+    with pytest.raises(SystemExit):  # refused before anything loads
+        script.main(["--model", "m", "--head", "h", "--threads", "0"])
     # a prior from t(T) = 10 + 2 T ms with nothing learnt yet (no attention, no per-request term): by hand
     got = script.read_prices(StepPrices(StepCostModel.from_cost_model(CostModel.linear(0.01, 0.002))), 4, 32.0)
     assert got["plain_step_ms"] == pytest.approx(18.0) and got["one_more_token_ms"] == pytest.approx(2.0)
