@@ -1,8 +1,8 @@
 """The step prices an engine starts from, build after build: ECHO on a target with its draft (the engine's
-defaults: the cost curve measured at load, its warm-up's steps teaching the speculative step's constants) built `--builds` times on the same models, and
-after each build the prices its policy reads before serving a step: the verification knots, the attention (context)
-coefficient, the per-request term, and what they price at `--batch-size` rows and `--context` cached tokens: the
-plain step and one more verified token. A marginal token priced far from the measured one decides whether the
+defaults: the cost curve measured at load, its warm-up's steps teaching the speculative step's constants) built
+`--builds` times on the same models, and after each build the prices its policy reads before serving a step: the
+verification knots, the attention (context) coefficient, the per-request term, and what they price at
+`--batch-size` rows and `--context` cached tokens: the plain step and one more verified token. A marginal token priced far from the measured one decides whether the
 budget rule ever verifies a drafted token at that batch size, and steps that verify only their roots (as many
 tokens as requests) cannot correct it: their token count never differs from their request count.
 
@@ -80,10 +80,12 @@ def main(argv=None) -> int:
     finally:
         Executor.warm_up, StepCostModel.observe = real_warm_up, real_observe
     out = {"batch_size": args.batch_size, "context": args.context, "dtype": args.dtype, "threads": args.threads,
-           "warm_up": not args.no_warm_up, "warm_up_learns": None if args.no_warm_up else "all" if args.warm_up_learns_all else "constants",
+           "warm_up": not args.no_warm_up,
+           "warm_up_learns": None if args.no_warm_up else "all" if args.warm_up_learns_all else "constants",
            "builds": builds,
            "command": f"python scripts/load_prices.py --model <target> --head <head> --dtype {args.dtype} "
-                      f"--builds {args.builds} --batch-size {args.batch_size} --context {args.context:g} --threads {args.threads}"
+                      f"--builds {args.builds} --batch-size {args.batch_size} --context {args.context:g} "
+                      f"--threads {args.threads}"
                       + (" --no-warm-up" if args.no_warm_up else "")
                       + (" --warm-up-learns-all" if args.warm_up_learns_all else "")}
     for i, b in enumerate(builds):

@@ -619,7 +619,8 @@ class Executor:
         sample = StepSample(b, int(packed.total_nodes), context, forwards, timings.drafting,
                             max(timings.total - timings.drafting, 0.0),
                             min(drafter.catch_up_tokens, forwards[0]) if forwards else 0)
-        # the warm-up's steps price the host terms only (`StepCostModel.observe`): the load measured the forwards
+        # the warm-up's steps price the speculative step's constants only (`StepCostModel.observe`): the load measured
+        # the forwards
         prediction = self.step_cost.observe(sample, forwards=self._forced is None) if self.adapt else StepPrediction(
             *self.step_cost.predict_phases(sample), sample.drafting_seconds, sample.verification_seconds)
         if self.controller is not None:
@@ -690,7 +691,8 @@ class Executor:
         host work cost (not only the forwards measured at load): at each batch size (capped at max_batch_size), one
         speculative and one plain step that are not learnt from (they pay one-off costs of a cold start), then
         `steps` speculative and `steps` plain steps of copies of `prompt`, greedy, discarded. The cost model learns
-        their host terms from them (the forward curves stay as the load measured them: `StepCostModel.observe`), and
+        the speculative step's constants from them (the forward curves and the per-request term stay as the load
+        measured them: `StepCostModel.observe`), and
         the controller keeps the speculative ones as its first evidence (the oldest: the traffic's
         own steps outweigh them within a few dozen); the acceptance estimates learn from the traffic only. Returns
         the steps run. A no-op without prices or a drafter, or while requests are waiting or running."""

@@ -411,6 +411,7 @@ def test_the_warm_up_teaches_the_constants_and_leaves_the_load_curve(default_pai
     import numpy as np
 
     from echo_trtllm.core.prices import _CONSTANTS
+    from echo_trtllm.core.steps import DRAFTING_FEATURES
 
     target, draft, tok = default_pair
     ex = Executor(target, draft, tok, EchoConfig(k_max=64, max_nodes_per_request=16), max_batch_size=4,
@@ -421,7 +422,8 @@ def test_the_warm_up_teaches_the_constants_and_leaves_the_load_curve(default_pai
     held_d, held_v = ~_CONSTANTS[0], ~_CONSTANTS[1]
     assert np.array_equal(d1[held_d], d0[held_d]) and np.array_equal(v1[held_v], v0[held_v])
     assert not np.allclose(d1[~held_d], d0[~held_d])  # the draft forwards' host work: the speculative constant
-    assert d1[1] > d0[1]
+    speculative = DRAFTING_FEATURES.index("speculative")
+    assert d1[speculative] > d0[speculative]
     for p in prompts[:4]:
         ex.submit(ex.make_request(p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)))
     while ex.has_work:
