@@ -48,6 +48,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from echo_trtllm import kernels
+from echo_trtllm.cpu import keep_freed_memory
 from echo_trtllm.core import EchoConfig, SamplingTensors, draft_tree, make_policy, pack
 from echo_trtllm.core.controller import Decision, SpeculationController
 from echo_trtllm.core.cost import CostModel
@@ -61,6 +62,7 @@ from echo_trtllm.models.llama import CausalLM
 from echo_trtllm.models.loader import Tokenizer
 
 from .clock import Clock, WallClock
+from .detok import IncrementalText
 from .drafter import make_drafter
 from .transfer import HostLink, Traffic
 from .inputs import chain_batch, tree_batch
@@ -214,6 +216,8 @@ class Executor:
         if adapt not in (True, False):
             raise ValueError(f"adapt must be True or False, got {adapt!r}")
         _check_pair(target, draft)
+        if target.device.type == "cpu":
+            keep_freed_memory()  # a forward's large activations reuse the heap, not fresh pages (echo_trtllm.cpu)
         self.target, self.tokenizer, self.config = target, tokenizer, config
         self.clock = clock or WallClock(target.device)
         self.link = HostLink(target.device)  # every tensor crossing host <-> model device, counted per step
@@ -453,6 +457,8 @@ class Executor:
         """Append emitted tokens until a stop condition; returns how many were kept."""
         eos = set() if req.params.ignore_eos else set(self.tokenizer.eos_token_ids)
         stop_ids = set(req.params.stop_token_ids or [])
+        if req.detok is None:  # the output's text, decoded a few tokens at a time (runtime.detok)
+            req.detok = IncrementalText(self.tokenizer.decode)
         kept = 0
         for tok in tokens:
             req.output_token_ids.append(tok)
@@ -462,7 +468,7 @@ class Executor:
             elif req.stop_matcher is not None:
                 # the stop strings are searched in the characters this token added (the text's end that is half a
                 # multi-byte character excluded: it is completed, or stays U+FFFD, with the next tokens)
-                text = self.tokenizer.decode(req.output_token_ids)
+                text = req.detok.text(req.output_token_ids)
                 hit = req.stop_matcher.feed(text.rstrip("\ufffd"))
                 if hit is not None:
                     req.text = text[:hit]
@@ -474,7 +480,7 @@ class Executor:
                 req.finish_reason = "length"
             if req.finish_reason is not None:
                 break
-        req.text = self.tokenizer.decode(req.output_token_ids)
+        req.text = req.detok.text(req.output_token_ids)
         return kept
 
     # ---------------------------------------------------------------- one step

@@ -197,6 +197,8 @@ class Request:
     features: object | None = None
     # where the stop strings stand in `text` (runtime.stops.StopMatcher; None without stop strings)
     stop_matcher: object | None = None
+    # the output's text kept as it grows (runtime.detok.IncrementalText; the executor makes it at the first step)
+    detok: object | None = field(default=None, repr=False)
     _uniforms: list[float] = field(default_factory=list, repr=False)
 
     def position_uniforms(self, start: int, count: int) -> list[float]:

@@ -4,7 +4,7 @@ characters it added (a Knuth-Morris-Pratt automaton per stop string), not the wh
 The engine thread runs this for every request at every step, so its cost is what a client's stop strings impose
 on everyone else's steps: the search costs O(new characters x stop strings) per step, whatever the strings' length
 (which `SamplingParams` caps as well); checking that the text extends what was read is one comparison of the text
-(C speed), as the executor's decode of the whole output already is."""
+(C speed). The text itself is decoded a few tokens at a time (runtime/detok.py)."""
 
 from __future__ import annotations
 
