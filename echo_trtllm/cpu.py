@@ -12,14 +12,33 @@ the engine's thread starts keeps one team and the workers spinning.
 
 Only GNU's runtime is released: there omp_pause_resource_all(omp_pause_hard) frees the calling thread's own pool
 and nothing else. LLVM's and Intel's runtimes (libomp, libiomp5) shut the whole runtime down on a hard pause, so
-with them nothing is released."""
+with them nothing is released.
+
+And one thing the C library's allocator needs: `keep_freed_memory`. PyTorch's CPU tensors come from malloc, and
+glibc serves a block above its mmap threshold with fresh pages (the kernel zeroes and faults them in on first
+touch) and hands the top of its heap back to the system once more than its trim threshold is free. Both start at
+128 KiB; glibc raises them as mapped blocks are freed, but only to the largest block freed so far (and twice that),
+so the activations of a prefill chunk (a 1,500-token chunk of Qwen2.5-Coder-1.5B: 27 MB per MLP intermediate, dozens
+of them per forward) are faulted in again and again: that chunk took 4.97 s against 3.23 s with the thresholds fixed at the top, the MLP's silu and
+product three to five times slower on fresh pages (docs/performance.md). Serving engines on CPUs preload tcmalloc
+for the same reason; the engine sets glibc's own thresholds instead: blocks up to 32 MiB (glibc's largest mmap
+threshold) come from the heap and up to 1 GiB of freed heap is kept for the next forward. The cost is resident
+memory that is not returned after a peak (the peak itself is unchanged). `ECHO_KEEP_FREED_MEMORY=0` leaves
+glibc's defaults."""
 
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 
-__all__ = ["cpu_flags", "cpu_model", "release_openmp_threads", "SIMD_PREFIXES"]
+__all__ = ["cpu_flags", "cpu_model", "keep_freed_memory", "release_openmp_threads", "SIMD_PREFIXES"]
+
+# glibc's mallopt parameters and the values `keep_freed_memory` sets (the module docstring)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD = 32 << 20  # glibc's largest (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit systems)
+TRIM_THRESHOLD = 1 << 30
+_kept: bool | None = None  # whether keep_freed_memory has set the thresholds (None: not asked yet)
 
 # GNU's OpenMP runtime (PyTorch's Linux wheels), whose hard pause frees only the calling thread's pool
 OPENMP_LIBRARY = "libgomp"
@@ -85,3 +104,20 @@ def release_openmp_threads() -> bool:
         pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
         released = pause(OMP_PAUSE_HARD) == 0 or released
     return released
+
+
+def keep_freed_memory() -> bool:
+    """Fix glibc's mmap and trim thresholds at the top (module docstring), once per process; returns whether they are
+    set. Nothing is done where the C library has no mallopt (other platforms, musl) or where the environment says
+    ECHO_KEEP_FREED_MEMORY=0."""
+    global _kept
+    if _kept is None:
+        _kept = False
+        if os.environ.get("ECHO_KEEP_FREED_MEMORY", "1") != "0" and platform.system() == "Linux":
+            try:
+                mallopt = ctypes.CDLL(None).mallopt
+            except (OSError, AttributeError):
+                return False
+            mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+            _kept = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    return _kept

@@ -1,0 +1,61 @@
+"""glibc's allocation thresholds (echo_trtllm.cpu.keep_freed_memory): a large block comes from fresh mapped pages
+before the call and from the heap after it, in a fresh process (the thresholds are process-wide and glibc moves
+them as blocks are freed, so the test's own process is no control); the environment can leave them alone; and an
+executor on the CPU sets them."""
+
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from echo_trtllm.core import EchoConfig
+from echo_trtllm.runtime import executor as executor_mod
+
+pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                                reason="glibc's mallopt")
+
+_PROBE = """
+import ctypes, sys
+from echo_trtllm.cpu import keep_freed_memory
+
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+
+def in_heap(size):
+    p = libc.malloc(size)
+    with open("/proc/self/maps") as f:
+        spans = [line.split()[0].split("-") for line in f if line.rstrip().endswith("[heap]")]
+    inside = any(int(a, 16) <= p < int(b, 16) for a, b in spans)
+    libc.free(p)
+    return inside
+
+before = in_heap(16 << 20)
+kept = keep_freed_memory()
+print(before, kept, in_heap(24 << 20), in_heap(64 << 20))
+"""
+
+
+def _probe(env=None) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, **(env or {})})
+    return out.stdout.split()
+
+
+def test_large_blocks_come_from_the_heap_once_kept():
+    # a first 16 MiB block is mapped afresh by glibc's defaults (freeing it raises the threshold to 16 MiB: a 24 MiB
+    # block is mapped afresh again), both come from the heap after the call; 64 MiB: above glibc's largest threshold
+    assert _probe() == ["False", "True", "True", "False"]
+
+
+def test_the_environment_leaves_glibcs_defaults():
+    assert _probe({"ECHO_KEEP_FREED_MEMORY": "0"}) == ["False", "False", "False", "False"]
+
+
+def test_an_executor_on_the_cpu_keeps_freed_memory(default_pair, monkeypatch):
+    target, _, tok = default_pair
+    calls = []
+    monkeypatch.setattr(executor_mod, "keep_freed_memory", lambda: calls.append(1) or True)
+    executor_mod.Executor(target, None, tok, EchoConfig(policy="ar", k_max=4), max_batch_size=2, max_seq_len=64)
+    assert calls == [1]
