@@ -236,6 +236,33 @@ class ForwardBatch:
             self._visible_keys = visible_keys(self.attn_mask[self.token_request, self.token_local])
         return self._visible_keys
 
+    def dense(self) -> bool:
+        """Whether every request has N_max new tokens, request-major and in order (T = B x N_max: a decode step, a
+        drafting level, one request's prefill chunk): attention then views its queries and output in the padded
+        layout instead of scattering and gathering them in every layer. On the CPU only (reading the layout on a
+        device would wait for it). Worked out once per batch."""
+        if "_dense" not in self.__dict__:
+            b, n, _ = self.attn_mask.shape
+            req, local = self.token_request, self.token_local
+            self._dense = (req.numel() == b * n and req.device.type == "cpu"
+                           and torch.equal(req, torch.arange(b).repeat_interleave(n))
+                           and torch.equal(local, torch.arange(n).repeat(b)))
+        return self._dense
+
+    def grouped_mask(self, groups: int, dtype: torch.dtype, order: Tensor | None) -> Tensor:
+        """The mask as attention hands it to the kernel: (B, 1, groups x N_max, L_max) for `groups` query heads per
+        KV head, rows in `order` (None: the batch's; `slot_block`'s, the same for every layer), additive (0 or
+        -inf) in the queries' dtype, which is what the kernel makes of a boolean mask. Once per batch, not per
+        layer (the same result: tests/models/test_attention_layout.py)."""
+        if self.__dict__.get("_grouped_key") != (groups, dtype):
+            b, n, l_max = self.attn_mask.shape
+            mask = self.attn_mask[:, None, None].expand(b, 1, groups, n, l_max).reshape(b, 1, groups * n, l_max)
+            if order is not None:
+                mask = mask[order]
+            self._grouped = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            self._grouped_key = (groups, dtype)
+        return self._grouped
+
     def slot_block(self) -> tuple[int, Tensor | None, Tensor | None] | None:
         """(first, rows, order) when the B slots are first .. first + B - 1 in some order and on the CPU: attention
         then reads those cache rows in place instead of gathering a copy per layer (a full batch's slots are
@@ -311,22 +338,26 @@ class Attention(nn.Module):
             first, rows, order = block
             keys = ck[first:first + b, :, :l_max].to(q.dtype)
             values = cv[first:first + b, :, :l_max].to(q.dtype)
-        qp = q.new_zeros(b, n_max, self.h, self.hd)
-        qp[batch.token_request, batch.token_local] = q
+        dense = batch.dense()
+        if dense:  # the tokens are the padded layout already
+            qp = q.view(b, n_max, self.h, self.hd)
+        else:
+            qp = q.new_zeros(b, n_max, self.h, self.hd)
+            qp[batch.token_request, batch.token_local] = q
         # grouped-query attention as one query block per KV head: the g = H / H_kv query heads that share a KV
         # head become g x N_max query rows of it, so the kernel reads each KV head once and needs no broadcast of
         # K/V across heads (PyTorch's CPU kernel with enable_gqa takes its slow path at one query row: 6x slower
         # at 16 rows of Qwen2.5-1.5B, 45 % of the step; docs/performance.md)
         g = self.h // self.h_kv
         qg = qp.transpose(1, 2).reshape(b, self.h_kv, g * n_max, self.hd)
-        mask = batch.attn_mask[:, None, None].expand(b, 1, g, n_max, l_max).reshape(b, 1, g * n_max, l_max)
         if order is not None:
-            qg, mask = qg[order], mask[order]
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)  # (B, H_kv, g * N_max, hd)
+            qg = qg[order]
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=batch.grouped_mask(g, qg.dtype, order))
         if rows is not None:
-            out = out[rows]
+            out = out[rows]  # (B, H_kv, g * N_max, hd)
         # reshape, not view: CUDA's memory-efficient kernel returns a transposed (non-contiguous) output
-        out = out.reshape(b, self.h, n_max, self.hd).transpose(1, 2)[batch.token_request, batch.token_local]  # (T, H, hd)
+        out = out.reshape(b, self.h, n_max, self.hd).transpose(1, 2)
+        out = out.reshape(t, self.h * self.hd) if dense else out[batch.token_request, batch.token_local]  # (T, H, hd)
         return self.o_proj(out.reshape(t, self.h * self.hd))
 
 
