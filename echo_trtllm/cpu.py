@@ -22,9 +22,10 @@ so the activations of a prefill chunk (a 1,500-token chunk of Qwen2.5-Coder-1.5B
 of them per forward) are faulted in again and again: that chunk took 4.97 s against 3.23 s with the thresholds fixed at the top, the MLP's silu and
 product three to five times slower on fresh pages (docs/performance.md). Serving engines on CPUs preload tcmalloc
 for the same reason; the engine sets glibc's own thresholds instead: blocks up to 32 MiB (glibc's largest mmap
-threshold) come from the heap and up to 1 GiB of freed heap is kept for the next forward. The cost is resident
-memory that is not returned after a peak (the peak itself is unchanged). `ECHO_KEEP_FREED_MEMORY=0` leaves
-glibc's defaults."""
+threshold) come from the heap and up to 1 GiB of freed memory is kept at the top of each heap (per arena) for the
+next forward. The cost is resident memory that is not returned after a peak, and blocks that would have been
+mapped apart now share the heap (which can fragment it). `ECHO_KEEP_FREED_MEMORY=0` leaves glibc's defaults. An
+allocator preloaded in glibc's place (tcmalloc, jemalloc) ignores the call."""
 
 from __future__ import annotations
 
@@ -107,8 +108,8 @@ def release_openmp_threads() -> bool:
 
 
 def keep_freed_memory() -> bool:
-    """Fix glibc's mmap and trim thresholds at the top (module docstring), once per process; returns whether they are
-    set. Nothing is done where the C library has no mallopt (other platforms, musl) or where the environment says
+    """Fix glibc's mmap and trim thresholds at the top (module docstring), once per process; returns whether glibc
+    accepted both (where the first was accepted and the second not, the first stays). Nothing is done where the C library has no mallopt (other platforms, musl) or where the environment says
     ECHO_KEEP_FREED_MEMORY=0."""
     global _kept
     if _kept is None:

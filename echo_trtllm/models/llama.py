@@ -249,16 +249,17 @@ class ForwardBatch:
                            and torch.equal(local, torch.arange(n).repeat(b)))
         return self._dense
 
-    def grouped_mask(self, groups: int, dtype: torch.dtype, order: Tensor | None) -> Tensor:
+    def grouped_mask(self, groups: int, dtype: torch.dtype) -> Tensor:
         """The mask as attention hands it to the kernel: (B, 1, groups x N_max, L_max) for `groups` query heads per
-        KV head, rows in `order` (None: the batch's; `slot_block`'s, the same for every layer), additive (0 or
-        -inf) in the queries' dtype, which is what the kernel makes of a boolean mask. Once per batch, not per
-        layer (the same result: tests/models/test_attention_layout.py)."""
+        KV head, rows in the cache's slot order where attention reads the cache in place (`slot_block`), additive
+        (0 or -inf) in the queries' dtype, which is what the kernel makes of a boolean mask. Once per batch, not
+        per layer (the same result: tests/models/test_attention_layout.py)."""
         if self.__dict__.get("_grouped_key") != (groups, dtype):
             b, n, l_max = self.attn_mask.shape
             mask = self.attn_mask[:, None, None].expand(b, 1, groups, n, l_max).reshape(b, 1, groups * n, l_max)
-            if order is not None:
-                mask = mask[order]
+            block = self.slot_block()
+            if block is not None and block[2] is not None:
+                mask = mask[block[2]]
             self._grouped = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
             self._grouped_key = (groups, dtype)
         return self._grouped
@@ -352,7 +353,7 @@ class Attention(nn.Module):
         qg = qp.transpose(1, 2).reshape(b, self.h_kv, g * n_max, self.hd)
         if order is not None:
             qg = qg[order]
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=batch.grouped_mask(g, qg.dtype, order))
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=batch.grouped_mask(g, qg.dtype))
         if rows is not None:
             out = out[rows]  # (B, H_kv, g * N_max, hd)
         # reshape, not view: CUDA's memory-efficient kernel returns a transposed (non-contiguous) output

@@ -24,7 +24,8 @@ MAX_HALF = 4
 
 
 class IncrementalText:
-    """The text of a growing token list: `text(ids)` with ids extending those of the previous call."""
+    """The text of a growing token list: `text(ids)` with ids extending those of the previous call (a list shorter
+    than the tokens already read starts again; a list that replaces them is not detected: the executor only appends)."""
 
     __slots__ = ("_decode", "_prefix", "_read", "_stable", "_head", "full_decodes")
 
@@ -50,18 +51,29 @@ class IncrementalText:
 
     def _move(self, ids: list[int], window: str) -> None:
         """The window moves on to the last token boundary with a whole character before it, up to MAX_HALF tokens
-        before the end (a half character, or a stray byte, is at most that many tokens); it stays where none is."""
-        end = len(ids)
-        while window.endswith("\ufffd"):
+        before the end (a half character is at most that many tokens); a longer run of U+FFFD (stray bytes) is cut
+        MAX_HALF tokens before the end where the text before and after decode apart. Its start moves to the old `read`
+        unless the tokens between decode to nothing: a decoder's first-token rule (SentencePiece's leading space)
+        must meet a token that shows."""
+        end, text = len(ids), window
+        while text.endswith("\ufffd"):
             end -= 1
-            if end <= self._read or end < len(ids) - MAX_HALF:
+            if end <= self._read:
                 return
-            window = self._decode(ids[self._prefix:end])
-            if not window.startswith(self._head):
+            text = self._decode(ids[self._prefix:end])
+            if not text.startswith(self._head):
                 return
-        self._stable += window[len(self._head):]
-        self._prefix, self._read = self._read, end
-        self._head = self._decode(ids[self._prefix:end])
+            if end == len(ids) - MAX_HALF:  # a run of U+FFFD (stray bytes): cut where the two sides decode apart
+                if text + self._decode(ids[end:]) != window:
+                    return
+                break
+        self._stable += text[len(self._head):]
+        head = self._decode(ids[self._read:end])
+        if head:
+            self._prefix, self._head = self._read, head
+        else:  # tokens that show nothing (skipped special tokens) cannot start a window: its first word would lose
+            self._head = self._decode(ids[self._prefix:end])  # its leading space under SentencePiece's rule
+        self._read = end
 
     def _restart(self, ids: list[int]) -> str:
         """The whole decode; the window starts again from the first token and moves on from there."""

@@ -69,6 +69,26 @@ def test_sentencepiece_decoder_leading_space_and_byte_fallback(seed):
     assert decode([1]) + decode([1]) != decode([1, 1])  # the rule the window is there for
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_sentencepiece_with_skipped_special_tokens(seed):
+    """A special token decodes to nothing (skip_special_tokens): a window cannot start at it, or the word after it
+    would be the window's first and lose its leading space ("Hello</s> world" -> "Helloworld")."""
+    dec = _llama2_decoder()
+    vocab = ["▁Hello", "</s>", "▁world", "s", "<0xC3>", "<0xA9>"]
+    decode = lambda ids: dec.decode([vocab[i] for i in ids if i != 1])  # noqa: E731
+    _grow(decode, [0, 1, 2], seed, most=1)
+    rnd = random.Random(seed)
+    _grow(decode, [rnd.choice([0, 1, 1, 2, 3, 4, 5]) for _ in range(120)], seed)
+
+
+def test_a_long_run_of_stray_bytes_keeps_the_window_short():
+    """Bytes that never decode (U+FFFD each) at every step's end: the window is cut before the run's last few tokens
+    where the two sides decode apart, so its length stays bounded."""
+    stream = list(b"ok " + b"\x80" * 600 + "日本".encode() + b"\xff" * 300)
+    inc, lengths = _grow(_bytes_decode, stream, seed=5, most=3)
+    assert max(lengths) <= 2 * (3 + MAX_HALF) + 3 and inc.full_decodes == 0
+
+
 def test_a_decoder_that_rewrites_earlier_text_is_decoded_whole_again():
     """A clean-up rule (" ," -> ",") changes text already read when the next token arrives: the window sees its
     head rewritten and decodes the whole output once, staying equal to the oracle."""
@@ -79,7 +99,7 @@ def test_a_decoder_that_rewrites_earlier_text_is_decoded_whole_again():
     assert inc.full_decodes > 0
 
 
-def test_ids_that_do_not_extend_the_last_call_start_again():
+def test_ids_shorter_than_those_read_start_again():
     inc = IncrementalText(_bytes_decode)
     assert inc.text(list(b"hello world")) == "hello world"
     assert inc.text(list(b"help")) == "help" and inc.full_decodes == 1
