@@ -33,7 +33,7 @@ import ctypes
 import os
 import platform
 
-__all__ = ["cpu_flags", "cpu_model", "keep_freed_memory", "release_openmp_threads", "SIMD_PREFIXES"]
+__all__ = ["cpu_flags", "cpu_model", "heap_tokens", "keep_freed_memory", "release_openmp_threads", "SIMD_PREFIXES"]
 
 # glibc's mallopt parameters and the values `keep_freed_memory` sets (the module docstring)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -122,3 +122,12 @@ def keep_freed_memory() -> bool:
             mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
             _kept = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     return _kept
+
+
+def heap_tokens(row_bytes: int, most: int, least: int = 256) -> int:
+    """Tokens a forward may take so that an activation of `row_bytes` a token stays within the heap's largest
+    block (MMAP_THRESHOLD): a larger one is mapped afresh every time (module docstring; a 2,048-token prefill chunk
+    of Qwen2.5-Coder-1.5B in bfloat16 has 37 MB MLP activations). At most `most`, at least min(least, most)."""
+    if row_bytes < 1 or most < 1:
+        raise ValueError(f"heap_tokens needs row_bytes >= 1 and most >= 1, got {row_bytes} and {most}")
+    return max(min(most, MMAP_THRESHOLD // row_bytes), min(least, most))

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from echo_trtllm.core import EchoConfig
 from echo_trtllm.runtime import executor as executor_mod
@@ -59,3 +60,42 @@ def test_an_executor_on_the_cpu_keeps_freed_memory(default_pair, monkeypatch):
     monkeypatch.setattr(executor_mod, "keep_freed_memory", lambda: calls.append(1) or True)
     executor_mod.Executor(target, None, tok, EchoConfig(policy="ar", k_max=4), max_batch_size=2, max_seq_len=64)
     assert calls == [1]
+
+
+def test_heap_tokens_keeps_an_activation_within_the_largest_heap_block():
+    from echo_trtllm.cpu import MMAP_THRESHOLD, heap_tokens
+
+    row = 8960 * 2  # Qwen2.5-Coder-1.5B's MLP intermediate row in bfloat16
+    assert heap_tokens(row, 2048) == MMAP_THRESHOLD // row == 1872 and 1872 * row <= MMAP_THRESHOLD < 1873 * row
+    assert heap_tokens(row, 1024) == 1024 and heap_tokens(10**9, 2048) == 256 and heap_tokens(10**9, 100) == 100
+    with pytest.raises(ValueError, match="row_bytes"):
+        heap_tokens(0, 2048)
+
+
+def test_prefill_runs_in_chunks_of_prefill_chunk_and_decodes_the_same(default_pair, prompts):
+    """An executor's prefill chunks never exceed its prefill_chunk (the widest activation's heap limit on the CPU;
+    forced small here), and greedy outputs equal those of prompts prefilled whole."""
+    from echo_trtllm.cpu import heap_tokens
+    from echo_trtllm.runtime.request import SamplingParams
+
+    target, _, tok = default_pair
+    outs = []
+    for chunk in (None, 5):
+        ex = executor_mod.Executor(target, None, tok, EchoConfig(policy="ar", k_max=4), max_batch_size=4,
+                                   max_seq_len=256)
+        widest = max(m.out_features for m in target.modules() if isinstance(m, torch.nn.Linear)
+                     and m is not target.lm_head)
+        assert ex.prefill_chunk == heap_tokens(widest * target.dtype.itemsize, ex.max_num_tokens)
+        sizes = []
+        run = ex._prefill_target
+        ex._prefill_target = lambda group: sizes.append(sum(n for _, n in group)) or run(group)
+        if chunk is not None:
+            ex.prefill_chunk = chunk
+        reqs = [ex.make_request(p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)) for p in prompts[:4]]
+        for r in reqs:
+            ex.submit(r)
+        while ex.has_work:
+            ex.step()
+        assert max(sizes) <= (chunk or ex.max_num_tokens) and (chunk is None or len(sizes) > 4)
+        outs.append([r.output_token_ids for r in reqs])
+    assert outs[0] == outs[1]
