@@ -271,8 +271,10 @@ class Executor:
         # 1,872 or fewer: docs/performance.md)
         self.prefill_chunk = self.max_num_tokens
         if self._heap_kept:
-            widest = max(m.out_features for m in target.modules() if isinstance(m, torch.nn.Linear)
-                         and m is not getattr(target, "lm_head", None))
+            head = getattr(target, "lm_head", None)  # prefill makes no logits
+            widest = max((m.out_features for m in target.modules()  # linears of any kind (FP8 ones too)
+                          if isinstance(getattr(m, "out_features", None), int) and m is not head),
+                         default=target.config.intermediate_size)
             self.prefill_chunk = heap_tokens(widest * target.dtype.itemsize, self.max_num_tokens)
         self.target_cache = target.allocate_cache(max_batch_size, self.max_seq_len + tree_room)
         self.drafter = None

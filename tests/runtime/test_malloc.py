@@ -84,7 +84,7 @@ def test_prefill_runs_in_chunks_of_prefill_chunk_and_decodes_the_same(default_pa
         ex = executor_mod.Executor(target, None, tok, EchoConfig(policy="ar", k_max=4), max_batch_size=4,
                                    max_seq_len=256)
         widest = max(m.out_features for m in target.modules() if isinstance(m, torch.nn.Linear)
-                     and m is not target.lm_head)
+                     and m is not target.lm_head)  # the embedded target's linears are all nn.Linear
         assert ex.prefill_chunk == heap_tokens(widest * target.dtype.itemsize, ex.max_num_tokens)
         sizes = []
         run = ex._prefill_target
