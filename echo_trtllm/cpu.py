@@ -18,8 +18,9 @@ And one thing the C library's allocator needs: `keep_freed_memory`. PyTorch's CP
 glibc serves a block above its mmap threshold with fresh pages (the kernel zeroes and faults them in on first
 touch) and hands the top of its heap back to the system once more than its trim threshold is free. Both start at
 128 KiB; glibc raises them as mapped blocks are freed, but only to the largest block freed so far (and twice that),
-so the activations of a prefill chunk (a 1,500-token chunk of Qwen2.5-Coder-1.5B: 27 MB per MLP intermediate, dozens
-of them per forward) are faulted in again and again: that chunk took 4.97 s against 3.23 s with the thresholds fixed at the top, the MLP's silu and
+so the activations of a prefill chunk (a 1,515-token chunk of Qwen2.5-Coder-1.5B: 27 MB per MLP intermediate, dozens
+of them per forward) are faulted in again and again: that chunk took 3.42-4.41 s with glibc's defaults against
+3.16-3.39 s with the thresholds fixed at the top (docs/bench/keep-memory-ab-qwen-b16.json), the MLP's silu and
 product three to five times slower on fresh pages (docs/performance.md). Serving engines on CPUs preload tcmalloc
 for the same reason; the engine sets glibc's own thresholds instead: blocks up to 32 MiB (glibc's largest mmap
 threshold) come from the heap and up to 1 GiB of freed memory is kept at the top of each heap (per arena) for the
@@ -109,8 +110,8 @@ def release_openmp_threads() -> bool:
 
 def keep_freed_memory() -> bool:
     """Fix glibc's mmap and trim thresholds at the top (module docstring), once per process; returns whether glibc
-    accepted both (where the first was accepted and the second not, the first stays). Nothing is done where the C library has no mallopt (other platforms, musl) or where the environment says
-    ECHO_KEEP_FREED_MEMORY=0."""
+    accepted both (where the first was accepted and the second not, the first stays). Nothing is done where the C
+    library has no mallopt (other platforms, musl) or where the environment says ECHO_KEEP_FREED_MEMORY=0."""
     global _kept
     if _kept is None:
         _kept = False

@@ -85,10 +85,9 @@ def main(argv=None) -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.json:
-        meta = report_meta("scripts.attention_layout_ab", argv if argv is not None else sys.argv[1:])
-        meta["command"] = meta["command"].replace("python -m scripts.attention_layout_ab",
-                                                  "python scripts/attention_layout_ab.py")
-        Path(args.json).write_text(json.dumps({"rows": rows, "alternations": args.alternations, **meta}, indent=2) + "\n")
+        meta = report_meta("scripts.attention_layout_ab", argv, runner="python scripts/attention_layout_ab.py")
+        out = {"rows": rows, "alternations": args.alternations, **meta}
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return 0
 
 

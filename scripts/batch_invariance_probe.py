@@ -57,9 +57,7 @@ def main(argv=None) -> int:
                 return torch.cat([lin(vp[i:i + t]) for i in range(0, vp.shape[0], t)])[:v.shape[0]]
             record(f"bfloat16 prepacked, tiles of {t}", tiled, every_row=True)
     if args.json:
-        meta = report_meta("scripts.batch_invariance_probe", argv)
-        meta["command"] = meta["command"].replace("python -m scripts.batch_invariance_probe",
-                                                  "python scripts/batch_invariance_probe.py")
+        meta = report_meta("scripts.batch_invariance_probe", argv, runner="python scripts/batch_invariance_probe.py")
         with open(args.json, "w") as f:
             json.dump({**out, **meta}, f, indent=2)
     return 0

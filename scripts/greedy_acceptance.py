@@ -63,9 +63,8 @@ def main(argv: list[str] | None = None) -> dict:
                 cell[1] += j in accepted
     rows = [{"depth": d, "greedy_path": g, "path_prob": [BINS[b], min(BINS[b + 1], 1.0)], "verified": n,
              "accepted": a, "rate": round(a / n, 3)} for (d, g, b), (n, a) in sorted(counts.items())]
-    meta = report_meta("scripts.greedy_acceptance", argv)  # machine (CPU flags), date, the command
-    meta["command"] = meta["command"].replace("python -m scripts.greedy_acceptance",
-                                              ".venv/bin/python scripts/greedy_acceptance.py")
+    meta = report_meta("scripts.greedy_acceptance", argv,  # machine (CPU flags), date, the command
+                       runner=".venv/bin/python scripts/greedy_acceptance.py")
     out = {"policy": args.policy, "batch_size": args.batch_size, "prompts": len(prompts),
            "prompt_set": args.prompt_set, "rows": rows, **meta}
     for row in rows:

@@ -79,8 +79,8 @@ def main(argv=None) -> int:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", args.model, "--dtype",
                    args.dtype, "--batch-size", str(args.batch_size), "--max-tokens", str(args.max_tokens),
                    "--threads", str(args.threads)]
-            run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "ECHO_KEEP_FREED_MEMORY": keep},
-                                 cwd=ROOT, check=True)
+            env = {**os.environ, "ECHO_KEEP_FREED_MEMORY": keep}
+            run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, check=True)
             row = json.loads(next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))[7:])
             rows.append({"round": k + 1, **row})
             print(json.dumps(rows[-1]), flush=True)
@@ -94,8 +94,7 @@ def main(argv=None) -> int:
     if args.json:
         from echo_trtllm.bench.run import report_meta
 
-        meta = report_meta("scripts.keep_memory_ab", argv if argv is not None else sys.argv[1:])
-        meta["command"] = meta["command"].replace("python -m scripts.keep_memory_ab", "python scripts/keep_memory_ab.py")
+        meta = report_meta("scripts.keep_memory_ab", argv, runner="python scripts/keep_memory_ab.py")
         Path(args.json).write_text(json.dumps({"rows": rows, "medians": summary, **meta}, indent=2) + "\n")
     return 0
 

@@ -85,8 +85,7 @@ def main(argv=None) -> int:
                for c in CONDITIONS}
     print(json.dumps(summary, indent=1))
     if args.json:
-        meta = report_meta("scripts.omp_threads", argv)
-        meta["command"] = meta["command"].replace("python -m scripts.omp_threads", "python scripts/omp_threads.py")
+        meta = report_meta("scripts.omp_threads", argv, runner="python scripts/omp_threads.py")
         with open(args.json, "w") as f:
             json.dump({"batch_size": args.batch_size, "steps": args.steps, "runs": runs, "summary": summary, **meta},
                       f, indent=2)

@@ -2,7 +2,8 @@
 heap's largest block, echo_trtllm.cpu.heap_tokens), in one process, alternating: B HumanEval prompts admitted at
 once (their prefill timed), then decoded two tokens so their slots free.
 
-    python scripts/prefill_chunk_ab.py --model <target> [--dtype bfloat16] [--batch-size 64] [--rounds 3] [--json out.json]
+    python scripts/prefill_chunk_ab.py --model <target> [--dtype bfloat16] [--batch-size 64] [--rounds 3]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -62,8 +63,7 @@ def main(argv=None) -> int:
     medians = {name: statistics.median(r["tokens_per_s"] for r in rows if r["setting"] == name) for name in chunks}
     print(json.dumps({"median prefill tokens/s": medians}))
     if args.json:
-        meta = report_meta("scripts.prefill_chunk_ab", argv if argv is not None else sys.argv[1:])
-        meta["command"] = meta["command"].replace("python -m scripts.prefill_chunk_ab", "python scripts/prefill_chunk_ab.py")
+        meta = report_meta("scripts.prefill_chunk_ab", argv, runner="python scripts/prefill_chunk_ab.py")
         Path(args.json).write_text(json.dumps({"rows": rows, "median_tokens_per_s": medians, **meta}, indent=2) + "\n")
     return 0
 

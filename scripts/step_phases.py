@@ -84,9 +84,7 @@ def main(argv=None) -> int:
         print(json.dumps(row), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            meta = report_meta("scripts.step_phases", argv)
-            meta["command"] = meta["command"].replace("python -m scripts.step_phases",
-                                                      ".venv/bin/python scripts/step_phases.py")
+            meta = report_meta("scripts.step_phases", argv, runner=".venv/bin/python scripts/step_phases.py")
             json.dump({"batch_size": args.batch_size, "rounds": rounds, **meta}, f, indent=2)
     return 0
 

@@ -214,13 +214,14 @@ def machine_info() -> dict:
             "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(PERF_ENV_PREFIXES)}}
 
 
-def report_meta(module: str, argv: list[str] | None) -> dict:
-    """What a `python -m <module>` report's JSON records beside its numbers: machine, date, the command."""
+def report_meta(module: str, argv: list[str] | None, runner: str | None = None) -> dict:
+    """What a `python -m <module>` report's JSON records beside its numbers: machine, date, the command. runner: how
+    the command starts where it is not `python -m <module>` (a script: "python scripts/NAME.py")."""
     args = argv if argv is not None else sys.argv[1:]
     home = str(Path.home())
     args = [a.replace(home, "~") for a in args]  # a report names no one's home directory
     return {"machine": machine_info(), "date": time.strftime("%Y-%m-%d"),
-            "command": " ".join(["python -m", module, *args])}
+            "command": " ".join([runner or f"python -m {module}", *args])}
 
 
 def _percentile(values: list[float], q: float) -> float:

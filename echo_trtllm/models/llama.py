@@ -358,7 +358,7 @@ class Attention(nn.Module):
             out = out[rows]  # (B, H_kv, g * N_max, hd)
         # reshape, not view: CUDA's memory-efficient kernel returns a transposed (non-contiguous) output
         out = out.reshape(b, self.h, n_max, self.hd).transpose(1, 2)
-        out = out.reshape(t, self.h * self.hd) if dense else out[batch.token_request, batch.token_local]  # (T, H, hd)
+        out = out.reshape(t, self.h, self.hd) if dense else out[batch.token_request, batch.token_local]  # (T, H, hd)
         return self.o_proj(out.reshape(t, self.h * self.hd))
 
 

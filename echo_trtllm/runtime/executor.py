@@ -267,8 +267,8 @@ class Executor:
             )
         # prefill chunks of at most max_num_tokens; on the CPU, of no more tokens than keep the widest activation (the
         # MLP's intermediate rows) within the heap's largest block: a 2,048-token chunk of Qwen2.5-Coder-1.5B mapped
-        # its 37 MB afresh in every layer (64 prompts prefilled in 18.6-19.0 s, against 13.2-14.2 s in chunks of
-        # 1,872 or fewer: docs/performance.md)
+        # its 37 MB afresh in every layer (64 prompts prefilled at 326-441 tokens/s, against 451-463 in chunks of
+        # 1,872: docs/bench/prefill-chunk-ab-qwen-b64.json)
         self.prefill_chunk = self.max_num_tokens
         if self._heap_kept:
             head = getattr(target, "lm_head", None)  # prefill makes no logits

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from echo_trtllm.models import llama
+from echo_trtllm.models import DEFAULT_TARGET, llama
 from echo_trtllm.models.loader import load_model
 from echo_trtllm.runtime.inputs import chain_batch, level_batch
 
@@ -67,7 +67,7 @@ def _batches(vocab: int, slots: list[int]):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("slots", [[0, 1, 2, 3], [2, 0, 3, 1], [1, 3], [0]])
 def test_attention_equals_the_per_layer_layout_bit_for_bit(dtype, slots, monkeypatch):
-    model, _ = load_model(llama_default(), dtype=dtype, with_tokenizer=False)
+    model, _ = load_model(DEFAULT_TARGET, dtype=dtype, with_tokenizer=False)
     for name, prefill, batch, dense in _batches(model.config.vocab_size, slots):
         outs = []
         for attention in (old_attention, llama.Attention.forward):
@@ -80,9 +80,3 @@ def test_attention_equals_the_per_layer_layout_bit_for_bit(dtype, slots, monkeyp
                     "attn_mask", "logits_index"))), cache))  # a fresh batch: nothing cached on it
         assert torch.equal(outs[0], outs[1]), (name, slots, dtype)
         assert batch.dense() is dense, name
-
-
-def llama_default():
-    from echo_trtllm.models import DEFAULT_TARGET
-
-    return DEFAULT_TARGET
