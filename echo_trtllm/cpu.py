@@ -25,8 +25,20 @@ product three to five times slower on fresh pages (docs/performance.md). Serving
 for the same reason; the engine sets glibc's own thresholds instead: blocks up to 32 MiB (glibc's largest mmap
 threshold) come from the heap and up to 1 GiB of freed memory is kept at the top of each heap (per arena) for the
 next forward. The cost is resident memory that is not returned after a peak, and blocks that would have been
-mapped apart now share the heap (which can fragment it). `ECHO_KEEP_FREED_MEMORY=0` leaves glibc's defaults. An
-allocator preloaded in glibc's place (tcmalloc, jemalloc) ignores the call."""
+mapped apart now share the heap (which can fragment it).
+
+The trim threshold only holds in glibc's main arena. Every other thread that allocates gets an arena of its own,
+made of mapped heaps of at most 64 MiB, and when a heap other than an arena's first is wholly free glibc unmaps it
+unless the top pad (M_TOP_PAD) says to keep that much. The engine steps its models on its own thread
+(runtime.engine), so a prefill's activations spilled into such heaps and some processes mapped them afresh at
+every layer (28 new heaps and up to 550,000 page faults, 2.2 GB, in one 16-prompt prefill; docs/performance.md). A
+thread's 24 MiB block, freed and taken again beside two others, was faulted in anew every time with the thresholds
+alone, and once with glibc's defaults. So the call also sets the top pad to a whole heap (64 MiB): no heap of a
+thread's arena is unmapped, and the main arena grows and trims its top by 64 MiB more than it would (address
+space; pages are only resident once touched).
+
+`ECHO_KEEP_FREED_MEMORY=0` leaves glibc's defaults. An allocator preloaded in glibc's place (tcmalloc, jemalloc)
+ignores the call."""
 
 from __future__ import annotations
 
@@ -37,9 +49,10 @@ import platform
 __all__ = ["cpu_flags", "cpu_model", "heap_tokens", "keep_freed_memory", "release_openmp_threads", "SIMD_PREFIXES"]
 
 # glibc's mallopt parameters and the values `keep_freed_memory` sets (the module docstring)
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
 MMAP_THRESHOLD = 32 << 20  # glibc's largest (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit systems)
 TRIM_THRESHOLD = 1 << 30
+TOP_PAD = 64 << 20  # a whole heap of a thread's arena (HEAP_MAX_SIZE on 64-bit); 0: glibc's (the A/B's control)
 _kept: bool | None = None  # whether keep_freed_memory has set the thresholds (None: not asked yet)
 
 # GNU's OpenMP runtime (PyTorch's Linux wheels), whose hard pause frees only the calling thread's pool
@@ -109,9 +122,9 @@ def release_openmp_threads() -> bool:
 
 
 def keep_freed_memory() -> bool:
-    """Fix glibc's mmap and trim thresholds at the top (module docstring), once per process; returns whether glibc
-    accepted both (where the first was accepted and the second not, the first stays). Nothing is done where the C
-    library has no mallopt (other platforms, musl) or where the environment says ECHO_KEEP_FREED_MEMORY=0."""
+    """Fix glibc's mmap and trim thresholds at the top and its top pad at a heap (module docstring), once per process;
+    returns whether glibc accepted all three (what it accepted before one was refused stays). Nothing is done where
+    the C library has no mallopt (other platforms, musl) or where the environment says ECHO_KEEP_FREED_MEMORY=0."""
     global _kept
     if _kept is None:
         _kept = False
@@ -121,7 +134,8 @@ def keep_freed_memory() -> bool:
             except (OSError, AttributeError):
                 return False
             mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-            _kept = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+            _kept = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 \
+                and (TOP_PAD == 0 or mallopt(M_TOP_PAD, TOP_PAD) == 1)
     return _kept
 
 

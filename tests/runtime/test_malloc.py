@@ -1,7 +1,7 @@
 """glibc's allocation thresholds (echo_trtllm.cpu.keep_freed_memory): a large block comes from fresh mapped pages
 before the call and from the heap after it, in a fresh process (the thresholds are process-wide and glibc moves
-them as blocks are freed, so the test's own process is no control); the environment can leave them alone; and an
-executor on the CPU sets them."""
+them as blocks are freed, so the test's own process is no control), and for a thread started after it (the top pad);
+the environment can leave them alone; and an executor on the CPU sets them."""
 
 import platform
 import subprocess
@@ -34,20 +34,63 @@ def in_heap(size):
 
 before = in_heap(16 << 20)
 kept = keep_freed_memory()
-print(before, kept, in_heap(24 << 20), in_heap(64 << 20))
+print(before, kept, in_heap(24 << 20), in_heap(256 << 20))
+"""
+
+# A thread started after the call (as the engine's is) holds three 24 MiB blocks (more than its arena's first 64 MiB
+# heap), then frees the third and takes it again three times: the minor page faults of touching it each time.
+# argv[1] "0" leaves glibc's top pad (cpu.TOP_PAD = 0: the thresholds alone).
+_THREAD_PROBE = """
+import ctypes, resource, sys, threading
+import echo_trtllm.cpu as cpu
+
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+size, faults, out = 24 << 20, lambda: resource.getrusage(resource.RUSAGE_THREAD).ru_minflt, []
+if sys.argv[1] == "0":
+    cpu.TOP_PAD = 0
+kept = cpu.keep_freed_memory()
+
+def work():
+    blocks = [libc.malloc(size) for _ in range(3)]
+    for p in blocks:
+        libc.memset(p, 1, size)
+    for _ in range(3):
+        libc.free(blocks[2])
+        blocks[2] = libc.malloc(size)
+        before = faults()
+        libc.memset(blocks[2], 1, size)
+        out.append(faults() - before > 1000)  # 24 MiB is 6,144 pages of 4 KiB
+
+t = threading.Thread(target=work)
+t.start()
+t.join()
+print(kept, *out)
 """
 
 
-def _probe(env=None) -> list[str]:
-    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, check=True,
+def _probe(env=None, code=_PROBE, args=()) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True,
                          env={**__import__("os").environ, **(env or {})})
     return out.stdout.split()
 
 
 def test_large_blocks_come_from_the_heap_once_kept():
     # a first 16 MiB block is mapped afresh by glibc's defaults (freeing it raises the threshold to 16 MiB: a 24 MiB
-    # block is mapped afresh again), both come from the heap after the call; 64 MiB: above glibc's largest threshold
+    # block is mapped afresh again), both come from the heap after the call; 256 MiB: above glibc's largest threshold
+    # and more than the heap's free top (the 24 MiB block and the 64 MiB top pad)
     assert _probe() == ["False", "True", "True", "False"]
+
+
+def test_a_threads_freed_heap_is_kept_once_kept():
+    # the engine steps on its own thread: with the top pad at a heap its freed block is taken again without faults;
+    # with the thresholds alone glibc unmaps the thread's second heap at every free, with its defaults once
+    assert _probe(code=_THREAD_PROBE, args=["1"]) == ["True", "False", "False", "False"]
+    assert _probe(code=_THREAD_PROBE, args=["0"]) == ["True", "True", "True", "True"]
+    assert _probe({"ECHO_KEEP_FREED_MEMORY": "0"}, code=_THREAD_PROBE, args=["1"]) == ["False", "True", "False",
+                                                                                "False"]
 
 
 def test_the_environment_leaves_glibcs_defaults():
