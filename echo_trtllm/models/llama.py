@@ -319,9 +319,12 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, cache: KVCache) -> Tensor:
         t = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(t, self.h, self.hd), cos, sin)  # (T, H, hd)
-        k = apply_rope(self.k_proj(x).view(t, self.h_kv, self.hd), cos, sin)  # (T, H_kv, hd)
-        v = self.v_proj(x).view(t, self.h_kv, self.hd)
+        fused = self.__dict__.get("_fused_qkv")  # the three products as one prepacked linear (models/packed.py)
+        qkv = None if fused is None else fused(x)
+        q, k, v = qkv or (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = apply_rope(q.view(t, self.h, self.hd), cos, sin)  # (T, H, hd)
+        k = apply_rope(k.view(t, self.h_kv, self.hd), cos, sin)  # (T, H_kv, hd)
+        v = v.view(t, self.h_kv, self.hd)
         ck, cv = cache.keys[self.layer], cache.values[self.layer]
         tok_slot = batch.slots[batch.token_request]  # (T,)
         ck[tok_slot, :, batch.write_pos] = k.to(ck.dtype)

@@ -14,11 +14,11 @@ from tests.helpers import run_greedy
 pytestmark = pytest.mark.skipif(not prepack_available(), reason="oneDNN's bfloat16 kernels are not available here")
 
 
-def _logits(model, ids, tokens=(1, 16)):
+def _logits(model, ids, tokens=(1, 16, 96)):
     out = []
     with torch.inference_mode():
         for t in tokens:
-            cache = model.allocate_cache(1, 128)
+            cache = model.allocate_cache(1, 160)
             model(chain_batch([ids[:32]], torch.tensor([0]), torch.tensor([0]), logits="none"), cache)
             out.append(model(chain_batch([ids[32:32 + t]], torch.tensor([32]), torch.tensor([0]), logits="all"),
                              cache))
@@ -26,8 +26,10 @@ def _logits(model, ids, tokens=(1, 16)):
 
 
 def test_prepacked_logits_equal_pytorchs_linear_bit_for_bit():
+    # 1, 16 and 96 tokens after a 32-token prefix: packed for one row (PACK_ROWS = 1), 96 tokens parted from
+    # PyTorch's linear in the last bit on the AMX Xeon
     model, _ = load_model(DEFAULT_TARGET, dtype="bfloat16", with_tokenizer=False)
-    ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, model.config.vocab_size, (128,), generator=torch.Generator().manual_seed(0))
     eager = _logits(model, ids)
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert prepack_linears(model) == linears and prepack_linears(model) == 0  # packed once
@@ -61,3 +63,46 @@ def test_llm_in_bfloat16_runs_prepacked_and_decodes_as_unpacked_ar(prompts):
     draft, _ = load_model(DEFAULT_DRAFT, dtype="bfloat16", with_tokenizer=False)
     ref, _, _ = run_greedy(target, draft, tok, "ar", prompts[:4], 4, [16] * 4)  # unpacked plain AR
     assert got == ref
+
+
+def test_an_attentions_q_k_and_v_run_as_one_packed_product_and_follow_their_weights():
+    """Prepacking fuses each attention's q, k and v into one product (the three modules keep their own weights and
+    pack only if called on their own); the logits equal PyTorch's linears (above), and a k weight changed in place
+    after packing is followed, as a model changed the same way before packing computes it."""
+    model, _ = load_model(DEFAULT_TARGET, dtype="bfloat16", with_tokenizer=False)
+    prepack_linears(model)
+    attns = [m for m in model.modules() if hasattr(m, "q_proj")]
+    calls = []
+    for a in attns:
+        fused = a.__dict__["_fused_qkv"]
+        a._fused_qkv = lambda x, f=fused: calls.append(1) or f(x)
+    ids = torch.randint(0, model.config.vocab_size, (128,), generator=torch.Generator().manual_seed(2))
+    before = _logits(model, ids, (1, 16))
+    assert len(calls) == 2 * 2 * len(attns)  # every layer, every forward (prefix and tokens, twice)
+    assert all(a.q_proj.__dict__["forward"].weight is None for a in attns)  # never packed on its own
+    with torch.no_grad():
+        attns[0].k_proj.weight.mul_(2)
+    reference, _ = load_model(DEFAULT_TARGET, dtype="bfloat16", with_tokenizer=False)
+    with torch.no_grad():
+        [m for m in reference.modules() if hasattr(m, "q_proj")][0].k_proj.weight.mul_(2)
+    after = _logits(model, ids, (1, 16))
+    assert not torch.equal(before[1], after[1])
+    assert all(torch.equal(a, b) for a, b in zip(after, _logits(reference, ids, (1, 16))))
+
+
+def test_a_fused_attention_tiled_later_runs_its_three_packed_linears():
+    """Batch-invariant tiles put on after packing (as LLM does): the fused product steps aside and q, k and v run
+    inside their tiles through their own packed weights, packed at their first call."""
+    from echo_trtllm.models.invariant import make_batch_invariant
+
+    model, _ = load_model(DEFAULT_TARGET, dtype="bfloat16", with_tokenizer=False)
+    prepack_linears(model)
+    make_batch_invariant(model)
+    attn = next(m for m in model.modules() if hasattr(m, "q_proj"))
+    x = torch.randn(3, attn.q_proj.in_features, dtype=torch.bfloat16)
+    assert attn._fused_qkv(x) is None
+    with torch.inference_mode():
+        out = attn.k_proj(x)
+    inner = attn.k_proj.__dict__["forward"].inner
+    assert isinstance(inner, _PackedForward) and inner.weight is attn.k_proj.weight
+    assert torch.equal(out, torch.nn.functional.linear(x, attn.k_proj.weight, attn.k_proj.bias))

@@ -1,0 +1,123 @@
+"""The CPU settings a closed batch meets on the engine's own thread, arm against arm: oneDNN's packing hint for the
+prepacked linears (models.packed.PACK_ROWS), glibc's top pad (cpu.TOP_PAD) and attention's q, k and v as one packed
+product (models.packed.FUSE_QKV), each arm in fresh processes, the arms alternating over rounds.
+
+    python scripts/engine_thread_ab.py --model <target> [--arms old:1:0:0 pad:1:1:0 hint:32:1:0 new:32:1:1]
+        [--batch-size 16] [--max-tokens 64] [--rounds 3] [--json out.json]
+
+An arm is NAME:PACK_ROWS:PAD:FUSE (PAD 1: cpu.TOP_PAD as it is, 0: glibc's top pad; FUSE 1: q, k and v fused). Each
+process builds the LLM (AR, bfloat16), runs two untimed batches of other prompts, then one timed batch through
+LLM.generate as bench_vllm's closed batches do (greedy HumanEval eval prompts, ignore_eos): the admission (every
+prompt's prefill, with the process's minor page faults during it), the median decode step and the whole batch's
+tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def child(args) -> dict:
+    import torch
+
+    import echo_trtllm.cpu as cpu
+    import echo_trtllm.models.packed as packed
+    from echo_trtllm import LLM, EchoConfig, SamplingParams
+    from echo_trtllm.bench.prompts import load_prompts
+
+    packed.PACK_ROWS, packed.FUSE_QKV = args.pack_rows, bool(args.fuse)
+    if not args.pad:
+        cpu.TOP_PAD = 0
+    torch.set_num_threads(args.threads)
+    llm = LLM(args.model, None, speculative_config=EchoConfig(policy="ar"), max_batch_size=args.batch_size,
+              max_seq_len=1024, dtype=args.dtype)
+    ex, prompts, b = llm.executor, load_prompts("humaneval", "eval"), args.batch_size
+    admits, steps = [], []
+    admit, step = ex.admit, ex.step
+
+    def timed_admit():
+        faults, t = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+        out = admit()
+        if out[0] or out[1]:
+            admits.append((time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults))
+        return out
+
+    def timed_step():
+        t = time.perf_counter()
+        out = step()
+        steps.append(time.perf_counter() - t)
+        return out
+
+    ex.admit, ex.step = timed_admit, timed_step  # the engine thread calls them through the executor
+    for first, tokens in ((b + 1, 8), (2 * b + 1, 8), (1, args.max_tokens)):  # two untimed batches, then the timed
+        admits.clear()
+        steps.clear()
+        t = time.perf_counter()
+        llm.generate(prompts[first:first + b], SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True),
+                     use_tqdm=False)
+        seconds = time.perf_counter() - t
+    llm.shutdown()
+    return {"prefill_s": round(sum(a for a, _ in admits), 3), "prefill_faults": sum(f for _, f in admits),
+            "decode_step_ms_median": round(statistics.median(steps) * 1e3, 2), "decode_steps": len(steps),
+            "tokens_per_s": round(b * args.max_tokens / seconds, 2), "kept": cpu.keep_freed_memory()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--arms", nargs="+", default=["old:1:0:0", "pad:1:1:0", "hint:32:1:0", "new:32:1:1"])
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--pack-rows", type=int, default=32, help=argparse.SUPPRESS)
+    ap.add_argument("--pad", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--fuse", type=int, default=1, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.batch_size < 1 or args.max_tokens < 2 or args.rounds < 1 or args.threads < 1:
+        ap.error("--batch-size, --rounds and --threads must be >= 1, --max-tokens >= 2")
+    if args.child:
+        print("RESULT " + json.dumps(child(args)), flush=True)
+        return 0
+    arms = []
+    for spec in args.arms:
+        parts = spec.split(":")
+        if len(parts) != 4 or not parts[1].isdigit() or int(parts[1]) < 1 or {parts[2], parts[3]} - {"0", "1"}:
+            ap.error(f"--arms takes NAME:PACK_ROWS:PAD:FUSE (PACK_ROWS >= 1, PAD and FUSE 0 or 1), got {spec!r}")
+        arms.append(tuple(parts))
+    rows = []
+    for k in range(args.rounds):
+        for name, pack_rows, pad, fuse in (arms if k % 2 == 0 else arms[::-1]):
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", args.model, "--dtype",
+                   args.dtype, "--batch-size", str(args.batch_size), "--max-tokens", str(args.max_tokens),
+                   "--threads", str(args.threads), "--pack-rows", pack_rows, "--pad", pad, "--fuse", fuse]
+            run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=True)
+            row = json.loads(next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))[7:])
+            rows.append({"round": k + 1, "arm": name, "pack_rows": int(pack_rows), "pad": int(pad),
+                         "fuse_qkv": int(fuse), **row})
+            print(json.dumps(rows[-1]), flush=True)
+    keys = ("prefill_s", "prefill_faults", "decode_step_ms_median", "tokens_per_s")
+    summary = {name: {key: [r[key] for r in rows if r["arm"] == name] for key in keys} for name, *_ in arms}
+    print(json.dumps(summary))
+    if args.json:
+        from echo_trtllm.bench.run import report_meta
+
+        meta = report_meta("scripts.engine_thread_ab", argv, runner="python scripts/engine_thread_ab.py")
+        Path(args.json).write_text(json.dumps({"rows": rows, "per_arm": summary, **meta}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
