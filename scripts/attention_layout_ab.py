@@ -41,6 +41,7 @@ def main(argv=None) -> int:
         ap.error("--batch-sizes must be >= 1, --alternations >= 2, --forwards >= 5")
     torch.set_num_threads(2)
     model, _ = load_model(args.model, dtype=args.dtype, with_tokenizer=False)
+    packed.FUSE_QKV = False  # every linear through _PackedForward, left out below in both arms alike
     packed.prepack_linears(model)
     zeros: dict = {}
 

@@ -1,7 +1,9 @@
 """What one forward of an EAGLE-3 head costs beside one forward of its target at one row, and whether the head's
 bytes set it: the weights each reads (embeddings left out: a forward gathers a few of their rows), and the median
 forward times, measured the way a step meets them (each head forward right after a target forward, which streams
-the target's weights through the caches). Both are prepacked as the engine runs them (`models/packed.py`).
+the target's weights through the caches). Both are prepacked as the engine runs them (`models/packed.py`), but for
+the head's q, k and v: wrapped for the int8 arm, they run as three packed products in both arms, where the engine
+runs one.
 
 Beside it, the same head with int8 weight-only linears (per-output-channel scales, PyTorch's CPU kernel
 `torch._weight_int8pack_mm`): half the bytes; measured only, as a candidate for a smaller head forward, not used by

@@ -320,7 +320,7 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, cache: KVCache) -> Tensor:
         t = x.shape[0]
         fused = self.__dict__.get("_fused_qkv")  # the three products as one prepacked linear (models/packed.py)
-        qkv = None if fused is None else fused(x)
+        qkv = None if fused is None else fused(x, self.q_proj, self.k_proj, self.v_proj)
         q, k, v = qkv or (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         q = apply_rope(q.view(t, self.h, self.hd), cos, sin)  # (T, H, hd)
         k = apply_rope(k.view(t, self.h_kv, self.hd), cos, sin)  # (T, H_kv, hd)

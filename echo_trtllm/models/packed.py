@@ -73,7 +73,7 @@ class _PackedQKV:
 
     def __init__(self, q: nn.Linear, k: nn.Linear, v: nn.Linear) -> None:
         self.modules = (q, k, v)
-        self.sizes = [m.out_features for m in self.modules]
+        self.packed = None
         self._pack()
 
     def _state(self) -> list:
@@ -81,40 +81,71 @@ class _PackedQKV:
 
     def _pack(self) -> None:
         self.state = self._state()
+        self.sizes = [m.out_features for m in self.modules]
         weights = [m.weight.detach() for m in self.modules]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights), PACK_ROWS)
         biases = [m.bias for m in self.modules]
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """(q, k, v) as views of one product, or None where it does not apply now (the caller runs the three): a
-        module replaced or its forward wrapped (batch-invariant tiles), another dtype or device, weights that need
-        gradients."""
-        if x.dtype != torch.bfloat16 or torch.is_grad_enabled() and any(m.weight.requires_grad for m in self.modules):
+    def _applies(self, modules: tuple) -> bool:
+        """The attention's q, k and v now are still the three packed ones, each a plain bfloat16 linear on the CPU
+        run by its own packed forward, unhooked (hooks see the three calls: FP8 calibration's amax, the phase
+        profile's timers), their biases all bfloat16 or all absent."""
+        if any(a is not b for a, b in zip(modules, self.modules)) or _global_hooks():
+            return False
+        return _biases_match(modules) and all(
+            type(m) is nn.Linear and isinstance(m.__dict__.get("forward"), _PackedForward) and not m._forward_hooks
+            and not m._forward_pre_hooks and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"
+            for m in modules)
+
+    def __call__(self, x: torch.Tensor, q: nn.Module, k: nn.Module, v: nn.Module) -> tuple[torch.Tensor, ...] | None:
+        """(q, k, v) as views of one product of x, or None where it does not apply now and the caller runs the
+        attention's current q, k and v modules: one replaced, wrapped (batch-invariant tiles) or hooked, another
+        dtype or device, weights that need gradients. Where a module stopped being its packed self the fused weight
+        is released (packed again if that changes back)."""
+        if x.dtype != torch.bfloat16 or torch.is_grad_enabled() and any(m.weight.requires_grad for m in (q, k, v)):
             return None
-        for m in self.modules:
-            if type(m) is not nn.Linear or not isinstance(m.__dict__.get("forward"), _PackedForward) \
-                    or m.weight.dtype != torch.bfloat16 \
-                    or m.weight.device.type != "cpu" or (m.bias is None) != (self.bias is None):
-                return None
+        if not self._applies((q, k, v)):
+            if any(a is not b for a, b in zip((q, k, v), self.modules)) \
+                    or any(not isinstance(m.__dict__.get("forward"), _PackedForward) for m in (q, k, v)):
+                self.packed = None  # replaced or wrapped for good: do not keep a third copy of the weights
+            return None
         state = self._state()
-        if len(state) != len(self.state) or any(a is not b or va != vb for (a, va), (b, vb) in zip(state, self.state)):
+        if self.packed is None or len(state) != len(self.state) \
+                or any(a is not b or va != vb for (a, va), (b, vb) in zip(state, self.state)):
             self._pack()
         out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return out.split(self.sizes, dim=-1)
 
 
+def _global_hooks() -> bool:
+    """Forward hooks registered for every module (torch.nn.modules.module.register_module_forward_hook)."""
+    mod = nn.modules.module
+    return bool(getattr(mod, "_global_forward_hooks", None) or getattr(mod, "_global_forward_pre_hooks", None))
+
+
 def _fusable_qkv(m: nn.Module) -> bool:
-    """An attention whose q, k and v are plain bfloat16 linears on the CPU, not packed or tiled yet."""
-    mods = [getattr(m, name, None) for name in ("q_proj", "k_proj", "v_proj")]
-    return FUSE_QKV and "_fused_qkv" not in m.__dict__ and all(
-        type(x) is nn.Linear and "forward" not in x.__dict__ and x.weight.dtype == torch.bfloat16
-        and x.weight.device.type == "cpu" for x in mods) and len({x.bias is None for x in mods}) == 1
+    """A decoder attention (models/llama.py) whose q, k and v are plain bfloat16 linears on the CPU, with bfloat16
+    biases or none, not packed or tiled yet."""
+    from .llama import Attention
+
+    if not (FUSE_QKV and isinstance(m, Attention)) or "_fused_qkv" in m.__dict__:
+        return False
+    mods = (m.q_proj, m.k_proj, m.v_proj)
+    return _biases_match(mods) and all(type(x) is nn.Linear and "forward" not in x.__dict__
+                                       and x.weight.dtype == torch.bfloat16 and x.weight.device.type == "cpu"
+                                       for x in mods)
+
+
+def _biases_match(mods) -> bool:
+    """q, k and v all without bias, or all with bfloat16 ones (one stacked bias)."""
+    return {None if m.bias is None else m.bias.dtype for m in mods} in ({None}, {torch.bfloat16})
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """Prepack every bfloat16 `nn.Linear` of `model` on the CPU (module docstring); returns how many were packed now.
-    Does nothing where oneDNN's bfloat16 kernels are missing; a second call packs nothing again."""
+    """Prepack every bfloat16 `nn.Linear` of `model` on the CPU (module docstring); returns how many were given a packed
+    forward now (a fused attention's q, k and v count, their own forwards packing only if called). Does nothing where
+    oneDNN's bfloat16 kernels are missing; a second call packs nothing again."""
     if not prepack_available():
         return 0
     from .invariant import TiledForward  # a batch-invariant linear keeps its tiles around the packed kernel

@@ -75,7 +75,7 @@ def test_an_attentions_q_k_and_v_run_as_one_packed_product_and_follow_their_weig
     calls = []
     for a in attns:
         fused = a.__dict__["_fused_qkv"]
-        a._fused_qkv = lambda x, f=fused: calls.append(1) or f(x)
+        a._fused_qkv = lambda x, *mods, f=fused: calls.append(1) or f(x, *mods)
     ids = torch.randint(0, model.config.vocab_size, (128,), generator=torch.Generator().manual_seed(2))
     before = _logits(model, ids, (1, 16))
     assert len(calls) == 2 * 2 * len(attns)  # every layer, every forward (prefix and tokens, twice)
@@ -97,12 +97,52 @@ def test_a_fused_attention_tiled_later_runs_its_three_packed_linears():
 
     model, _ = load_model(DEFAULT_TARGET, dtype="bfloat16", with_tokenizer=False)
     prepack_linears(model)
-    make_batch_invariant(model)
     attn = next(m for m in model.modules() if hasattr(m, "q_proj"))
     x = torch.randn(3, attn.q_proj.in_features, dtype=torch.bfloat16)
-    assert attn._fused_qkv(x) is None
+    qkv = attn.q_proj, attn.k_proj, attn.v_proj
     with torch.inference_mode():
+        assert attn._fused_qkv(x, *qkv) is not None
+        make_batch_invariant(model)
+        assert attn._fused_qkv(x, *qkv) is None and attn._fused_qkv.packed is None  # stepped aside, weight released
         out = attn.k_proj(x)
     inner = attn.k_proj.__dict__["forward"].inner
     assert isinstance(inner, _PackedForward) and inner.weight is attn.k_proj.weight
     assert torch.equal(out, torch.nn.functional.linear(x, attn.k_proj.weight, attn.k_proj.bias))
+
+
+def test_a_hooked_projection_sees_its_call_through_a_fused_attention():
+    """FP8 calibration records each projection's input with a forward hook (models/fp8.py calibrate_amax): on a
+    packed bfloat16 model every q, k and v still reports its input, and the logits stay those of PyTorch's linears."""
+    from echo_trtllm.models.fp8 import calibrate_amax
+
+    model, _ = load_model(DEFAULT_TARGET, dtype="bfloat16", with_tokenizer=False)
+    ids = torch.randint(0, model.config.vocab_size, (128,), generator=torch.Generator().manual_seed(3))
+    eager = _logits(model, ids, (16,))
+    prepack_linears(model)
+    got = []
+    amax = calibrate_amax(model, lambda: got.extend(_logits(model, ids, (16,))))
+    names = [n for n, m in model.named_modules() if n.endswith(("q_proj", "k_proj", "v_proj"))]
+    assert names and all(amax.get(n, 0.0) > 0 for n in names)
+    assert torch.equal(got[0], eager[0])
+
+
+def test_a_projection_replaced_after_packing_is_the_one_that_runs():
+    """A k projection replaced after packing (as FP8 quantisation replaces modules) and packed by a second call: the
+    attention runs the new one, as a model given the same module before packing does."""
+    model, _ = load_model(DEFAULT_TARGET, dtype="bfloat16", with_tokenizer=False)
+    reference, _ = load_model(DEFAULT_TARGET, dtype="bfloat16", with_tokenizer=False)
+    ids = torch.randint(0, model.config.vocab_size, (128,), generator=torch.Generator().manual_seed(4))
+    prepack_linears(model)
+    for m in (model, reference):
+        attn = next(a for a in m.modules() if hasattr(a, "q_proj"))
+        new = torch.nn.Linear(attn.k_proj.in_features, attn.k_proj.out_features, bias=attn.k_proj.bias is not None,
+                              dtype=torch.bfloat16)
+        with torch.no_grad():
+            new.weight.copy_(attn.k_proj.weight * 2)
+            if new.bias is not None:
+                new.bias.copy_(attn.k_proj.bias)
+        attn.k_proj = new
+    prepack_linears(model)  # packs the new module on its own (the attention is fused already)
+    assert isinstance(next(a for a in model.modules() if hasattr(a, "q_proj")).k_proj.__dict__["forward"],
+                      _PackedForward)
+    assert all(torch.equal(a, b) for a, b in zip(_logits(model, ids, (1, 16)), _logits(reference, ids, (1, 16))))
