@@ -94,8 +94,8 @@ class _PackedQKV:
         if any(a is not b for a, b in zip(modules, self.modules)) or _global_hooks():
             return False
         return _biases_match(modules) and all(
-            type(m) is nn.Linear and isinstance(m.__dict__.get("forward"), _PackedForward) and not m._forward_hooks
-            and not m._forward_pre_hooks and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"
+            _cpu_bf16_linear(m) and isinstance(m.__dict__.get("forward"), _PackedForward) and not m._forward_hooks
+            and not m._forward_pre_hooks
             for m in modules)
 
     def __call__(self, x: torch.Tensor, q: nn.Module, k: nn.Module, v: nn.Module) -> tuple[torch.Tensor, ...] | None:
@@ -132,9 +132,12 @@ def _fusable_qkv(m: nn.Module) -> bool:
     if not (FUSE_QKV and isinstance(m, Attention)) or "_fused_qkv" in m.__dict__:
         return False
     mods = (m.q_proj, m.k_proj, m.v_proj)
-    return _biases_match(mods) and all(type(x) is nn.Linear and "forward" not in x.__dict__
-                                       and x.weight.dtype == torch.bfloat16 and x.weight.device.type == "cpu"
-                                       for x in mods)
+    return _biases_match(mods) and all(_cpu_bf16_linear(x) and "forward" not in x.__dict__ for x in mods)
+
+
+def _cpu_bf16_linear(m: nn.Module) -> bool:
+    """A plain nn.Linear (not a subclass: FP8, tensor-parallel shards) with bfloat16 weights on the CPU."""
+    return type(m) is nn.Linear and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"
 
 
 def _biases_match(mods) -> bool:
@@ -156,7 +159,7 @@ def prepack_linears(model: nn.Module) -> int:
             m._fused_qkv = _PackedQKV(m.q_proj, m.k_proj, m.v_proj)
     fused = {id(x) for m in model.modules() if "_fused_qkv" in m.__dict__ for x in m._fused_qkv.modules}
     for m in model.modules():
-        if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu":
+        if _cpu_bf16_linear(m):
             fwd = m.__dict__.get("forward")
             if isinstance(fwd, TiledForward) and not isinstance(fwd.inner, _PackedForward):
                 fwd.inner = _PackedForward(m)
