@@ -21,3 +21,13 @@ else
   echo "setup: the plugin's host library was not built (no C++ compiler, or it failed);" \
        "the control plane runs on the PyTorch reference" >&2
 fi
+# The forward's CPU kernels (plugins/csrc/echo_cpu_forward.cpp: the RMS norm and the rotary embedding in one pass,
+# echo_trtllm.models.cpu_kernels), built for this machine's CPU; without them the eager PyTorch code runs.
+rm -f plugins/build/libecho_cpu_forward.so
+if [ -n "$CXX_BIN" ] && "$CXX_BIN" -std=c++17 -O3 -march=native -ffp-contract=off -Wall -Wextra -shared -fPIC -pthread \
+    plugins/csrc/echo_cpu_forward.cpp -o plugins/build/libecho_cpu_forward.so.tmp; then
+  mv plugins/build/libecho_cpu_forward.so.tmp plugins/build/libecho_cpu_forward.so
+else
+  rm -f plugins/build/libecho_cpu_forward.so.tmp
+  echo "setup: the forward's CPU kernels were not built; the eager norm and rotary embedding run" >&2
+fi

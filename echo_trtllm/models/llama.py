@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import cpu_kernels
 from .invariant import invariant_attention, visible_keys
 
 __all__ = ["ModelConfig", "KVCache", "ForwardBatch", "CausalLM", "eagle3_layers"]
@@ -299,6 +300,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        fused = cpu_kernels.rms_norm(x, self.weight, self.eps)  # one pass on the CPU (models/cpu_kernels.py)
+        if fused is not None:
+            return fused
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
@@ -322,8 +326,9 @@ class Attention(nn.Module):
         fused = self.__dict__.get("_fused_qkv")  # the three products as one prepacked linear (models/packed.py)
         qkv = None if fused is None else fused(x, self.q_proj, self.k_proj, self.v_proj)
         q, k, v = qkv or (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        q = apply_rope(q.view(t, self.h, self.hd), cos, sin)  # (T, H, hd)
-        k = apply_rope(k.view(t, self.h_kv, self.hd), cos, sin)  # (T, H_kv, hd)
+        q, k = q.view(t, self.h, self.hd), k.view(t, self.h_kv, self.hd)
+        # (T, H, hd), (T, H_kv, hd); both in one pass on the CPU (models/cpu_kernels.py)
+        q, k = cpu_kernels.rope_qk(q, k, cos, sin) or (apply_rope(q, cos, sin), apply_rope(k, cos, sin))
         v = v.view(t, self.h_kv, self.hd)
         ck, cv = cache.keys[self.layer], cache.values[self.layer]
         tok_slot = batch.slots[batch.token_request]  # (T,)
