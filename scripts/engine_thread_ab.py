@@ -1,11 +1,13 @@
 """The CPU settings a closed batch meets on the engine's own thread, arm against arm: oneDNN's packing hint for the
-prepacked linears (models.packed.PACK_ROWS), glibc's top pad (cpu.TOP_PAD) and attention's q, k and v as one packed
-product (models.packed.FUSE_QKV), each arm in fresh processes, the arms alternating over rounds.
+prepacked linears (models.packed.PACK_ROWS), glibc's top pad (cpu.TOP_PAD), attention's q, k and v as one packed
+product (models.packed.FUSE_QKV) and the one-pass norm and rotary embedding (models.cpu_kernels.ENABLED), each arm
+in fresh processes, the arms alternating over rounds.
 
     python scripts/engine_thread_ab.py --model <target> [--arms old:1:0:0 pad:1:1:0 hint:32:1:0 new:32:1:1]
         [--batch-size 16] [--max-tokens 64] [--rounds 3] [--json out.json]
 
-An arm is NAME:PACK_ROWS:PAD:FUSE (PAD 1: cpu.TOP_PAD as it is, 0: glibc's top pad; FUSE 1: q, k and v fused). Each
+An arm is NAME:PACK_ROWS:PAD:FUSE[:KERNELS] (PAD 1: cpu.TOP_PAD as it is, 0: glibc's top pad; FUSE 1: q, k and v
+fused; KERNELS 1, the default: the one-pass norm and rotary embedding, 0: the eager code). Each
 process builds the LLM (AR, bfloat16), runs two untimed batches of other prompts, then one timed batch through
 LLM.generate as bench_vllm's closed batches do (greedy HumanEval eval prompts, ignore_eos): the admission (every
 prompt's prefill, with the process's minor page faults during it), the median decode step and the whole batch's
@@ -18,10 +20,11 @@ import argparse
 import json
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from echo_trtllm.bench.run import child_result, print_result, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,11 +33,12 @@ def child(args) -> dict:
     import torch
 
     import echo_trtllm.cpu as cpu
+    import echo_trtllm.models.cpu_kernels as cpu_kernels
     import echo_trtllm.models.packed as packed
     from echo_trtllm import LLM, EchoConfig, SamplingParams
     from echo_trtllm.bench.prompts import load_prompts
 
-    packed.PACK_ROWS, packed.FUSE_QKV = args.pack_rows, bool(args.fuse)
+    packed.PACK_ROWS, packed.FUSE_QKV, cpu_kernels.ENABLED = args.pack_rows, bool(args.fuse), bool(args.kernels)
     if not args.pad:
         cpu.TOP_PAD = 0
     torch.set_num_threads(args.threads)
@@ -68,7 +72,8 @@ def child(args) -> dict:
     llm.shutdown()
     return {"prefill_s": round(sum(a for a, _ in admits), 3), "prefill_faults": sum(f for _, f in admits),
             "decode_step_ms_median": round(statistics.median(steps) * 1e3, 2), "decode_steps": len(steps),
-            "tokens_per_s": round(b * args.max_tokens / seconds, 2), "kept": cpu.keep_freed_memory()}
+            "tokens_per_s": round(b * args.max_tokens / seconds, 2), "kept": cpu.keep_freed_memory(),
+            "cpu_kernels": cpu_kernels.available()}
 
 
 def main(argv=None) -> int:
@@ -85,37 +90,37 @@ def main(argv=None) -> int:
     ap.add_argument("--pack-rows", type=int, default=32, help=argparse.SUPPRESS)
     ap.add_argument("--pad", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--fuse", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--kernels", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.batch_size < 1 or args.max_tokens < 2 or args.rounds < 1 or args.threads < 1:
         ap.error("--batch-size, --rounds and --threads must be >= 1, --max-tokens >= 2")
     if args.child:
-        print("RESULT " + json.dumps(child(args)), flush=True)
+        print_result(child(args))
         return 0
     arms = []
     for spec in args.arms:
         parts = spec.split(":")
-        if len(parts) != 4 or not parts[1].isdigit() or int(parts[1]) < 1 or {parts[2], parts[3]} - {"0", "1"}:
-            ap.error(f"--arms takes NAME:PACK_ROWS:PAD:FUSE (PACK_ROWS >= 1, PAD and FUSE 0 or 1), got {spec!r}")
+        parts += ["1"] * (len(parts) == 4)
+        if len(parts) != 5 or not parts[1].isdigit() or int(parts[1]) < 1 or set(parts[2:]) - {"0", "1"}:
+            ap.error(f"--arms takes NAME:PACK_ROWS:PAD:FUSE[:KERNELS] (PACK_ROWS >= 1, PAD, FUSE and KERNELS 0 or 1), "
+                     f"got {spec!r}")
         arms.append(tuple(parts))
     rows = []
     for k in range(args.rounds):
-        for name, pack_rows, pad, fuse in (arms if k % 2 == 0 else arms[::-1]):
+        for name, pack_rows, pad, fuse, kernels in (arms if k % 2 == 0 else arms[::-1]):
             cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", args.model, "--dtype",
                    args.dtype, "--batch-size", str(args.batch_size), "--max-tokens", str(args.max_tokens),
-                   "--threads", str(args.threads), "--pack-rows", pack_rows, "--pad", pad, "--fuse", fuse]
-            run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=True)
-            row = json.loads(next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))[7:])
+                   "--threads", str(args.threads), "--pack-rows", pack_rows, "--pad", pad, "--fuse", fuse,
+                   "--kernels", kernels]
+            row = child_result(cmd, cwd=ROOT)
             rows.append({"round": k + 1, "arm": name, "pack_rows": int(pack_rows), "pad": int(pad),
-                         "fuse_qkv": int(fuse), **row})
+                         "fuse_qkv": int(fuse), "kernels": int(kernels), **row})
             print(json.dumps(rows[-1]), flush=True)
     keys = ("prefill_s", "prefill_faults", "decode_step_ms_median", "tokens_per_s")
     summary = {name: {key: [r[key] for r in rows if r["arm"] == name] for key in keys} for name, *_ in arms}
     print(json.dumps(summary))
     if args.json:
-        from echo_trtllm.bench.run import report_meta
-
-        meta = report_meta("scripts.engine_thread_ab", argv, runner="python scripts/engine_thread_ab.py")
-        Path(args.json).write_text(json.dumps({"rows": rows, "per_arm": summary, **meta}, indent=2) + "\n")
+        write_report(args.json, "engine_thread_ab", argv, rows=rows, per_arm=summary)
     return 0
 
 

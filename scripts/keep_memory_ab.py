@@ -16,10 +16,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from echo_trtllm.bench.run import child_result, print_result, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
     if args.batch_size < 1 or args.max_tokens < 1 or args.rounds < 1 or args.threads < 1:
         ap.error("--batch-size, --max-tokens, --rounds and --threads must be >= 1")
     if args.child:
-        print("RESULT " + json.dumps(child(args)), flush=True)
+        print_result(child(args))
         return 0
     rows = []
     for k in range(args.rounds):
@@ -80,9 +81,7 @@ def main(argv=None) -> int:
                    args.dtype, "--batch-size", str(args.batch_size), "--max-tokens", str(args.max_tokens),
                    "--threads", str(args.threads)]
             env = {**os.environ, "ECHO_KEEP_FREED_MEMORY": keep}
-            run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, check=True)
-            row = json.loads(next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))[7:])
-            rows.append({"round": k + 1, **row})
+            rows.append({"round": k + 1, **child_result(cmd, env=env, cwd=ROOT)})
             print(json.dumps(rows[-1]), flush=True)
     summary = {}
     for kept in (True, False):
@@ -92,10 +91,7 @@ def main(argv=None) -> int:
             for key in ("prefill_s", "decode_step_ms_median", "tokens_per_s")}
     print(json.dumps(summary))
     if args.json:
-        from echo_trtllm.bench.run import report_meta
-
-        meta = report_meta("scripts.keep_memory_ab", argv, runner="python scripts/keep_memory_ab.py")
-        Path(args.json).write_text(json.dumps({"rows": rows, "medians": summary, **meta}, indent=2) + "\n")
+        write_report(args.json, "keep_memory_ab", argv, rows=rows, medians=summary)
     return 0
 
 

@@ -24,7 +24,7 @@ def main(argv=None) -> int:
 
     from echo_trtllm import LLM, EchoConfig, SamplingParams
     from echo_trtllm.bench.prompts import load_prompts
-    from echo_trtllm.bench.run import report_meta
+    from echo_trtllm.bench.run import write_report
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
@@ -63,8 +63,7 @@ def main(argv=None) -> int:
     medians = {name: statistics.median(r["tokens_per_s"] for r in rows if r["setting"] == name) for name in chunks}
     print(json.dumps({"median prefill tokens/s": medians}))
     if args.json:
-        meta = report_meta("scripts.prefill_chunk_ab", argv, runner="python scripts/prefill_chunk_ab.py")
-        Path(args.json).write_text(json.dumps({"rows": rows, "median_tokens_per_s": medians, **meta}, indent=2) + "\n")
+        write_report(args.json, "prefill_chunk_ab", argv, rows=rows, median_tokens_per_s=medians)
     return 0
 
 

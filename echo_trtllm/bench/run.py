@@ -50,9 +50,11 @@ Metrics per (method, batch size, temperature):
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -222,6 +224,30 @@ def report_meta(module: str, argv: list[str] | None, runner: str | None = None) 
     args = [a.replace(home, "~") for a in args]  # a report names no one's home directory
     return {"machine": machine_info(), "date": time.strftime("%Y-%m-%d"),
             "command": " ".join([runner or f"python -m {module}", *args])}
+
+
+RESULT = "RESULT "  # the line a measurement's child process prints its numbers on (`child_result`)
+
+
+def print_result(result: dict) -> None:
+    """A measurement's child process hands its numbers to the parent (`child_result`)."""
+    print(RESULT + json.dumps(result), flush=True)
+
+
+def child_result(cmd: list[str], env: dict | None = None, cwd: str | Path | None = None) -> dict:
+    """Run a measurement's child process (a fresh interpreter per arm and round) and return what it printed with
+    `print_result`."""
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, check=True)
+    line = next((x for x in run.stdout.splitlines() if x.startswith(RESULT)), None)
+    if line is None:
+        raise RuntimeError(f"{' '.join(cmd[:2])} printed no result line; its stderr ends: {run.stderr[-2000:]}")
+    return json.loads(line[len(RESULT):])
+
+
+def write_report(path: str | Path, script: str, argv: list[str] | None, **payload) -> None:
+    """A `python scripts/<script>.py` measurement's JSON: its payload beside `report_meta`."""
+    meta = report_meta(f"scripts.{script}", argv, runner=f"python scripts/{script}.py")
+    Path(path).write_text(json.dumps({**payload, **meta}, indent=2) + "\n")
 
 
 def _percentile(values: list[float], q: float) -> float:
