@@ -373,7 +373,6 @@ def verify_paths(
     position_uniforms: Tensor | None = None,
     max_depth: int | None = None,
     acceptor: Callable[[PackedVerifyBatch, Tensor, int | None], AcceptedPaths] | None = None,
-    argmax: Callable[[Tensor], Tensor] | None = None,
 ) -> AcceptedPaths:
     """`verify`'s accepted paths in fixed shapes (`AcceptedPaths`): greedy without `sampling`, else the sampling
     rule (greedy rows one-hot). max_depth: the tree's deepest depth, known on the host (it must not be below the
@@ -381,12 +380,10 @@ def verify_paths(
     and sampling with deterministic drafts reads it only in `process_logits`' two checks (whether any row needs
     top-k / top-p filtering, whether any is greedy). The runtime reads the result once. acceptor(batch, pred,
     max_depth): greedy acceptance of the target's top-1 `pred` (default `_accept_predicted`; on the CPU the runtime
-    passes the host library's, `kernels.host_greedy_acceptor`, of which `_accept_predicted` is the oracle). argmax:
-    greedy verification's top-1 of the logits (default `row_argmax`, its oracle; on the CPU the runtime passes the
-    one-pass kernel of `models.cpu_kernels`)."""
+    passes the host library's, `kernels.host_greedy_acceptor`, of which `_accept_predicted` is the oracle)."""
     if sampling is None:
         _check_logits(batch, target_logits, "target_logits")
-        return (acceptor or _accept_predicted)(batch, (argmax or row_argmax)(target_logits), max_depth)
+        return (acceptor or _accept_predicted)(batch, row_argmax(target_logits), max_depth)
     return _sampling_paths(batch, target_logits, sampling, generators, draft_probs, position_uniforms, max_depth)
 
 

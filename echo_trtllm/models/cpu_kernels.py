@@ -13,10 +13,6 @@ embedding equals the eager one to the bit; the norm sums its squares in another 
 the last bit (tests/models/test_cpu_kernels.py bounds it and checks float32 generation token for token against the
 eager path). A row's result depends on that row alone, however many rows a call has (batch-invariant mode).
 
-`row_argmax(x)` is greedy verification's top-1 over the vocabulary (the runtime's `executor.cpu_argmax`): the
-first index of each row's maximum or of its first NaN, as torch.argmax answers, in one vectorised pass (a bfloat16
-row of 151,936 logits in about 20 us, against 50 for core.verify.row_argmax's two passes, which stays its oracle).
-
 `ENABLED` (default: on unless ECHO_CPU_KERNELS=0) switches them off for the eager oracle and the measurements'
 control arms; it is read at every call.
 """
@@ -32,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["ENABLED", "available", "rms_norm", "rope_qk", "row_argmax"]
+__all__ = ["ENABLED", "available", "rms_norm", "rope_qk"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +62,6 @@ def _library() -> ctypes.CDLL | None:
         return None
     lib.echo_rms_norm.argtypes = [_vp, _i64, _vp, _vp, _i64, _i64, _f32, _i32, _i32]
     lib.echo_rope_qk.argtypes = [_vp, _i64, _i64, _vp, _i64, _i64, _vp, _vp, _vp, _vp, _i64, _i64, _i32, _i32]
-    lib.echo_row_argmax.argtypes = [_vp, _i64, _i64, _i64, _vp, _i32, _i32]
     return lib
 
 
@@ -136,21 +131,3 @@ def rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Ten
         raise ValueError(f"echo_rope_qk rejected q {tuple(q.shape)} {q.stride()}, k {tuple(k.shape)} {k.stride()}")
     return q_out, k_out
 
-
-def row_argmax(x: Tensor) -> Tensor | None:
-    """x.argmax(-1) of a (N, V) tensor (the first index of each row's maximum; a row with a NaN: its first NaN), as
-    greedy verification reads the target's logits, or None where the kernel does not apply. Exact: no value is
-    computed, only compared."""
-    if x.ndim != 2 or x.shape[1] == 0 or not _applies(x):
-        return None
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    n, v = x.shape
-    out = torch.empty(n, dtype=torch.long)
-    if n == 0:
-        return out
-    rc = _library().echo_row_argmax(x.data_ptr(), x.stride(0) if n > 1 else v, n, v, out.data_ptr(), _DTYPES[x.dtype],
-                                    _threads(n * v))
-    if rc:
-        raise ValueError(f"echo_row_argmax rejected x {tuple(x.shape)} with strides {x.stride()}")
-    return out

@@ -56,8 +56,7 @@ from echo_trtllm.core.gating import GateSamples
 from echo_trtllm.core.policies import DraftResult, draft_tree_batched, policy_class
 from echo_trtllm.core.prices import StepCostModel, StepPrediction
 from echo_trtllm.core.steps import StepSample
-from echo_trtllm.core.verify import AcceptedPaths, VerifyResult, row_argmax, verify_paths
-from echo_trtllm.models import cpu_kernels
+from echo_trtllm.core.verify import AcceptedPaths, VerifyResult, verify_paths
 from echo_trtllm.models.eagle3 import Eagle3Head
 from echo_trtllm.models.llama import CausalLM
 from echo_trtllm.models.loader import Tokenizer
@@ -75,14 +74,6 @@ __all__ = ["Executor", "StepReport", "StepTimings", "check_limits", "default_max
 log = logging.getLogger("echo_trtllm.executor")
 # the shortest pending chain a re-primed draft starts from (tokens of context it keeps)
 MIN_PENDING = 8
-
-def cpu_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Greedy verification's top-1 of each row: the CPU's one-pass kernel where it applies (models/cpu_kernels.py:
-    a bfloat16 row of Qwen's 151,936 logits in about 20 us against core.verify.row_argmax's 50), else row_argmax,
-    its oracle; the same indices either way."""
-    out = cpu_kernels.row_argmax(logits)
-    return row_argmax(logits) if out is None else out
-
 
 def default_max_num_tokens(config: EchoConfig) -> int:
     """Tokens a step verifies at most when the caller sets no max_num_tokens."""
@@ -233,7 +224,6 @@ class Executor:
         self._pack_backend = kernels.backend_for(target.device)  # packing runs where the target is (`_pack`)
         # greedy acceptance where the logits are: the host library's on the CPU, torch's elsewhere (`_verify`)
         self._acceptor = kernels.host_greedy_acceptor() if self._pack_backend == "host" else None
-        self._argmax = cpu_argmax  # the one-pass kernel on the CPU where it applies, else core's row_argmax
         self._init_pricing(config, cost_model, gate_samples, fallback, adapt)
         self._init_memory(target, draft, config, max_batch_size, max_seq_len, max_num_tokens)
         self.waiting: deque[Request] = deque()
@@ -471,7 +461,7 @@ class Executor:
             u = torch.tensor([r.position_uniforms(len(r.output_token_ids), depth) for r in reqs], dtype=torch.float64)
             uniforms = send("uniforms", u)
         paths = verify_paths(packed, logits, sampling, position_uniforms=uniforms, max_depth=depth - 1,
-                             acceptor=self._acceptor, argmax=self._argmax)
+                             acceptor=self._acceptor)
         return AcceptedPaths(*self.link.read("accepted path", paths.nodes, paths.tokens, paths.counts)).flatten()
 
     def _finish(self, req: Request, tokens: list[int]) -> int:

@@ -1,8 +1,7 @@
 // The target's row-wise forward work on the CPU in one pass per call: the RMS norm and the rotary embedding of q and
 // k. Each replaces a chain of PyTorch operations (7 for the norm, 6 per rotated tensor) that read and write the
 // rows again at every step; echo_trtllm/models/cpu_kernels.py calls them, and the eager PyTorch code stays the
-// oracle (tests/models/test_cpu_kernels.py). And greedy verification's argmax over the vocabulary, one pass for the
-// maximum and a scan to its first occurrence, exact (core.verify.row_argmax is its oracle).
+// oracle (tests/models/test_cpu_kernels.py).
 //
 // Every element is rounded where the eager code rounds it (bfloat16: each product and sum computed in float32 and
 // rounded to nearest even, as PyTorch's CPU kernels do; no fused multiply-adds), so the rotary embedding equals the
@@ -104,70 +103,6 @@ void rope_rows(const T* x, int64_t stride, int64_t heads, const T* cos, const T*
   }
 }
 
-// 16 lanes in GCC's vector extensions (the compiler's vectoriser does not take the argmax loop; these lower to
-// whatever vector width the CPU has)
-typedef float f16v __attribute__((vector_size(64)));
-typedef int32_t i16v __attribute__((vector_size(64)));
-typedef uint32_t u16v __attribute__((vector_size(64)));
-typedef uint16_t h16v __attribute__((vector_size(32)));
-
-inline f16v load16(const float* p) {
-  f16v v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline f16v load16(const uint16_t* p) {
-  h16v h;
-  std::memcpy(&h, p, sizeof h);
-  const u16v u = __builtin_convertvector(h, u16v) << 16;
-  f16v v;
-  std::memcpy(&v, &u, sizeof v);
-  return v;
-}
-
-// out[r] = the first index of row r's maximum, or of its first NaN where it has one (torch.argmax's answer). One
-// pass keeps, per lane, its largest value and where it first met it (and whether it met a NaN); the row's answer is
-// the smallest index among the lanes holding the maximum. A NaN sends the row to a scan for its first NaN.
-template <typename T>
-int64_t argmax_row(const T* __restrict x, int64_t n) {
-  f16v best = f16v{} - INFINITY;
-  i16v where = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  i16v idx = where, nan = i16v{};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    const f16v f = load16(x + i);
-    const i16v more = f > best;
-    best = more ? f : best;
-    where = more ? idx : where;
-    nan |= f != f;
-    idx += kLanes;
-  }
-  float top = -INFINITY;
-  int64_t at = n;  // past the end: nothing met yet
-  bool any_nan = false;
-  for (int j = 0; j < kLanes; ++j) {
-    any_nan |= nan[j] != 0;
-    if (i > 0 && (best[j] > top || (best[j] == top && where[j] < at))) top = best[j], at = where[j];
-  }
-  for (; i < n; ++i) {
-    const float f = Elem<T>::load(x, i);
-    any_nan |= f != f;
-    if (f > top || at == n) top = f, at = i;
-  }
-  if (any_nan)
-    for (i = 0; i < n; ++i) {
-      const float f = Elem<T>::load(x, i);
-      if (f != f) return i;
-    }
-  return at == n ? 0 : at;
-}
-
-template <typename T>
-void argmax_rows(const T* x, int64_t stride, int64_t first, int64_t last, int64_t n, int64_t* out) {
-  for (int64_t r = first; r < last; ++r) out[r] = argmax_row(x + r * stride, n);
-}
-
 // fn(first, last) over [0, rows) in `threads` contiguous parts (the caller's thread runs the first)
 template <typename F>
 void split_rows(int64_t rows, int32_t threads, F fn) {
@@ -229,24 +164,6 @@ int echo_rope_qk(const void* q, int64_t q_stride, int64_t q_heads, const void* k
     run(float{});
   } else if (dtype == kBFloat16) {
     run(uint16_t{});
-  } else {
-    return -1;
-  }
-  return 0;
-}
-
-// out (rows,) int64: each row's argmax of x (rows, n), row r at x + r * stride
-int echo_row_argmax(const void* x, int64_t stride, int64_t rows, int64_t n, int64_t* out, int32_t dtype,
-                    int32_t threads) {
-  if (!x || !out || rows < 0 || n < 1 || stride < n) return -1;
-  if (dtype == kFloat32) {
-    split_rows(rows, threads, [&](int64_t a, int64_t b) {
-      argmax_rows(static_cast<const float*>(x), stride, a, b, n, out);
-    });
-  } else if (dtype == kBFloat16) {
-    split_rows(rows, threads, [&](int64_t a, int64_t b) {
-      argmax_rows(static_cast<const uint16_t*>(x), stride, a, b, n, out);
-    });
   } else {
     return -1;
   }
