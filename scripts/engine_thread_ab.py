@@ -7,7 +7,7 @@ in fresh processes, the arms alternating over rounds.
         [--batch-size 16] [--max-tokens 64] [--rounds 3] [--json out.json]
 
 An arm is NAME:PACK_ROWS:PAD:FUSE[:KERNELS] (PAD 1: cpu.TOP_PAD as it is, 0: glibc's top pad; FUSE 1: q, k and v
-fused; KERNELS 1, the default: the one-pass norm and rotary embedding, 0: the eager code). Each
+fused; KERNELS 1: the one-pass norm and rotary embedding, 0, the default of a four-field arm: the eager code). Each
 process builds the LLM (AR, bfloat16), runs two untimed batches of other prompts, then one timed batch through
 LLM.generate as bench_vllm's closed batches do (greedy HumanEval eval prompts, ignore_eos): the admission (every
 prompt's prefill, with the process's minor page faults during it), the median decode step and the whole batch's
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     arms = []
     for spec in args.arms:
         parts = spec.split(":")
-        parts += ["1"] * (len(parts) == 4)
+        parts += ["0"] * (len(parts) == 4)  # four fields: an arm as it was before the kernels existed
         if len(parts) != 5 or not parts[1].isdigit() or int(parts[1]) < 1 or set(parts[2:]) - {"0", "1"}:
             ap.error(f"--arms takes NAME:PACK_ROWS:PAD:FUSE[:KERNELS] (PACK_ROWS >= 1, PAD, FUSE and KERNELS 0 or 1), "
                      f"got {spec!r}")

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 ENABLED = os.environ.get("ECHO_CPU_KERNELS", "1") != "0"
 LIB_NAME = "libecho_cpu_forward.so"
 BUILD_DIR = Path(__file__).resolve().parents[2] / "plugins" / "build"
-VERSION = 1
+VERSION = 2
 # elements per call from which a call is split over torch's intra-op threads (a thread's start costs about what
 # this many elements do)
 SPLIT_ELEMENTS = 1 << 18
@@ -60,6 +60,11 @@ def _library() -> ctypes.CDLL | None:
         logger.warning("%s is version %s, this package expects %s: the eager code runs (rebuild: scripts/setup.sh)",
                        path, version, VERSION)
         return None
+    if not lib.echo_cpu_forward_supported():  # built with -march=native for another CPU
+        logger.warning("%s was built for instruction sets this CPU lacks: the eager code runs (rebuild: "
+                       "scripts/setup.sh)", path)
+        return None
+    lib.echo_cpu_forward_supported.restype = ctypes.c_int
     lib.echo_rms_norm.argtypes = [_vp, _i64, _vp, _vp, _i64, _i64, _f32, _i32, _i32]
     lib.echo_rope_qk.argtypes = [_vp, _i64, _i64, _vp, _i64, _i64, _vp, _vp, _vp, _vp, _i64, _i64, _i32, _i32]
     return lib
@@ -89,23 +94,21 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
     if not _applies(x, weight) or weight.shape != (d,) or not weight.is_contiguous() or d == 0:
         return None
     rows = x.reshape(-1, d)  # a view where it can be
-    if rows.stride(1) != 1:
+    if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < d):  # strided columns, overlapping rows
         rows = rows.contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype)
+    out = torch.empty(x.shape, dtype=x.dtype, device="cpu")
     n = rows.shape[0]
     if n == 0:
         return out
     rc = _library().echo_rms_norm(rows.data_ptr(), rows.stride(0) if n > 1 else d, weight.data_ptr(),
                                   out.data_ptr(), n, d, eps, _DTYPES[x.dtype], _threads(n * d))
-    if rc:
-        raise ValueError(f"echo_rms_norm rejected x {tuple(x.shape)} with strides {rows.stride()}")
-    return out
+    return out if rc == 0 else None  # refused (never for the checked arguments): the eager code
 
 
 def _heads(x: Tensor) -> tuple[int, int] | None:
     """(token stride, heads) of x (T, H, D) whose heads are contiguous within a token, else None."""
     t, h, d = x.shape
-    if x.stride(2) != 1 or (h > 1 and x.stride(1) != d):
+    if h < 1 or x.stride(2) != 1 or (h > 1 and x.stride(1) != d) or (t > 1 and x.stride(0) < h * d):
         return None
     return (x.stride(0) if t > 1 else h * d), h
 
@@ -116,18 +119,16 @@ def rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Ten
     if q.ndim != 3 or k.ndim != 3 or not _applies(q, k, cos, sin):
         return None
     t, hq, d = q.shape
-    if k.shape[0] != t or k.shape[2] != d or d % 2 or cos.shape != (t, d) or sin.shape != (t, d):
+    if k.shape[0] != t or k.shape[2] != d or d < 2 or d % 2 or cos.shape != (t, d) or sin.shape != (t, d):
         return None
     qs, ks = _heads(q), _heads(k)
     if qs is None or ks is None or not cos.is_contiguous() or not sin.is_contiguous():
         return None
-    q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
+    q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device="cpu"), torch.empty(k.shape, dtype=k.dtype, device="cpu")
     if t == 0:
         return q_out, k_out
     rc = _library().echo_rope_qk(q.data_ptr(), qs[0], qs[1], k.data_ptr(), ks[0], ks[1], cos.data_ptr(),
                                  sin.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), t, d, _DTYPES[q.dtype],
                                  _threads(t * (hq + ks[1]) * d))
-    if rc:
-        raise ValueError(f"echo_rope_qk rejected q {tuple(q.shape)} {q.stride()}, k {tuple(k.shape)} {k.stride()}")
-    return q_out, k_out
+    return (q_out, k_out) if rc == 0 else None
 

@@ -11,6 +11,7 @@
 //
 // Built by scripts/setup.sh for the machine it runs on (-O3 -march=native -ffp-contract=off); without it the eager
 // code runs.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -55,25 +56,29 @@ struct Elem<uint16_t> {
 
 constexpr int kLanes = 16;
 
-// out[r] = (x[r] * rsqrt(mean(x[r]^2) + eps)), rounded to T, times w, rounded to T: RMSNorm.forward's order
+// out[r] = (x[r] * rsqrt(mean(x[r]^2) + eps)), rounded to T, times w, rounded to T: RMSNorm.forward's order. Each
+// row is read twice (its sum of squares, then the output), no buffer: nothing here allocates or throws
 template <typename T>
 void rms_norm_rows(const T* x, int64_t x_stride, const T* w, T* out, int64_t first, int64_t last, int64_t dim,
                    float eps) {
-  thread_local std::vector<float> row;  // one row in float32, kept between calls
-  row.resize(static_cast<size_t>(dim));
   for (int64_t r = first; r < last; ++r) {
-    const T* xr = x + r * x_stride;
+    const T* __restrict xr = x + r * x_stride;
     float lanes[kLanes] = {};
     int64_t i = 0;
-    for (; i < dim; ++i) row[i] = Elem<T>::load(xr, i);
-    for (i = 0; i + kLanes <= dim; i += kLanes)
-      for (int j = 0; j < kLanes; ++j) lanes[j] += row[i + j] * row[i + j];
-    for (; i < dim; ++i) lanes[i % kLanes] += row[i] * row[i];
+    for (; i + kLanes <= dim; i += kLanes)
+      for (int j = 0; j < kLanes; ++j) {
+        const float f = Elem<T>::load(xr, i + j);
+        lanes[j] += f * f;
+      }
+    for (; i < dim; ++i) {
+      const float f = Elem<T>::load(xr, i);
+      lanes[i % kLanes] += f * f;
+    }
     for (int half = kLanes / 2; half >= 1; half /= 2)
       for (int j = 0; j < half; ++j) lanes[j] += lanes[j + half];
     const float scale = 1.0f / std::sqrt(lanes[0] / static_cast<float>(dim) + eps);
-    T* o = out + r * dim;
-    for (i = 0; i < dim; ++i) Elem<T>::store(o, i, Elem<T>::round(row[i] * scale) * Elem<T>::load(w, i));
+    T* __restrict o = out + r * dim;
+    for (i = 0; i < dim; ++i) Elem<T>::store(o, i, Elem<T>::round(Elem<T>::load(xr, i) * scale) * Elem<T>::load(w, i));
   }
 }
 
@@ -103,7 +108,8 @@ void rope_rows(const T* x, int64_t stride, int64_t heads, const T* cos, const T*
   }
 }
 
-// fn(first, last) over [0, rows) in `threads` contiguous parts (the caller's thread runs the first)
+// fn(first, last) over [0, rows) in `threads` contiguous parts (the caller's thread runs the first, and any part
+// whose thread could not be started)
 template <typename F>
 void split_rows(int64_t rows, int32_t threads, F fn) {
   if (threads <= 1 || rows < 2) {
@@ -112,9 +118,14 @@ void split_rows(int64_t rows, int32_t threads, F fn) {
   }
   const int64_t parts = std::min<int64_t>(threads, rows);
   std::vector<std::thread> pool;
-  pool.reserve(static_cast<size_t>(parts - 1));
-  for (int64_t p = 1; p < parts; ++p) pool.emplace_back(fn, rows * p / parts, rows * (p + 1) / parts);
+  int64_t started = 1;
+  try {
+    pool.reserve(static_cast<size_t>(parts - 1));
+    for (; started < parts; ++started) pool.emplace_back(fn, rows * started / parts, rows * (started + 1) / parts);
+  } catch (...) {  // no thread to be had: this thread runs the rest
+  }
   fn(int64_t{0}, rows / parts);
+  for (int64_t p = started; p < parts; ++p) fn(rows * p / parts, rows * (p + 1) / parts);
   for (auto& th : pool) th.join();
 }
 
@@ -122,12 +133,53 @@ void split_rows(int64_t rows, int32_t threads, F fn) {
 
 extern "C" {
 
-int echo_cpu_forward_version(void) { return 1; }
+int echo_cpu_forward_version(void) { return 2; }
 
-// 0: done; -1: a bad argument (the Python wrapper checks them first)
+// 1 where this CPU has the instruction sets this build was compiled for (-march=native on another machine: a
+// library copied there would stop the process on its first vector instruction), else 0. Compiled for the baseline
+// x86-64 so that calling it is safe anywhere; other architectures: 1
+#if defined(__GNUC__) && defined(__x86_64__)
+__attribute__((target("arch=x86-64"))) int echo_cpu_forward_supported(void) {
+  __builtin_cpu_init();
+  int ok = 1;
+#ifdef __SSE4_2__
+  ok &= __builtin_cpu_supports("sse4.2") != 0;
+#endif
+#ifdef __AVX__
+  ok &= __builtin_cpu_supports("avx") != 0;
+#endif
+#ifdef __AVX2__
+  ok &= __builtin_cpu_supports("avx2") != 0;
+#endif
+#ifdef __FMA__
+  ok &= __builtin_cpu_supports("fma") != 0;
+#endif
+#ifdef __BMI2__
+  ok &= __builtin_cpu_supports("bmi2") != 0;
+#endif
+#ifdef __AVX512F__
+  ok &= __builtin_cpu_supports("avx512f") != 0;
+#endif
+#ifdef __AVX512BW__
+  ok &= __builtin_cpu_supports("avx512bw") != 0;
+#endif
+#ifdef __AVX512VL__
+  ok &= __builtin_cpu_supports("avx512vl") != 0;
+#endif
+#ifdef __AVX512DQ__
+  ok &= __builtin_cpu_supports("avx512dq") != 0;
+#endif
+  return ok;
+}
+#else
+int echo_cpu_forward_supported(void) { return 1; }
+#endif
+
+// 0: done; -1: a bad argument (the Python wrapper checks them first, and runs the eager code on any other answer).
+// Nothing below throws: the parts run on threads only where one can be started
 int echo_rms_norm(const void* x, int64_t x_row_stride, const void* weight, void* out, int64_t rows, int64_t dim,
                   float eps, int32_t dtype, int32_t threads) {
-  if (!x || !weight || !out || rows < 0 || dim < 1 || x_row_stride < dim) return -1;
+  if (!x || !weight || !out || rows < 0 || dim < 1 || (rows > 1 && x_row_stride < dim)) return -1;
   if (dtype == kFloat32) {
     split_rows(rows, threads, [&](int64_t a, int64_t b) {
       rms_norm_rows(static_cast<const float*>(x), x_row_stride, static_cast<const float*>(weight),

@@ -16,6 +16,12 @@ pytestmark = pytest.mark.skipif(cpu_kernels._library() is None,
 DTYPES = (torch.float32, torch.bfloat16)
 
 
+@pytest.fixture(autouse=True)
+def _kernels_on(monkeypatch):
+    """The kernels on whatever ECHO_CPU_KERNELS says (the variable switches the engine to the eager oracle)."""
+    monkeypatch.setattr(cpu_kernels, "ENABLED", True)
+
+
 @pytest.fixture
 def eager(monkeypatch):
     """A context in which the kernels are off (the eager oracle)."""
@@ -99,11 +105,17 @@ def test_the_kernels_step_aside_where_they_do_not_apply(eager):
     x = torch.randn(3, 32)
     w = torch.nn.Parameter(torch.ones(32))
     assert cpu_kernels.rms_norm(x, w, 1e-6) is None  # gradients wanted: autograd needs the eager operations
+    qk = torch.randn(3, 1, 32, requires_grad=True)
+    assert cpu_kernels.rope_qk(qk, qk, x, x) is None
     with torch.no_grad():
         assert cpu_kernels.rms_norm(x, w, 1e-6) is not None
         assert cpu_kernels.rms_norm(x.half(), w.half(), 1e-6) is None  # float16: not a kernel's dtype
         assert cpu_kernels.rms_norm(x, w.double(), 1e-6) is None  # mixed dtypes: the eager code promotes
         assert cpu_kernels.rope_qk(x.view(3, 1, 32), x.view(3, 1, 32), x[:, :16], x[:, :16]) is None  # bad cos
+        over = x[:1].expand(3, 32)  # rows that overlap (stride 0): copied, not refused
+        assert torch.equal(cpu_kernels.rms_norm(over, w, 1e-6), cpu_kernels.rms_norm(over.contiguous(), w, 1e-6))
+        q = torch.randn(1, 4, 32).expand(3, 4, 32)  # tokens that overlap: the eager code runs
+        assert cpu_kernels.rope_qk(q, q, x, x) is None
         assert cpu_kernels.rms_norm(x[:0], w, 1e-6).shape == (0, 32)  # no rows: an empty result
         eager()
         assert cpu_kernels.rms_norm(x, w, 1e-6) is None and not cpu_kernels.available()
@@ -131,3 +143,26 @@ def test_float32_generation_is_token_for_token_the_eager_paths(prompts, eager, m
     eager()
     for policy, got in fused.items():
         assert got == run_greedy(target, draft, tok, policy, prompts[:4], 4, [24] * 4)[0], policy
+
+
+def test_bfloat16_logits_with_the_kernels_are_the_eager_ones_within_rounding(eager):
+    """The embedded target in bfloat16, 1 and 16 tokens after a prefix: the logits with the kernels against the eager
+    code's, within a few bfloat16 roundings (the norm's mean may round apart in its last float32 bit)."""
+    from echo_trtllm.runtime.inputs import chain_batch
+
+    model, _ = load_model(DEFAULT_TARGET, dtype="bfloat16", with_tokenizer=False)
+    ids = torch.randint(0, model.config.vocab_size, (48,), generator=torch.Generator().manual_seed(5)).tolist()
+
+    def logits():
+        out = []
+        with torch.inference_mode():
+            for t in (1, 16):
+                cache = model.allocate_cache(1, 64)
+                model(chain_batch([ids[:32]], torch.tensor([0]), torch.tensor([0]), logits="none"), cache)
+                out.append(model(chain_batch([ids[32:32 + t]], torch.tensor([32]), torch.tensor([0]), logits="all"),
+                                 cache))
+        return out
+    fused = logits()
+    eager()
+    for a, b in zip(fused, logits()):
+        torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
