@@ -64,7 +64,6 @@ def _library() -> ctypes.CDLL | None:
         logger.warning("%s was built for instruction sets this CPU lacks: the eager code runs (rebuild: "
                        "scripts/setup.sh)", path)
         return None
-    lib.echo_cpu_forward_supported.restype = ctypes.c_int
     lib.echo_rms_norm.argtypes = [_vp, _i64, _vp, _vp, _i64, _i64, _f32, _i32, _i32]
     lib.echo_rope_qk.argtypes = [_vp, _i64, _i64, _vp, _i64, _i64, _vp, _vp, _vp, _vp, _i64, _i64, _i32, _i32]
     return lib

@@ -129,6 +129,19 @@ void split_rows(int64_t rows, int32_t threads, F fn) {
   for (auto& th : pool) th.join();
 }
 
+// fn(T{}) with T the element type of dtype (float, or bfloat16's bits as uint16_t); false for any other dtype
+template <typename F>
+bool by_dtype(int32_t dtype, F fn) {
+  if (dtype == kFloat32) {
+    fn(float{});
+  } else if (dtype == kBFloat16) {
+    fn(uint16_t{});
+  } else {
+    return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 extern "C" {
@@ -180,20 +193,14 @@ int echo_cpu_forward_supported(void) { return 1; }
 int echo_rms_norm(const void* x, int64_t x_row_stride, const void* weight, void* out, int64_t rows, int64_t dim,
                   float eps, int32_t dtype, int32_t threads) {
   if (!x || !weight || !out || rows < 0 || dim < 1 || (rows > 1 && x_row_stride < dim)) return -1;
-  if (dtype == kFloat32) {
+  const bool known = by_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
     split_rows(rows, threads, [&](int64_t a, int64_t b) {
-      rms_norm_rows(static_cast<const float*>(x), x_row_stride, static_cast<const float*>(weight),
-                    static_cast<float*>(out), a, b, dim, eps);
+      rms_norm_rows(static_cast<const T*>(x), x_row_stride, static_cast<const T*>(weight), static_cast<T*>(out), a, b,
+                    dim, eps);
     });
-  } else if (dtype == kBFloat16) {
-    split_rows(rows, threads, [&](int64_t a, int64_t b) {
-      rms_norm_rows(static_cast<const uint16_t*>(x), x_row_stride, static_cast<const uint16_t*>(weight),
-                    static_cast<uint16_t*>(out), a, b, dim, eps);
-    });
-  } else {
-    return -1;
-  }
-  return 0;
+  });
+  return known ? 0 : -1;
 }
 
 // q (T, Hq, D) and k (T, Hk, D) rotated into q_out, k_out (contiguous), as apply_rope does each
@@ -203,7 +210,7 @@ int echo_rope_qk(const void* q, int64_t q_stride, int64_t q_heads, const void* k
   if (!q || !k || !cos || !sin || !q_out || !k_out || tokens < 0 || dim < 2 || dim % 2 || q_heads < 1 ||
       k_heads < 1 || q_stride < q_heads * dim || k_stride < k_heads * dim)
     return -1;
-  auto run = [&](auto tag) {
+  const bool known = by_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     split_rows(tokens, threads, [&](int64_t a, int64_t b) {
       rope_rows(static_cast<const T*>(q), q_stride, q_heads, static_cast<const T*>(cos), static_cast<const T*>(sin),
@@ -211,15 +218,8 @@ int echo_rope_qk(const void* q, int64_t q_stride, int64_t q_heads, const void* k
       rope_rows(static_cast<const T*>(k), k_stride, k_heads, static_cast<const T*>(cos), static_cast<const T*>(sin),
                 static_cast<T*>(k_out), a, b, dim);
     });
-  };
-  if (dtype == kFloat32) {
-    run(float{});
-  } else if (dtype == kBFloat16) {
-    run(uint16_t{});
-  } else {
-    return -1;
-  }
-  return 0;
+  });
+  return known ? 0 : -1;
 }
 
 }  // extern "C"
