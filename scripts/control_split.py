@@ -70,6 +70,7 @@ WRAPPED = ((policies, "_level_on_device", "level work on the device (head forwar
            (policies.EchoPolicy, "learn", "acceptance (in learn)"),
            (drafter_mod.Eagle3Drafter, "begin", "draft begin (in control)"),
            (executor_mod.Executor, "_decide", "speculation decision (in control)"),
+           (controller_mod.SpeculationController, "_estimate_now", "controller's estimate read anew (in decision)"),
            (tree_mod.SuperTree, "select", "tree select (in select and result)"))
 
 
@@ -87,11 +88,13 @@ def timed(seconds: dict, calls: dict):
         setattr(owner, name, g)
 
 
-def pure_echo(target, head, tok, batch_size: int, max_tokens: int, prompts: list[str], warm: int = 4):
+def pure_echo(target, head, tok, batch_size: int, max_tokens: int, prompts: list[str], warm: int = 4,
+              fallback: str = "off"):
     """ECHO pure (every step drafts) on target and head with batch_size greedy requests of `max_tokens`, warmed by
-    `warm` steps: the steps this script and `control_sampled.py` measure. Returns (executor, submit), where
-    submit(n) adds batch_size more requests, the i-th of prompt n + i."""
-    llm = make_engine(target, head, tok, EchoConfig(policy="echo"), batch_size, 1024, fallback="off")
+    `warm` steps: the steps this script and `control_sampled.py` measure (fallback "on": ECHO as shipped, its
+    speculation controller deciding each step). Returns (executor, submit), where submit(n) adds batch_size more
+    requests, the i-th of prompt n + i."""
+    llm = make_engine(target, head, tok, EchoConfig(policy="echo"), batch_size, 1024, fallback=fallback)
     llm.shutdown()
     ex = llm.executor
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -106,7 +109,8 @@ def pure_echo(target, head, tok, batch_size: int, max_tokens: int, prompts: list
     return ex, submit
 
 
-def control_split(batch_sizes: list[int], steps: int, model=None, head_dir=None, dtype="float32") -> list[dict]:
+def control_split(batch_sizes: list[int], steps: int, model=None, head_dir=None, dtype="float32",
+                  fallback: str = "off") -> list[dict]:
     seconds: dict[str, float] = collections.defaultdict(float)
     calls: dict[str, int] = collections.defaultdict(int)
     timed(seconds, calls)
@@ -115,7 +119,7 @@ def control_split(batch_sizes: list[int], steps: int, model=None, head_dir=None,
     prompts = load_prompts("humaneval")
     out = []
     for b in batch_sizes:
-        ex, _ = pure_echo(target, head, tok, b, steps * 8 + 64, prompts)
+        ex, _ = pure_echo(target, head, tok, b, steps * 8 + 64, prompts, fallback=fallback)
         seconds.clear()
         calls.clear()
         total = control = 0.0
@@ -232,6 +236,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="target (HF directory or .gguf; default: the embedded target)")
     ap.add_argument("--head", default=None, help="its EAGLE-3 head directory (default: the embedded head)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--fallback", default="off", choices=["off", "on"],
+                    help="off: ECHO pure, every step drafts; on: ECHO as shipped, its controller deciding each step")
     args = ap.parse_args(argv)
     if (args.model is None) != (args.head is None):
         ap.error("--model and --head go together (a head is trained for its target)")
@@ -240,7 +246,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     with torch.no_grad():  # not inference mode: a bfloat16 model's prepacked weights track their tensors' versions
         split = [] if args.micro_only else control_split([int(b) for b in args.batch_sizes.split(",")], args.steps,
-                                                         args.model, args.head, args.dtype)
+                                                         args.model, args.head, args.dtype, args.fallback)
         result = {"control_split": split, **({} if args.split_only else {"accept_cost": accept_cost(),
                                                                           "lm_head_argmax": lm_head_argmax(),
                                                                           "store_copy": store_copy(),

@@ -218,14 +218,17 @@ class SpeculationController:
     def estimate(self, batch_size: int, context: float) -> tuple[float, float, float, float, float]:
         """(ratio, log-scale deviation, plain seconds, steady speculative seconds, the plain price's own relative
         variance) at this batch size and context; ratio nan when the recent speculative steps say nothing about
-        it. Kept for up to `refresh_every` steps while the batch size, the evidence (no new speculative step) and the
-        context (within 10 %) stay: prices learnt in a few steps do not move a decision, and the estimate reads
-        every record (a confident loss for up to 4 x `refresh_every` steps)."""
+        it. Kept for up to `refresh_every` steps while the batch size and the context (within 10 %) stay, even as
+        speculative steps add evidence (each is one record of the `memory` the estimate reads, the newest weighing
+        about a sixteenth of them: a few move a decision little, and re-reading every record cost a step about half a
+        millisecond of host time inside the engine; docs/performance.md); an estimate that had no evidence (ratio nan)
+        is read again at the first record. A confident loss without new evidence is kept 4 x `refresh_every` steps."""
         last = self._estimate
-        if last.get("batch") == batch_size and last.get("head") == (self.records.head, self.records.size):
+        if last.get("batch") == batch_size and abs(context - last["context"]) <= 0.1 * context:
+            same_evidence = last.get("head") == (self.records.head, self.records.size)
             # a confident loss is kept 4x as long: steady plain steps then pay for no estimate they do not need
-            keep = self.refresh_every * (4 if self._confident_loss(last["value"]) else 1)
-            if self.step - last["step"] < keep and abs(context - last["context"]) <= 0.1 * context:
+            keep = self.refresh_every * (4 if same_evidence and self._confident_loss(last["value"]) else 1)
+            if self.step - last["step"] < keep and (same_evidence or not math.isnan(last["value"][0])):
                 return last["value"]
         value = self._estimate_now(batch_size, context)
         self._estimate = {"batch": batch_size, "head": (self.records.head, self.records.size), "step": self.step,

@@ -104,8 +104,12 @@ class FeatureStore:
         total = sum(counts)
         if total != feats.shape[0]:
             raise ValueError(f"FeatureStore.write: {feats.shape[0]} feature rows for counts summing to {total}")
-        if self.rows is None:  # never read before written: a read is bounded by its window
-            self.rows = feats.new_empty((self.slots * self.width, feats.shape[1]))
+        if self.rows is None:
+            # zeros, not empty memory (a read is bounded by its window, so never reads a row before its write): the
+            # pages are touched here, once, not at each step's first write into them, which at 16 rows of the Qwen
+            # target cost a step 2-12 ms of page faults until every slot's ring had been written once
+            # (docs/performance.md)
+            self.rows = feats.new_zeros((self.slots * self.width, feats.shape[1]))
         dst: list[int] = []
         src: list[int] | None = None
         offset = 0

@@ -135,3 +135,39 @@ def test_bad_options_are_refused_by_name():
         SpeculationController(cost, initial_credit=10.0, max_credit=8.0)
     with pytest.raises(ValueError, match="batch_size"):
         SpeculationController(cost).decide(0, 1.0)
+
+
+def _paying(ctl: SpeculationController, steps: int) -> None:
+    """Plain steps teach the plain price, then speculative steps that emit 3x what a plain step does."""
+    plain = StepSample(4, 4, 256.0, (), 0.0001, 0.01)
+    for _ in range(8):
+        ctl.cost.observe(plain)
+    spec = StepSample(4, 20, 256.0, (8, 4, 4, 4), 0.002, 0.011)
+    for _ in range(steps):
+        ctl.cost.observe(spec)
+        ctl.observe(spec, 12.0, ctl.decide(4, 256.0))
+
+
+def test_an_estimate_is_kept_for_refresh_every_steps_while_steps_add_evidence_and_read_at_the_first_record():
+    """The estimate reads every kept record: it is reused for refresh_every steps even though each speculative step
+    adds a record, then read again, and what it kept is close to the estimate read anew (the reference:
+    `_estimate_now` at the same records); an estimate without evidence (nan) is read again at the first record."""
+    ctl = fresh(refresh_every=4)
+    _paying(ctl, 40)
+    reads = []
+    now = ctl._estimate_now
+    ctl._estimate_now = lambda b, c: reads.append(ctl.step) or now(b, c)
+    spec = StepSample(4, 20, 256.0, (8, 4, 4, 4), 0.002, 0.011)
+    for _ in range(8):  # new evidence every step, a read every 4th
+        ctl.observe(spec, 12.0, ctl.decide(4, 256.0))
+    assert len(reads) == 2 and reads[1] - reads[0] == 4
+    kept = ctl.estimate(4, 256.0)
+    assert len(reads) == 2 and kept[0] == pytest.approx(now(4, 256.0)[0], rel=0.05)  # kept, and near a fresh read
+    assert ctl.estimate(8, 256.0) is not kept and len(reads) == 3  # another batch size reads anew
+    unsure = fresh(refresh_every=4)
+    reads.clear()
+    first = unsure._estimate_now
+    unsure._estimate_now = lambda b, c: reads.append(unsure.step) or first(b, c)
+    assert math.isnan(unsure.estimate(4, 256.0)[0])
+    unsure.record(spec, 12.0)
+    assert not math.isnan(unsure.estimate(4, 256.0)[0]) and len(reads) == 2
