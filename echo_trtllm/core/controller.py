@@ -67,6 +67,8 @@ MAX_FORWARDS = 64  # draft forwards per step a record keeps (a deeper tree's fur
 PLAIN_KNOWN = 0.1
 # effective speculative steps (sum w)^2 / sum w^2 below which the estimate is never confident either way
 MIN_EVIDENCE = 4.0
+# records below which an estimate is read again at every new record (`SpeculationController.estimate`)
+KEEP_RECORDS = 16
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,7 @@ class _Records:
     def __init__(self, capacity: int) -> None:
         c = self.capacity = capacity
         self.size = self.head = 0
+        self.added = 0  # records ever added (never wraps: which evidence an estimate read)
         self.step, self.batch, self.verified = np.zeros(c), np.ones(c), np.ones(c)
         self.emitted, self.catch_up, self.drafts = np.zeros(c), np.zeros(c), np.zeros((c, MAX_FORWARDS))
         self._scaled: dict[int, dict] = {}  # B -> rescaled features and which rows are current
@@ -148,6 +151,7 @@ class _Records:
             cache["valid"][i] = False
         self.head = (self.head + 1) % self.capacity
         self.size = min(self.size + 1, self.capacity)
+        self.added += 1
 
     def at(self, b: int) -> dict:
         """Every kept step rescaled to batch size b (the controller's docstring): its drafting features without
@@ -219,20 +223,23 @@ class SpeculationController:
         """(ratio, log-scale deviation, plain seconds, steady speculative seconds, the plain price's own relative
         variance) at this batch size and context; ratio nan when the recent speculative steps say nothing about
         it. Kept for up to `refresh_every` steps while the batch size and the context (within 10 %) stay, even as
-        speculative steps add evidence (each is one record of the `memory` the estimate reads, the newest weighing
-        about a sixteenth of them: a few move a decision little, and re-reading every record cost a step about half a
-        millisecond of host time inside the engine; docs/performance.md); an estimate that had no evidence (ratio nan)
-        is read again at the first record. A confident loss without new evidence is kept 4 x `refresh_every` steps."""
+        speculative steps add up to `refresh_every` records (the estimate weighs up to `memory` of them, the newest
+        about a sixteenth once there are a few dozen: a few move a decision little, and re-reading every record cost
+        a step about half a millisecond of host time inside the engine; docs/performance.md). An estimate read from
+        fewer than KEEP_RECORDS records, or without a ratio (nan), is read again at the next record, where each moves
+        it most. A confident loss without new evidence is kept 4 x `refresh_every` steps."""
         last = self._estimate
         if last.get("batch") == batch_size and abs(context - last["context"]) <= 0.1 * context:
-            same_evidence = last.get("head") == (self.records.head, self.records.size)
+            new = self.records.added - last["added"]  # records since (warm-up records advance no step)
             # a confident loss is kept 4x as long: steady plain steps then pay for no estimate they do not need
-            keep = self.refresh_every * (4 if same_evidence and self._confident_loss(last["value"]) else 1)
-            if self.step - last["step"] < keep and (same_evidence or not math.isnan(last["value"][0])):
+            keep = self.refresh_every * (4 if new == 0 and self._confident_loss(last["value"]) else 1)
+            settled = (last["records"] >= KEEP_RECORDS and new <= self.refresh_every
+                       and not math.isnan(last["value"][0]))
+            if self.step - last["step"] < keep and (new == 0 or settled):
                 return last["value"]
         value = self._estimate_now(batch_size, context)
-        self._estimate = {"batch": batch_size, "head": (self.records.head, self.records.size), "step": self.step,
-                          "context": context, "value": value}
+        self._estimate = {"batch": batch_size, "added": self.records.added, "records": self.records.size,
+                          "step": self.step, "context": context, "value": value}
         return value
 
     def _estimate_now(self, batch_size: int, context: float) -> tuple[float, float, float, float, float]:

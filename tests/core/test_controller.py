@@ -158,12 +158,15 @@ def test_an_estimate_is_kept_for_refresh_every_steps_while_steps_add_evidence_an
     now = ctl._estimate_now
     ctl._estimate_now = lambda b, c: reads.append(ctl.step) or now(b, c)
     spec = StepSample(4, 20, 256.0, (8, 4, 4, 4), 0.002, 0.011)
-    for _ in range(8):  # new evidence every step, a read every 4th
+    for _ in range(12):  # new evidence every step, a read every 4th
         ctl.observe(spec, 12.0, ctl.decide(4, 256.0))
-    assert len(reads) == 2 and reads[1] - reads[0] == 4
+    assert len(reads) == 3 and reads[1] - reads[0] == 4 and reads[2] - reads[1] == 4
+    if ctl.step - reads[-1] >= 4:  # the next decision reads again: take that read as the kept one
+        ctl.estimate(4, 256.0)
+    n = len(reads)
     kept = ctl.estimate(4, 256.0)
-    assert len(reads) == 2 and kept[0] == pytest.approx(now(4, 256.0)[0], rel=0.05)  # kept, and near a fresh read
-    assert ctl.estimate(8, 256.0) is not kept and len(reads) == 3  # another batch size reads anew
+    assert len(reads) == n and kept[0] == pytest.approx(now(4, 256.0)[0], rel=0.05)  # kept, and near a fresh read
+    assert ctl.estimate(8, 256.0) is not kept and len(reads) == n + 1  # another batch size reads anew
     unsure = fresh(refresh_every=4)
     reads.clear()
     first = unsure._estimate_now
@@ -171,3 +174,27 @@ def test_an_estimate_is_kept_for_refresh_every_steps_while_steps_add_evidence_an
     assert math.isnan(unsure.estimate(4, 256.0)[0])
     unsure.record(spec, 12.0)
     assert not math.isnan(unsure.estimate(4, 256.0)[0]) and len(reads) == 2
+
+
+def test_an_estimate_of_few_records_or_of_records_that_advance_no_step_is_read_again():
+    """Below KEEP_RECORDS records every new record is read at once (each moves the estimate most then); warm-up
+    records (`record`: no step) are read once more than refresh_every of them arrived since the estimate, so a
+    run of them cannot leave the estimate on the other side of 1 (the reference: `_estimate_now` read anew)."""
+    from echo_trtllm.core.controller import KEEP_RECORDS
+
+    ctl = fresh(refresh_every=4)
+    good = StepSample(4, 20, 256.0, (8, 4, 4, 4), 0.002, 0.011)
+    bad = StepSample(4, 20, 256.0, (8, 4, 4, 4), 0.02, 0.03)
+    for _ in range(8):
+        ctl.cost.observe(StepSample(4, 4, 256.0, (), 0.0001, 0.01))
+    for k in range(KEEP_RECORDS - 1):  # few records: each read at once, with or without a step between
+        ctl.record(good, 12.0)
+        assert ctl.estimate(4, 256.0) == ctl._estimate_now(4, 256.0), k
+    for _ in range(KEEP_RECORDS):
+        ctl.record(good, 12.0)
+    kept = ctl.estimate(4, 256.0)
+    assert kept[0] > 1.0
+    for _ in range(30):  # warm-up records that say speculation loses, no step advancing
+        ctl.record(bad, 4.0)
+    assert ctl.estimate(4, 256.0) == ctl._estimate_now(4, 256.0)
+    assert ctl.estimate(4, 256.0)[0] < kept[0]
