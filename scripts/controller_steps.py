@@ -15,7 +15,6 @@ different steps (each emits as many tokens a step as its drafts were accepted), 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from echo_trtllm.bench.prompts import load_prompts  # noqa: E402
-from echo_trtllm.bench.run import machine_info, make_engine  # noqa: E402
+from echo_trtllm.bench.run import make_engine, write_report  # noqa: E402
 from echo_trtllm.core import EchoConfig  # noqa: E402
 from echo_trtllm.models.eagle3 import load_eagle3  # noqa: E402
 from echo_trtllm.models.loader import load_model  # noqa: E402
@@ -87,14 +86,11 @@ def main(argv=None) -> int:
     llm.shutdown()  # the executor is stepped here directly
     with torch.no_grad():  # not inference mode: a bfloat16 model's prepacked weights track their tensors' versions
         rows = run_steps(llm.executor, load_prompts("humaneval"), args.batch_size, args.max_tokens)
-    out = {"summary": summary(rows, args.batch_size), "steps": rows, "machine": machine_info(),
-           "date": time.strftime("%Y-%m-%d"),
-           "command": "python scripts/controller_steps.py " + " ".join(sys.argv[1:] if argv is None else argv)}
-    for k, v in out["summary"].items():
+    totals = summary(rows, args.batch_size)
+    for k, v in totals.items():
         print(f"{k:24s} {v}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_report(args.json, "controller_steps", argv, summary=totals, steps=rows)
     return 0
 
 
