@@ -183,6 +183,8 @@ SCENARIOS = {
     "workload switches": ([Phase(0, 4, 0.75), Phase(500, 4, 0.3), Phase(1500, 4, 0.75)], 2500),
     "load rises and falls": ([Phase(0, 1, 0.6), Phase(300, 4, 0.6), Phase(700, 16, 0.6), Phase(1100, 64, 0.6),
                               Phase(1700, 4, 0.6)], 2100),
+    # a server's first request alone, where its drafts are poor, then sixteen whose drafts pay
+    "a server starts": ([Phase(0, 1, 0.2), Phase(30, 16, 0.75)], 630),
 }
 
 

@@ -38,8 +38,14 @@ Exploration budget (`credit`, in step-equivalents: tokens / B, so one step of th
 adds `explore_share` x its tokens per request; a probe may run when the credit covers its expected loss (the
 tokens it is expected to emit short of what the other mode would in the same time, plus the draft's catch-up
 time, which steady speculation does not pay) and is charged its measured loss afterwards (a probe that gains
-pays credit back; the credit is capped at `max_credit`). So exploration costs at most `explore_share` of the
-tokens in steady state, plus the `initial_credit` a start spends, and `stats` measures what it really cost.
+pays credit back; the credit is capped at `max_credit`). The credit is kept per batch-size bucket (log2 B
+rounded, as the plain probes' spacing): each bucket starts with `initial_credit` the first time the engine runs at
+that size, earns from its own steps and pays for its own probes, so exploring one row at a server's first request
+does not leave the sixteen rows that follow without the credit to probe (it did: a one-row probe that lost put the
+single credit below zero and sixteen rows ran plain until it earned it back, about a hundred steps a bucket at
+16 rows; docs/performance.md). So exploration costs at most `explore_share` of the tokens in steady state, plus
+`initial_credit` step-equivalents for each batch-size bucket the engine visits, and `stats` measures what it
+really cost.
 A probe whose expected loss is negative (the estimate favours speculation but not beyond its uncertainty) is
 free in expectation and runs while the credit is not negative: that is how speculation that pays gathers the
 evidence to be exploited. While speculating, a plain step is run as a probe near this batch size (credit permitting)
@@ -207,7 +213,9 @@ class SpeculationController:
         self.rank_decay = 0.5 ** (1.0 / memory_half_life)
         self.bandwidth, self.min_weight = bandwidth, min_weight
         self.records = _Records(memory)
-        self.credit, self.max_credit = initial_credit, max_credit
+        self.initial_credit, self.max_credit = initial_credit, max_credit
+        self.credits: dict[int, float] = {}  # log2 batch bucket -> its exploration credit (module docstring)
+        self._credit_bucket: int | None = None  # the bucket of the last decision or step (`credit`)
         self.plain_probe_every = plain_probe_every
         self.step = 0
         # log2 batch bucket -> step of its last plain step (or of its first decision, before any), plain probes
@@ -310,6 +318,8 @@ class SpeculationController:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         ratio, dev, t_plain, t_spec, plain_var = self.estimate(batch_size, context)
+        self._credit_bucket = self._bucket(batch_size)
+        credit = self.credit_at(batch_size)  # this batch size's own (module docstring)
         tokens = catch_up_tokens
 
         def catch_up() -> tuple[int, float]:  # (tokens, seconds of the draft reading them), read once
@@ -325,7 +335,7 @@ class SpeculationController:
             probe = float(self.cost.predict(batch_size, 2 * batch_size, context,
                                             np.array([[2 * batch_size + catch_up()[0]]]))[0][0])
             loss = probe / t_plain - 1.0
-            if self.credit >= loss:
+            if credit >= loss:
                 return Decision(True, "probe", expected_loss=loss, spec_seconds=probe, **common)
             return Decision(False, "plain", **common)
         low, high = ratio * math.exp(-self.z * dev), ratio * math.exp(self.z * dev)
@@ -339,28 +349,39 @@ class SpeculationController:
             # plain_probe_every: a price fitted at a cold start must not carry a long stretch of speculation
             spacing = min(self.plain_probe_every, 8 << self.plain_probes.get(bucket, 0))
             loss = ratio - 1.0  # a plain step instead: its tokens short of speculation's, per request
-            if (waited >= spacing or (plain_doubt and low <= 1.0)) and self.credit >= loss:
+            if (waited >= spacing or (plain_doubt and low <= 1.0)) and credit >= loss:
                 return Decision(False, "plain-probe", expected_loss=loss, **common)
             if low > 1.0:
                 return Decision(True, "exploit", **common)
             loss = (1.0 - ratio) * t_spec / t_plain + catch_up()[1] / t_plain
-            return Decision(self.credit >= max(loss, 0.0), "probe" if self.credit >= max(loss, 0.0) else "plain",
+            return Decision(credit >= max(loss, 0.0), "probe" if credit >= max(loss, 0.0) else "plain",
                             expected_loss=loss, **common)
         # a loss within the uncertainty may be probed whenever the credit covers it; a confident loss only from the
         # upper half of the budget (a check that the workload has not changed; a probe that pays funds the next).
         # The draft's catch-up only adds to the loss: it is read where the rest leaves the probe affordable
         reserve = 0.0 if high >= 1.0 else self.max_credit / 2
         loss = (1.0 - ratio) * t_spec / t_plain
-        if plain_doubt or self.credit - loss < reserve:
+        if plain_doubt or credit - loss < reserve:
             return Decision(False, "plain", **common)
         loss += catch_up()[1] / t_plain
-        if self.credit - loss >= reserve:
+        if credit - loss >= reserve:
             return Decision(True, "probe", expected_loss=loss, **common)
         return Decision(False, "plain", **common)
 
     @staticmethod
     def _bucket(batch_size: int) -> int:
         return int(round(math.log2(batch_size)))
+
+    def credit_at(self, batch_size: int) -> float:
+        """The exploration credit of this batch size's bucket (`initial_credit` before its first step)."""
+        return self.credits.get(self._bucket(batch_size), self.initial_credit)
+
+    @property
+    def credit(self) -> float:
+        """The credit of the bucket the last decision or step was at (`initial_credit` before any)."""
+        if self._credit_bucket is None:
+            return self.initial_credit
+        return self.credits.get(self._credit_bucket, self.initial_credit)
 
     # ------------------------------------------------------------------ learn
 
@@ -375,6 +396,7 @@ class SpeculationController:
         current prices) and the tokens it produced (before stop conditions cut any). decision: what `decide` said
         (None: the engine chose the mode itself, e.g. pure speculation; nothing is charged to exploration)."""
         b = sample.batch_size
+        bucket = self._credit_bucket = self._bucket(b)
         self.step += 1
         st = self.stats
         st.steps += 1
@@ -384,7 +406,7 @@ class SpeculationController:
             self.records.add(self.step, sample, produced)
         else:
             self.last_plain[self._bucket(b)] = self.step
-        self.credit = min(self.max_credit, self.credit + self.explore_share * produced / b)
+        credit = self.credits[bucket] = min(self.max_credit, self.credit_at(b) + self.explore_share * produced / b)
         if decision is None or not decision.probe:
             return
         t_plain = decision.plain_seconds
@@ -399,4 +421,4 @@ class SpeculationController:
             st.exploration_loss += lost
         else:
             st.exploration_gain -= lost
-        self.credit = min(self.max_credit, self.credit - lost / b)
+        self.credits[bucket] = min(self.max_credit, credit - lost / b)

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from echo_trtllm.bench.scripted import SCENARIOS, Machine, Phase, ScriptedEngine, run_script
-from echo_trtllm.core.controller import SpeculationController
+from echo_trtllm.core.controller import Decision, SpeculationController
 from echo_trtllm.core.cost import CostModel
 from echo_trtllm.core.prices import StepCostModel
 from echo_trtllm.core.steps import StepSample
@@ -56,6 +56,17 @@ def test_it_judges_each_load_on_its_own():
     assert by_b[(0, 1)].speculative_share > 0.9 and by_b[(1700, 4)].speculative_share > 0.9
     assert by_b[(1100, 64)].speculative_share < 0.05
     assert all(r.vs_best > 0.96 for r in results), [(r.batch_size, r.vs_best) for r in results]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sixteen_rows_arriving_after_a_first_request_that_lost_start_speculating_at_once(seed):
+    """A server's start: one request alone whose drafts are poor (its probes lose), then sixteen whose drafts pay.
+    The sixteen rows probe with their own credit and exploit within a few steps (with one credit for all they ran
+    plain for 180-260 of their 600 steps and reached 0.93-0.95 of always speculating)."""
+    first, sixteen = run_script(*SCENARIOS["a server starts"], seed=seed)[0]
+    assert first.batch_size == 1 and sixteen.batch_size == 16
+    assert sixteen.spec_tokens_per_s > 1.1 * sixteen.plain_tokens_per_s  # the script: speculation pays there
+    assert sixteen.speculative_share > 0.9 and sixteen.vs_best > 0.97
 
 
 def test_a_run_is_a_function_of_its_seed():
@@ -198,3 +209,26 @@ def test_an_estimate_of_few_records_or_of_records_that_advance_no_step_is_read_a
         ctl.record(bad, 4.0)
     assert ctl.estimate(4, 256.0) == ctl._estimate_now(4, 256.0)
     assert ctl.estimate(4, 256.0)[0] < kept[0]
+
+
+def test_each_batch_size_bucket_has_its_own_exploration_credit():
+    """A server's first request runs alone and the controller explores there; probes that lose at one row leave
+    that row's credit below zero, and sixteen rows arriving next still start with their own credit to probe
+    (one credit for all had them run plain until it was earned back: docs/performance.md)."""
+    ctl = fresh(explore_share=0.0)
+    engine = ScriptedEngine()
+    for b in (1, 16):
+        for _ in range(20):  # plain steps teach both plain prices
+            sample, _ = engine.step(Phase(0, b, 0.75), False)
+            ctl.cost.observe(sample)
+    losing = StepSample(1, 20, 256.0, (8, 4, 4, 4), 0.05, 0.05)  # 0.1 s for one token
+    for _ in range(3):
+        ctl.observe(losing, 1.0, Decision(True, "probe", 1, plain_seconds=0.005))
+    assert ctl.credit_at(1) < 0 and ctl.credit == ctl.credit_at(1)
+    assert ctl.credit_at(16) == ctl.initial_credit == 2.0
+    assert not ctl.decide(1, 256.0).speculate  # one row: no credit left
+    d = ctl.decide(16, 256.0)  # sixteen rows: nothing known there, a blind probe paid from its own credit
+    assert d.speculate and d.reason == "probe" and 0 < d.expected_loss <= 2.0 and ctl.credit == 2.0
+    plain16, _ = engine.step(Phase(0, 16, 0.75), False)
+    ctl.observe(plain16, 16.0, Decision(False, "plain", 16, plain_seconds=plain16.seconds))
+    assert ctl.credit_at(1) < 0 and ctl.credit_at(16) == 2.0  # each bucket earns and pays its own
