@@ -9,7 +9,12 @@ Two ways to run it:
   same options otherwise), waits for it, runs every concurrency, stops it, then prints the methods side by side.
 
 Every request uses the same prompts in the same order, greedy, `ignore_eos` and one `max_tokens`, so methods
-produce the same number of tokens; a warm-up request per cell is not timed.
+produce the same number of tokens; a warm-up request per cell is not timed. With a range ratio r (`bench-serve
+--max-tokens-range-ratio`, as vLLM's benchmark's `--random-range-ratio`) request i asks for its own `max_tokens`,
+drawn uniformly from [max_tokens (1 - r), max_tokens (1 + r)] by its index and the round's seed (`request_max_tokens`):
+every method gets the same lengths in the same order. With one length for all, closed-loop clients that emit one
+token a step (AR) finish together and are admitted together, so their prompts are prefilled as one batch, which
+traffic with mixed lengths does not give them, while a speculating engine's requests drift apart.
 
 Sustained serving (`run_sustained`, `--duration`): instead of a fixed number of requests, clients keep the load up
 for a fixed time: at a fixed concurrency each of C clients sends its next request as soon as its last one ends; at
@@ -37,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit
 
 __all__ = ["RequestTiming", "CellResult", "run_load", "run_sustained", "scrape_metrics", "engine_stats", "summarise",
-           "launch_server"]
+           "launch_server", "request_max_tokens"]
 
 Clock = Callable[[], float]  # seconds
 
@@ -158,9 +163,12 @@ async def _one(url: tuple[str, int], model: str, prompt: str, max_tokens: int, a
 
 
 async def run_load(base_url: str, model: str, prompts: list[str], num_requests: int, max_tokens: int,
-                   concurrency: int | None = None, request_rate: float | None = None, seed: int = 0):
+                   concurrency: int | None = None, request_rate: float | None = None, seed: int = 0,
+                   range_ratio: float = 0.0):
     """Send `num_requests` requests (prompts in order, cycling); at most `concurrency` in flight, arrivals a Poisson
-    process of `request_rate` per second (None: all at once). Returns (timings, wall seconds)."""
+    process of `request_rate` per second (None: all at once); request i asks for `request_max_tokens(i, ...)`.
+    Returns (timings, wall seconds)."""
+    request_max_tokens(0, max_tokens, range_ratio)  # a bad ratio is named before any request
     parts = urlsplit(base_url)
     if parts.scheme != "http" or not parts.hostname:
         raise ValueError(f"--base-url must be http://HOST:PORT, got {base_url!r}")
@@ -168,21 +176,34 @@ async def run_load(base_url: str, model: str, prompts: list[str], num_requests: 
     gate = asyncio.Semaphore(concurrency) if concurrency else None
     rng = random.Random(seed)
 
-    async def limited(p: str) -> RequestTiming:
+    async def limited(p: str, n: int) -> RequestTiming:
         if gate is None:
-            return await _one(url, model, p, max_tokens)
+            return await _one(url, model, p, n)
         async with gate:
-            return await _one(url, model, p, max_tokens)
+            return await _one(url, model, p, n)
 
     await _one(url, model, prompts[0], min(max_tokens, 8))  # warm-up, not timed
     t0 = time.perf_counter()
     tasks = []
     for i in range(num_requests):
-        tasks.append(asyncio.ensure_future(limited(prompts[i % len(prompts)])))
+        tasks.append(asyncio.ensure_future(limited(prompts[i % len(prompts)],
+                                                   request_max_tokens(i, max_tokens, range_ratio, seed))))
         if request_rate:
             await asyncio.sleep(rng.expovariate(request_rate))
     timings = await asyncio.gather(*tasks)
     return timings, time.perf_counter() - t0
+
+
+def request_max_tokens(index: int, max_tokens: int, range_ratio: float = 0.0, seed: int = 0) -> int:
+    """Request `index`'s max_tokens: `max_tokens` itself at range ratio 0, else drawn uniformly from the integers in
+    [max_tokens (1 - r), max_tokens (1 + r)] (at least 1) by the index and the seed alone."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"max_tokens range ratio must lie in [0, 1), got {range_ratio}")
+    if range_ratio == 0.0:
+        return max_tokens
+    lo = max(1, round(max_tokens * (1.0 - range_ratio)))
+    hi = max(lo, round(max_tokens * (1.0 + range_ratio)))
+    return random.Random(seed * 1_000_003 + index).randint(lo, hi)
 
 
 def scrape_metrics(base_url: str) -> dict[str, float]:
@@ -244,11 +265,13 @@ async def _sleep_until(t: float, clock: Clock) -> None:
 
 async def run_sustained(base_url: str, model: str, prompts: list[str], duration: float, warmup: float,
                         max_tokens: int, concurrency: int | None = None, request_rate: float | None = None,
-                        seed: int = 0, clock: Clock = time.perf_counter):
+                        seed: int = 0, clock: Clock = time.perf_counter, range_ratio: float = 0.0):
     """Keep the load up for warmup + duration seconds (module docstring). Returns (timings of the requests that
     finished inside the window, tokens that arrived inside it, the window's seconds, the metrics scraped at its
     two edges). clock: the window's time (a test gives one that advances with the engine's work, so that what
-    falls inside the window does not depend on the machine's speed)."""
+    falls inside the window does not depend on the machine's speed). range_ratio: request i asks for
+    `request_max_tokens(i, max_tokens, range_ratio, seed)`."""
+    request_max_tokens(0, max_tokens, range_ratio)  # a bad ratio is named before any request
     parts = urlsplit(base_url)
     if parts.scheme != "http" or not parts.hostname:
         raise ValueError(f"--base-url must be http://HOST:PORT, got {base_url!r}")
@@ -267,7 +290,8 @@ async def run_sustained(base_url: str, model: str, prompts: list[str], duration:
         i = next(counter)
         record = [None, [], clock()]
         streams.append(record)  # before it streams: a request cut at the end still counts what arrived
-        record[0] = await _one(url, model, prompts[i % len(prompts)], max_tokens, record[1], clock)
+        record[0] = await _one(url, model, prompts[i % len(prompts)],
+                               request_max_tokens(i, max_tokens, range_ratio, seed), record[1], clock)
 
     before: dict = {}
 

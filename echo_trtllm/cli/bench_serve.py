@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup-seconds", type=float, default=10.0,
                    help="with --duration: seconds of load before the measured window (default: 10)")
     g.add_argument("--max-tokens", type=int, default=64, help="tokens per request (ignore_eos; default: 64)")
+    g.add_argument("--max-tokens-range-ratio", type=float, default=0.0,
+                   help="each request asks for its own max_tokens, uniform in [max_tokens (1 - r), max_tokens (1 + r)] "
+                        "by its index and the round, the same for every method (as vLLM's --random-range-ratio; "
+                        "default: 0, one length for all)")
     g.add_argument("--prompts", default="mixed", help="prompt set (bench/prompts.py; default: mixed)")
     g.add_argument("--rounds", type=int, default=1,
                    help="repeat the whole comparison; methods alternate order each round (ABBA), medians and spreads "
@@ -143,14 +147,15 @@ def _measure(args, method, rnd, concurrency, prompts, launch_server, run_load, s
             if args.duration:
                 timings, tokens, wall, before, after = asyncio.run(run_sustained(
                     url, args.served_model_name, prompts, args.duration, args.warmup_seconds, args.max_tokens, c,
-                    rate, seed=rnd))
+                    rate, seed=rnd, range_ratio=args.max_tokens_range_ratio))
                 cell = summarise(method, timings, wall, c, rate).as_dict()
                 cell["output_tokens"], cell["output_tokens_per_s"] = tokens, tokens / wall
                 cell["engine"] = engine_stats(before, after)
             else:
                 before = scrape_metrics(url)
                 timings, wall = asyncio.run(run_load(url, args.served_model_name, prompts, args.num_prompts,
-                                                     args.max_tokens, c, rate))
+                                                     args.max_tokens, c, rate,
+                                                     range_ratio=args.max_tokens_range_ratio))
                 cell = summarise(method, timings, wall, c, rate).as_dict()
                 cell["engine"] = engine_stats(before, scrape_metrics(url))
             cell["round"] = rnd
@@ -243,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--duration must be > 0 seconds, got {args.duration}")
         if not args.warmup_seconds >= 0:
             raise ValueError(f"--warmup-seconds must be >= 0, got {args.warmup_seconds}")
+        if not 0.0 <= args.max_tokens_range_ratio < 1.0:
+            raise ValueError(f"--max-tokens-range-ratio must lie in [0, 1), got {args.max_tokens_range_ratio}")
         prompts = load_prompts(args.prompts)
         methods = args.methods.split(",") if args.methods else ["server"]
         if args.methods:

@@ -53,7 +53,8 @@ def test_bench_serve_turns_each_method_into_serve_flags_and_refuses_what_serve_c
         assert message in capsys.readouterr().err
     for args, message in ((["--duration", "0"], "--duration must be > 0"),
                           (["--request-rate", "0"], "--request-rate"),
-                          (["--warmup-seconds", "-1"], "--warmup-seconds")):
+                          (["--warmup-seconds", "-1"], "--warmup-seconds"),
+                          (["--max-tokens-range-ratio", "1"], "--max-tokens-range-ratio must lie in [0, 1)")):
         assert main(["bench-serve", "--methods", "ar", *args]) == 2
         assert message in capsys.readouterr().err
 

@@ -286,6 +286,26 @@ def test_bench_serve_load_generator_counts_every_token(served):
     assert not any(t.ok for t in bad) and all("404" in t.error for t in bad)
 
 
+def test_a_range_ratio_gives_each_request_its_own_length_the_same_for_every_caller(served):
+    """bench-serve --max-tokens-range-ratio: request i asks for request_max_tokens(i, ...), drawn by its index and
+    the seed alone inside [n (1 - r), n (1 + r)], so every method meets the same lengths in the same order; with
+    ignore_eos each request streams exactly that many tokens."""
+    from echo_trtllm.bench.serve import request_max_tokens, run_load
+
+    lengths = [request_max_tokens(i, 10, 0.5, seed=3) for i in range(200)]
+    assert lengths == [request_max_tokens(i, 10, 0.5, seed=3) for i in range(200)]
+    assert min(lengths) == 5 and max(lengths) == 15 and len(set(lengths)) == 11  # every length in range, drawn
+    assert lengths != [request_max_tokens(i, 10, 0.5, seed=4) for i in range(200)]
+    assert [request_max_tokens(i, 10) for i in range(5)] == [10] * 5
+    assert {request_max_tokens(i, 1, 0.9) for i in range(50)} == {1, 2}  # never below one token
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="range ratio must lie in"):
+            request_max_tokens(0, 10, bad)
+    timings, _ = asyncio.run(run_load(served.url, MODEL, ["HAMLET:\n", "def f("], 5, 8, concurrency=2,
+                                      range_ratio=0.5))
+    assert [t.output_tokens for t in timings] == [request_max_tokens(i, 8, 0.5) for i in range(5)]
+
+
 def test_continuous_usage_stats_count_the_tokens_so_far_in_every_chunk(served):
     """vLLM's stream_options.continuous_usage_stats through the official client: every chunk carries the usage so
     far, rising to the final count of the in-process reference."""
