@@ -168,11 +168,7 @@ async def run_load(base_url: str, model: str, prompts: list[str], num_requests: 
     """Send `num_requests` requests (prompts in order, cycling); at most `concurrency` in flight, arrivals a Poisson
     process of `request_rate` per second (None: all at once); request i asks for `request_max_tokens(i, ...)`.
     Returns (timings, wall seconds)."""
-    request_max_tokens(0, max_tokens, range_ratio)  # a bad ratio is named before any request
-    parts = urlsplit(base_url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise ValueError(f"--base-url must be http://HOST:PORT, got {base_url!r}")
-    url = (parts.hostname, parts.port or 80)
+    url = _endpoint(base_url, max_tokens, range_ratio)
     gate = asyncio.Semaphore(concurrency) if concurrency else None
     rng = random.Random(seed)
 
@@ -192,6 +188,15 @@ async def run_load(base_url: str, model: str, prompts: list[str], num_requests: 
             await asyncio.sleep(rng.expovariate(request_rate))
     timings = await asyncio.gather(*tasks)
     return timings, time.perf_counter() - t0
+
+
+def _endpoint(base_url: str, max_tokens: int, range_ratio: float) -> tuple[str, int]:
+    """(host, port) of an http:// base URL; a bad URL or range ratio is named before any request."""
+    request_max_tokens(0, max_tokens, range_ratio)
+    parts = urlsplit(base_url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"--base-url must be http://HOST:PORT, got {base_url!r}")
+    return parts.hostname, parts.port or 80
 
 
 def request_max_tokens(index: int, max_tokens: int, range_ratio: float = 0.0, seed: int = 0) -> int:
@@ -271,13 +276,9 @@ async def run_sustained(base_url: str, model: str, prompts: list[str], duration:
     two edges). clock: the window's time (a test gives one that advances with the engine's work, so that what
     falls inside the window does not depend on the machine's speed). range_ratio: request i asks for
     `request_max_tokens(i, max_tokens, range_ratio, seed)`."""
-    request_max_tokens(0, max_tokens, range_ratio)  # a bad ratio is named before any request
-    parts = urlsplit(base_url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise ValueError(f"--base-url must be http://HOST:PORT, got {base_url!r}")
+    url = _endpoint(base_url, max_tokens, range_ratio)
     if not concurrency and not request_rate:
         raise ValueError("sustained load needs a concurrency or a request rate")
-    url = (parts.hostname, parts.port or 80)
     rng = random.Random(seed)
     loop = asyncio.get_running_loop()
     await _one(url, model, prompts[0], min(max_tokens, 8), clock=clock)  # warm-up, not timed
