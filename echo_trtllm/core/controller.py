@@ -42,8 +42,8 @@ pays credit back; the credit is capped at `max_credit`). The credit is kept per 
 rounded, as the plain probes' spacing): each bucket starts with `initial_credit` the first time the engine runs at
 that size, earns from its own steps and pays for its own probes, so exploring one row at a server's first request
 does not leave the sixteen rows that follow without the credit to probe (it did: a one-row probe that lost put the
-single credit below zero and sixteen rows ran plain until it earned it back, about a hundred steps a bucket at
-16 rows; docs/performance.md). So exploration costs at most `explore_share` of the tokens in steady state, plus
+single credit below zero and sixteen rows ran plain until they had earned it back: 153 steps on the Qwen pair;
+docs/performance.md). So exploration costs at most `explore_share` of the tokens in steady state, plus
 `initial_credit` step-equivalents for each batch-size bucket the engine visits, and `stats` measures what it
 really cost.
 A probe whose expected loss is negative (the estimate favours speculation but not beyond its uncertainty) is
