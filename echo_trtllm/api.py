@@ -468,7 +468,7 @@ class LLM:
         """The online cost model's median relative error over its last 256 steps and, with the AR fallback, what the
         speculation controller did since load (`core.controller.ControllerStats`: steps, speculative steps, probes,
         tokens, the exploration's measured loss and gain in tokens, its share) and its exploration credit (that of
-        the last step's batch-size bucket); None without prices. A snapshot read from another thread."""
+        the batch-size bucket of its last decision or step); None without prices. A snapshot read from another thread."""
         ex = self.executor
         if ex.step_cost is None:
             return None

@@ -42,8 +42,9 @@ from echo_trtllm.runtime.request import SamplingParams  # noqa: E402
 
 
 class Load:
-    """An executor kept at `concurrency` requests in flight, its admission's parts timed (wrapping the instance's
-    prefill methods; the admission's wall time is the step call's less the step's own measured total)."""
+    """An executor kept at `concurrency` requests in flight, its admission and the admission's parts timed (wrapping
+    the instance's `admit` and prefill methods; what the step call takes beyond its own measured total and the
+    admission, its learning from the step among it, is reported as "other")."""
 
     def __init__(self, executor, prompts: list[str], concurrency: int, max_tokens: int, range_ratio: float = 0.0,
                  seed: int = 0) -> None:
@@ -54,20 +55,22 @@ class Load:
         self.prompt_tokens = 0
         self.index_of: dict[str, int] = {}  # request id -> its place in the prompt sequence
         self.prefills: list[tuple[int, int, float]] = []  # (prompt index, tokens, seconds) of the target's prefill
-        for name, label in (("_prefill_target", "target prefill"), ("_prefill_draft", "draft prefill")):
+        for name, label in (("admit", "admission"), ("_prefill_target", "target prefill"),
+                            ("_prefill_draft", "draft prefill")):
             self._wrap(name, label)
 
     def _wrap(self, name: str, label: str) -> None:
         f = getattr(self.ex, name)
 
-        def timed(group, _f=f, _label=label):
+        def timed(*args, _f=f, _label=label):
             t = time.perf_counter()
             try:
-                return _f(group)
+                return _f(*args)
             finally:
                 elapsed = time.perf_counter() - t
                 self.parts[_label] += elapsed
                 if _label == "target prefill":
+                    group = args[0]
                     tokens = sum(n for _, n in group)
                     self.prompt_tokens += tokens
                     # a chunk's time shared by its requests' tokens (one request a chunk under sustained load)
@@ -78,8 +81,8 @@ class Load:
     def submit(self, n: int = 1) -> None:
         for _ in range(n):
             prompt = self.prompts[self.submitted % len(self.prompts)]
-            n = request_max_tokens(self.submitted, self.max_tokens, self.range_ratio, self.seed)
-            request = self.ex.make_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            length = request_max_tokens(self.submitted, self.max_tokens, self.range_ratio, self.seed)
+            request = self.ex.make_request(prompt, SamplingParams(max_tokens=length, temperature=0, ignore_eos=True))
             self.index_of[request.request_id] = self.submitted
             self.ex.submit(request)
             self.submitted += 1
@@ -124,12 +127,13 @@ def summary(rows: list[dict], parts: dict, wall_s: float) -> dict:
                 "tokens_per_s": round(sum(r["emitted"] for r in group) / s, 2) if s > 0 else None}
 
     steps_s = sum(r["step_s"] for r in rows)
-    admission = sum(r["wall_s"] for r in rows) - steps_s
+    outside = sum(r["wall_s"] for r in rows) - steps_s  # the step calls' time beyond the steps' own totals
+    admission = parts.get("admission", outside)
     tokens = sum(r["emitted"] for r in rows)
     prefill = parts.get("target prefill", 0.0)
     return {"wall_s": round(wall_s, 3), "tokens": tokens, "tokens_per_s": round(tokens / wall_s, 2),
             "finished": sum(r["finished"] for r in rows), "admission_s": round(admission, 3),
-            "admission_share": round(admission / wall_s, 4),
+            "admission_share": round(admission / wall_s, 4), "other_s": round(outside - admission, 3),
             "target_prefill_s": round(prefill, 3), "draft_prefill_s": round(parts.get("draft prefill", 0.0), 3),
             "prompt_tokens": parts.get("prompt_tokens", 0),
             "prefill_ms_per_prompt_token": round(prefill / parts["prompt_tokens"] * 1e3, 3)
@@ -207,6 +211,8 @@ def _args(argv):
         p.error(f"--concurrency must lie in [1, --max-batch-size={args.max_batch_size}], got {args.concurrency}")
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.max_tokens < 1 or not args.duration > 0 or args.warmup_seconds < 0 or args.lead_steps < 0:
+        p.error("--max-tokens must be >= 1, --duration > 0, --warmup-seconds and --lead-steps >= 0")
     if not 0.0 <= args.max_tokens_range_ratio < 1.0:
         p.error(f"--max-tokens-range-ratio must lie in [0, 1), got {args.max_tokens_range_ratio}")
     args.methods = [m for m in args.methods.split(",") if m]

@@ -11,7 +11,7 @@ Two ways to run it:
 Every request uses the same prompts in the same order, greedy, `ignore_eos` and one `max_tokens`, so methods
 produce the same number of tokens; a warm-up request per cell is not timed. With a range ratio r (`bench-serve
 --max-tokens-range-ratio`, as vLLM's benchmark's `--random-range-ratio`) request i asks for its own `max_tokens`,
-drawn uniformly from [max_tokens (1 - r), max_tokens (1 + r)] by its index and the round's seed (`request_max_tokens`):
+drawn uniformly from [max_tokens (1 - r), max_tokens (1 + r)] by its index and the seed (the round's under --duration) (`request_max_tokens`):
 every method gets the same lengths in the same order. With one length for all, closed-loop clients that emit one
 token a step (AR) finish together and are admitted together, so their prompts are prefilled as one batch, which
 traffic with mixed lengths does not give them, while a speculating engine's requests drift apart.

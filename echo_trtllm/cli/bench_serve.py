@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=64, help="tokens per request (ignore_eos; default: 64)")
     g.add_argument("--max-tokens-range-ratio", type=float, default=0.0,
                    help="each request asks for its own max_tokens, uniform in [max_tokens (1 - r), max_tokens (1 + r)] "
-                        "by its index and the round, the same for every method (as vLLM's --random-range-ratio; "
+                        "by its index (and with --duration the round), the same for every method (as vLLM's --random-range-ratio; "
                         "default: 0, one length for all)")
     g.add_argument("--prompts", default="mixed", help="prompt set (bench/prompts.py; default: mixed)")
     g.add_argument("--rounds", type=int, default=1,

@@ -44,8 +44,9 @@ that size, earns from its own steps and pays for its own probes, so exploring on
 does not leave the sixteen rows that follow without the credit to probe (it did: a one-row probe that lost put the
 single credit below zero and sixteen rows ran plain until they had earned it back: 153 steps on the Qwen pair;
 docs/performance.md). So exploration costs at most `explore_share` of the tokens in steady state, plus
-`initial_credit` step-equivalents for each batch-size bucket the engine visits, and `stats` measures what it
-really cost.
+`initial_credit` step-equivalents for each batch-size bucket the engine visits and one probe's overshoot of its
+expected loss per bucket (in step-equivalents of the steps' own batch sizes, which within a bucket differ up to
+1.8 x), and `stats` measures what it really cost.
 A probe whose expected loss is negative (the estimate favours speculation but not beyond its uncertainty) is
 free in expectation and runs while the credit is not negative: that is how speculation that pays gathers the
 evidence to be exploited. While speculating, a plain step is run as a probe near this batch size (credit permitting)

@@ -24,9 +24,11 @@ def test_the_summary_splits_admission_from_speculative_and_plain_steps():
     script = load_script(SCRIPTS / "sustained_split.py")
     rows = [_row(False, 0.5, 0.2, 2, 2, "plain"), _row(True, 0.4, 0.4, 6, 9, "exploit", finished=1),
             _row(True, 0.3, 0.2, 4, 7, "probe")]
-    s = script.summary(rows, {"target prefill": 0.25, "draft prefill": 0.05, "prompt_tokens": 100}, 1.25)
+    parts = {"admission": 0.35, "target prefill": 0.25, "draft prefill": 0.05, "prompt_tokens": 100}
+    s = script.summary(rows, parts, 1.25)
     assert s["tokens"] == 12 and s["tokens_per_s"] == round(12 / 1.25, 2) and s["finished"] == 1
-    assert s["admission_s"] == round(1.2 - 0.8, 3) and s["admission_share"] == round(0.4 / 1.25, 4)
+    assert s["admission_s"] == 0.35 and s["admission_share"] == round(0.35 / 1.25, 4)
+    assert s["other_s"] == round(1.2 - 0.8 - 0.35, 3)  # the step calls beyond their totals and the admission
     assert s["prefill_ms_per_prompt_token"] == 2.5 and s["draft_prefill_s"] == 0.05
     assert s["decode"] == {"steps": 3, "seconds": 0.8, "tokens": 12, "tokens_per_s": 15.0}
     assert s["speculative"] == {"steps": 2, "seconds": 0.6, "tokens": 10, "tokens_per_s": round(10 / 0.6, 2)}
@@ -55,14 +57,16 @@ def test_the_load_stays_at_its_concurrency_and_every_step_is_in_the_window(metho
     assert all(r["emitted"] >= r["rows"] and r["verified"] >= r["rows"] for r in rows)
     assert method == "echo" or not any(r["speculated"] for r in rows)
     assert (parts.get("target prefill", 0.0) > 0) == (parts["prompt_tokens"] > 0)
+    assert parts["admission"] >= parts.get("target prefill", 0.0) + parts.get("draft prefill", 0.0)
 
 
 def test_bad_arguments_are_named_before_anything_loads():
     script = load_script(SCRIPTS / "sustained_split.py")
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
         script.main(["--methods", "ar,nope"])
-    with pytest.raises(SystemExit):
-        script.main(["--concurrency", "65"])
+    for bad in (["--concurrency", "65"], ["--duration", "0"], ["--max-tokens-range-ratio", "1"]):
+        with pytest.raises(SystemExit):
+            script.main(bad)
 
 
 def test_prefill_is_compared_on_the_prompts_both_runs_prefilled():
@@ -70,6 +74,6 @@ def test_prefill_is_compared_on_the_prompts_both_runs_prefilled():
     base = [(0, 100, 0.2), (1, 50, 0.1), (2, 80, 0.2)]
     other = [(1, 50, 0.15), (2, 80, 0.25), (3, 60, 0.1), (0, 40, 0.1)]  # prompt 0 only partly: not compared
     p = script.paired_prefill(base, other)
-    assert p == {"prompts": 2, "tokens": 130, "ratio": round(0.4 / 0.3, 4), "base_ms_per_token": round(0.3 / 130 * 1e3, 3),
-                 "ms_per_token": round(0.4 / 130 * 1e3, 3)}
+    assert p == {"prompts": 2, "tokens": 130, "ratio": round(0.4 / 0.3, 4),
+                 "base_ms_per_token": round(0.3 / 130 * 1e3, 3), "ms_per_token": round(0.4 / 130 * 1e3, 3)}
     assert script.paired_prefill(base, [(7, 10, 0.1)]) is None

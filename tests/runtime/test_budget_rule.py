@@ -114,7 +114,7 @@ def test_perfect_drafts_get_more_budget(default_pair, prompts, ar_outputs):
 def test_uncalibrated_engine_starts_safe(default_pair, prompts, ar_outputs, batch_size):
     """No calibration, no warm-up. Where no draft level can pay (STEEP, issue 9's bf16-on-AVX2 shape) and where one
     may (MARGINAL), speculation is probed within the exploration budget (the start's credit of 2 step-equivalents
-    is 4 % of this 48-step run) and the run costs at most that more than AR in modelled time; on STEEP the probes'
+    per batch-size bucket: 4 % of this 48-step run at the full batch, more where its drain visits smaller buckets) and the run costs at most that more than AR in modelled time; on STEEP the probes'
     measured losses keep them probes (never exploited), a few in the run. Where it clearly pays (FLAT) the same
     engine is faster than AR."""
     target, draft, tok = default_pair
