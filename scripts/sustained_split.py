@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import statistics
 import sys
 import time
@@ -39,6 +40,11 @@ from echo_trtllm.core import EchoConfig  # noqa: E402
 from echo_trtllm.models.eagle3 import load_eagle3  # noqa: E402
 from echo_trtllm.models.loader import load_model  # noqa: E402
 from echo_trtllm.runtime.request import SamplingParams  # noqa: E402
+
+
+def _num(x) -> float | None:
+    """A decision's number for JSON: rounded, None where unknown (nan) or unbounded."""
+    return None if x is None or not math.isfinite(x) else round(float(x), 4)
 
 
 class Load:
@@ -96,7 +102,10 @@ class Load:
         d, ctl = r.decision, self.ex.controller
         return {"rows": r.batch_size, "speculated": bool(r.speculated), "wall_s": wall, "step_s": r.timings.total,
                 "verified": r.verified_tokens, "emitted": r.emitted_tokens, "finished": len(r.finished),
-                "reason": getattr(d, "reason", None), "credit": None if ctl is None else round(ctl.credit, 3)}
+                "reason": getattr(d, "reason", None), "credit": None if ctl is None else round(ctl.credit, 3),
+                # the controller's estimate of speculative over plain tokens a second and its band (None: no decision)
+                "ratio": _num(getattr(d, "ratio", None)), "low": _num(getattr(d, "low", None)),
+                "high": _num(getattr(d, "high", None)), "expected_loss": _num(getattr(d, "expected_loss", None))}
 
 
 def measure(load: Load, warmup_s: float, duration_s: float, lead_steps: int,

@@ -56,6 +56,8 @@ def test_the_load_stays_at_its_concurrency_and_every_step_is_in_the_window(metho
                for r in [*ex.running, *ex.waiting])
     assert all(r["emitted"] >= r["rows"] and r["verified"] >= r["rows"] for r in rows)
     assert method == "echo" or not any(r["speculated"] for r in rows)
+    assert method == "echo" or all(r["reason"] is None and r["ratio"] is None for r in rows)  # AR: no controller
+    assert all(r["ratio"] is None or (r["ratio"] > 0 and (r["low"] or 0) <= r["ratio"]) for r in rows)
     assert (parts.get("target prefill", 0.0) > 0) == (parts["prompt_tokens"] > 0)
     assert parts["admission"] >= parts.get("target prefill", 0.0) + parts.get("draft prefill", 0.0)
 
