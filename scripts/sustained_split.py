@@ -57,6 +57,7 @@ class Load:
         self.ex, self.prompts, self.concurrency = executor, prompts, concurrency
         self.max_tokens, self.range_ratio, self.seed = max_tokens, range_ratio, seed
         self.submitted = 0
+        self.rejected = 0  # requests the engine refused (`submit`)
         self.parts: dict[str, float] = collections.defaultdict(float)
         self.prompt_tokens = 0
         self.index_of: dict[str, int] = {}  # request id -> its place in the prompt sequence
@@ -85,13 +86,25 @@ class Load:
         setattr(self.ex, name, timed)
 
     def submit(self, n: int = 1) -> None:
-        for _ in range(n):
+        """n more requests, the next of the sequence each; one the engine refuses (its prompt and length do not fit
+        the context) is counted in `rejected` and the next is taken, as a server answers it 400 and the client
+        sends its next: the same prompts are refused for every method."""
+        sent = 0
+        while sent < n:
             prompt = self.prompts[self.submitted % len(self.prompts)]
             length = request_max_tokens(self.submitted, self.max_tokens, self.range_ratio, self.seed)
-            request = self.ex.make_request(prompt, SamplingParams(max_tokens=length, temperature=0, ignore_eos=True))
-            self.index_of[request.request_id] = self.submitted
-            self.ex.submit(request)
             self.submitted += 1
+            try:
+                request = self.ex.make_request(prompt, SamplingParams(max_tokens=length, temperature=0,
+                                                                      ignore_eos=True))
+            except ValueError:
+                self.rejected += 1
+                if self.rejected > 1000 * (self.submitted - self.rejected + 1):
+                    raise  # nothing fits: the first refusal's message names why
+                continue
+            self.index_of[request.request_id] = self.submitted - 1
+            self.ex.submit(request)
+            sent += 1
 
     def step(self) -> dict:
         """One step; refills the batch for every request that finished. Its row."""
@@ -122,10 +135,12 @@ def measure(load: Load, warmup_s: float, duration_s: float, lead_steps: int,
     load.parts.clear()
     load.prompt_tokens = 0
     load.prefills = []
+    load.rejected = 0
     rows, t0 = [], clock()
     while clock() - t0 < duration_s:
         rows.append(load.step())
-    return rows, {**load.parts, "prompt_tokens": load.prompt_tokens, "prefills": load.prefills}, clock() - t0
+    return rows, {**load.parts, "prompt_tokens": load.prompt_tokens, "prefills": load.prefills,
+                  "rejected": load.rejected}, clock() - t0
 
 
 def summary(rows: list[dict], parts: dict, wall_s: float) -> dict:
@@ -141,7 +156,8 @@ def summary(rows: list[dict], parts: dict, wall_s: float) -> dict:
     tokens = sum(r["emitted"] for r in rows)
     prefill = parts.get("target prefill", 0.0)
     return {"wall_s": round(wall_s, 3), "tokens": tokens, "tokens_per_s": round(tokens / wall_s, 2),
-            "finished": sum(r["finished"] for r in rows), "admission_s": round(admission, 3),
+            "finished": sum(r["finished"] for r in rows), "rejected": parts.get("rejected", 0),
+            "admission_s": round(admission, 3),
             "admission_share": round(admission / wall_s, 4), "other_s": round(outside - admission, 3),
             "target_prefill_s": round(prefill, 3), "draft_prefill_s": round(parts.get("draft prefill", 0.0), 3),
             "prompt_tokens": parts.get("prompt_tokens", 0),

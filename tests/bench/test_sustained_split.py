@@ -62,6 +62,19 @@ def test_the_load_stays_at_its_concurrency_and_every_step_is_in_the_window(metho
     assert parts["admission"] >= parts.get("target prefill", 0.0) + parts.get("draft prefill", 0.0)
 
 
+def test_a_request_that_does_not_fit_the_context_is_counted_and_the_next_one_sent():
+    script = load_script(SCRIPTS / "sustained_split.py")
+    target, tok = load_model(DEFAULT_TARGET, dtype="float32")
+    ex = script.engine_for("ar", target, None, tok, 4, 64)
+    prompts = ["def add(a, b):", "x " * 200, "class Stack:"]  # the second prompt alone overflows 64 tokens
+    load = script.Load(ex, prompts, 2, 8)
+    load.submit(2)
+    assert load.rejected == 1 and load.submitted == 3 and len(ex.waiting) == 2
+    assert sorted(load.index_of.values()) == [0, 2]
+    with pytest.raises(ValueError, match="the context holds 64"):  # nothing fits: the engine's own message
+        script.Load(ex, ["x " * 200], 1, 8).submit(1)
+
+
 def test_bad_arguments_are_named_before_anything_loads():
     script = load_script(SCRIPTS / "sustained_split.py")
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
