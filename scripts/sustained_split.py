@@ -59,7 +59,6 @@ class Load:
         self.submitted = 0
         self.rejected = 0  # requests the engine refused (`submit`)
         self.parts: dict[str, float] = collections.defaultdict(float)
-        self.prompt_tokens = 0
         self.index_of: dict[str, int] = {}  # request id -> its place in the prompt sequence
         self.prefills: list[tuple[int, int, float]] = []  # (prompt index, tokens, seconds) of the target's prefill
         for name, label in (("admit", "admission"), ("_prefill_target", "target prefill"),
@@ -79,7 +78,6 @@ class Load:
                 if _label == "target prefill":
                     group = args[0]
                     tokens = sum(n for _, n in group)
-                    self.prompt_tokens += tokens
                     # a chunk's time shared by its requests' tokens (one request a chunk under sustained load)
                     self.prefills += [(self.index_of.get(r.request_id, -1), n, elapsed * n / max(tokens, 1))
                                       for r, n in group]
@@ -133,13 +131,12 @@ def measure(load: Load, warmup_s: float, duration_s: float, lead_steps: int,
     while clock() - start < warmup_s:
         load.step()
     load.parts.clear()
-    load.prompt_tokens = 0
     load.prefills = []
     load.rejected = 0
     rows, t0 = [], clock()
     while clock() - t0 < duration_s:
         rows.append(load.step())
-    return rows, {**load.parts, "prompt_tokens": load.prompt_tokens, "prefills": load.prefills,
+    return rows, {**load.parts, "prompt_tokens": sum(n for _, n, _ in load.prefills), "prefills": load.prefills,
                   "rejected": load.rejected}, clock() - t0
 
 

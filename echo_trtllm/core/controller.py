@@ -319,8 +319,8 @@ class SpeculationController:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         ratio, dev, t_plain, t_spec, plain_var = self.estimate(batch_size, context)
-        self._credit_bucket = self._bucket(batch_size)
-        credit = self.credit_at(batch_size)  # this batch size's own (module docstring)
+        bucket = self._credit_bucket = self._bucket(batch_size)
+        credit = self.credits.get(bucket, self.initial_credit)  # this batch size's own (module docstring)
         tokens = catch_up_tokens
 
         def catch_up() -> tuple[int, float]:  # (tokens, seconds of the draft reading them), read once
@@ -344,7 +344,6 @@ class SpeculationController:
         # where the plain step's price is uncertain and most of the doubt, a plain step is what resolves it
         plain_doubt = plain_var > PLAIN_KNOWN ** 2 and plain_var >= 0.5 * dev ** 2
         if ratio > 1.0:  # speculation is expected to pay: exploit it, or probe it for free where it is uncertain
-            bucket = self._bucket(batch_size)
             waited = self.step - self.last_plain.setdefault(bucket, self.step)
             # plain probes come early while the plain price is young (8, 16, 32, ... steps apart), then every
             # plain_probe_every: a price fitted at a cold start must not carry a long stretch of speculation
@@ -406,8 +405,9 @@ class SpeculationController:
             st.speculative_steps += 1
             self.records.add(self.step, sample, produced)
         else:
-            self.last_plain[self._bucket(b)] = self.step
-        credit = self.credits[bucket] = min(self.max_credit, self.credit_at(b) + self.explore_share * produced / b)
+            self.last_plain[bucket] = self.step
+        credit = self.credits[bucket] = min(self.max_credit, self.credits.get(bucket, self.initial_credit)
+                                            + self.explore_share * produced / b)
         if decision is None or not decision.probe:
             return
         t_plain = decision.plain_seconds
@@ -416,7 +416,7 @@ class SpeculationController:
             lost = sample.seconds / t_plain * b - produced
         else:
             st.plain_probes += 1
-            self.plain_probes[self._bucket(b)] = self.plain_probes.get(self._bucket(b), 0) + 1
+            self.plain_probes[bucket] = self.plain_probes.get(bucket, 0) + 1
             lost = decision.ratio * sample.seconds / t_plain * b - produced
         if lost >= 0:
             st.exploration_loss += lost
