@@ -100,6 +100,14 @@ class Decision:
     def probe(self) -> bool:
         return self.reason in ("probe", "plain-probe")
 
+    def min_tokens(self, rows: int | None = None) -> int:
+        """The tokens the step verifies, roots included, for `rows` drafting requests (default: the batch), where
+        the budget rule would verify the roots alone: a speculative probe verifies one drafted token per request
+        (2 x rows, as a probe with no evidence is priced), so the price of a verified token is measured where the
+        rule, at the prices it has, would never look (a step that verifies its roots only cannot correct it); 0 for
+        any other decision."""
+        return 2 * (self.batch_size if rows is None else rows) if self.speculate and self.reason == "probe" else 0
+
     @property
     def expected_rate(self) -> float:
         """Tokens per second the choice expected (nan when unknown)."""

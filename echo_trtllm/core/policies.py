@@ -88,6 +88,10 @@ class DraftState:
     # (levels, B) float32: the confidences of a step whose levels the host library replays (`EchoPolicy.replay_level`);
     # `confidence`'s entries are its rows
     history: Tensor | None = None
+    # the tokens the step verifies, roots included, where the echo family's budget rule would verify its roots alone
+    # (as many as were drafted and the budget allows): a speculative probe's floor, `core.controller.Decision.
+    # min_tokens`; 0: the rule alone
+    min_tokens: int = 0
 
 
 @dataclass
@@ -582,7 +586,8 @@ class EchoPolicy(TreePolicy):
     def select(self, tree: SuperTree, state: DraftState) -> Tensor:
         spine = state.spine_depth.to(tree.token_ids.device)
         table = None
-        if (self.cost_model is not None and self.selector is not None
+        floor = state.min_tokens > state.batch_size  # a probe's floor: the rule below, then the floor if it took none
+        if (self.cost_model is not None and self.selector is not None and not floor
                 and self.allocator is getattr(self.selector, "allocator", None) and self._own_decisions()):
             table = self.acceptance.fitted_segments()  # None where a refit is due: the oracle's path reads then
         if table is not None:
@@ -601,6 +606,10 @@ class EchoPolicy(TreePolicy):
             estimates = self.acceptance_estimates(tree.path_probs[order], tree.depths[order],
                                                   tree.on_greedy_path[order])
             k = choose_budget(estimates, state.batch_size, self.cost_model, drafted, state.context)
+            if k <= state.batch_size:
+                # a probe verifies drafted tokens where the prices say none pays: a step that verifies its roots only
+                # cannot correct the price of a verified token that keeps the rule there (docs/performance.md)
+                k = max(k, state.min_tokens)
             alloc = alloc.truncated(k, tree.request_ids)
         state.allocation = alloc
         return alloc.selected
@@ -642,10 +651,11 @@ class DraftLoop:
     """
 
     def __init__(self, policy: TreePolicy, root_token_ids: Tensor, budget: int | None = None,
-                 max_levels: int | None = None, context: float | None = None) -> None:
+                 max_levels: int | None = None, context: float | None = None, min_tokens: int = 0) -> None:
         self.policy = policy
         self.levels = [root_level(root_token_ids)]
         self.state = policy.start(root_token_ids.numel(), budget, context)
+        self.state.min_tokens = min_tokens
         self.depth_cap = policy.max_depth if max_levels is None else min(policy.max_depth, max_levels)
         self._frontier: Tensor | None = None
         self.done = False
@@ -690,7 +700,7 @@ class DraftLoop:
 
 def draft_tree(
     policy: TreePolicy, root_token_ids: Tensor, draft_fn: DraftFn, budget: int | None = None,
-    max_levels: int | None = None, context: float | None = None,
+    max_levels: int | None = None, context: float | None = None, min_tokens: int = 0,
 ) -> DraftResult:
     """Run one step's drafting loop and selection.
 
@@ -698,8 +708,10 @@ def draft_tree(
     distribution (F, V) after each frontier node; the runtime runs the draft model there, tests use synthetic
     distributions. max_levels: draft at most this many levels this step (None: the
     policy's max_depth). context: cached tokens per request as the step's attention reads them (for a cost grid).
+    min_tokens: what the selection verifies where the budget rule would verify the roots alone
+    (`DraftState.min_tokens`).
     """
-    loop = DraftLoop(policy, root_token_ids, budget, max_levels, context)
+    loop = DraftLoop(policy, root_token_ids, budget, max_levels, context, min_tokens)
     while (frontier := loop.frontier()) is not None:
         loop.feed(draft_fn(loop.levels[-1], frontier))  # (F, V) or DraftTopK
     return loop.result()
@@ -726,7 +738,7 @@ def draft_tree_batched(
     policy: TreePolicy, root_token_ids: Tensor, drafter: LevelDrafter, budget: int | None = None,
     max_levels: int | None = None, context: float | None = None,
     read: Callable[..., tuple[Tensor, ...]] | None = None, send: Callable[[Tensor], Tensor] | None = None,
-    sync_every_level: bool = False,
+    sync_every_level: bool = False, min_tokens: int = 0,
 ) -> DraftResult:
     """`draft_tree` with the drafting loop on the drafter's device and one host read per sync point.
 
@@ -743,14 +755,15 @@ def draft_tree_batched(
     read(*tensors): the tensors on the host, one synchronisation (default: .cpu()); send(tensor): a host index
     tensor on the drafter's device (default: .to the device of the drafted levels). sync_every_level: a sync
     point after every level, for a drafter whose reads cost nothing (on a CPU the host and the device are one, and
-    every level drafted for a request the policy has already stopped is a whole draft forward wasted)."""
+    every level drafted for a request the policy has already stopped is a whole draft forward wasted). min_tokens:
+    as `draft_tree`'s."""
     if not policy.beam_frontier:
         raise ValueError(f"policy {policy.name!r} does not draft a beam frontier; use draft_tree")
     read = read or (lambda *tensors: tuple(t.cpu() for t in tensors))
     levels = [root_level(root_token_ids.cpu())]
     slots = [torch.zeros(levels[0].num_nodes, dtype=torch.long)]  # each host node's slot in its device level
     state = policy.start(root_token_ids.numel(), budget, context)
-    state.frontier_slots = []
+    state.frontier_slots, state.min_tokens = [], min_tokens
     depth_cap = policy.max_depth if max_levels is None else min(policy.max_depth, max_levels)
     syncs = frozenset(range(1, depth_cap + 1)) if sync_every_level else policy.sync_depths(state)
     rows = torch.nonzero(state.active, as_tuple=True)[0]

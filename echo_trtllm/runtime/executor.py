@@ -514,7 +514,8 @@ class Executor:
         wanted = decision.speculate if decision is not None else self._forced is not False
         # the policy's own rule before drafting (the echo family: no budget beyond the roots means no draft)
         planned = wanted and self.policy.drafts(b, self._budget(), float(ctx.max()))
-        drafted, packed, speculated = self._draft(reqs, roots, ctx, planned)
+        drafted, packed, speculated = self._draft(reqs, roots, ctx, planned,
+                                                  decision.min_tokens() if decision is not None else 0)
         drafter = self.drafter if speculated else None
         t_verify = self.clock.now()
         try:
@@ -649,9 +650,11 @@ class Executor:
             self.policy.learn(drafted.selected, result.accepted_node_ids)
         return sample, prediction
 
-    def _draft(self, reqs: list[Request], roots: torch.Tensor, ctx: torch.Tensor, speculate: bool):
+    def _draft(self, reqs: list[Request], roots: torch.Tensor, ctx: torch.Tensor, speculate: bool,
+               min_tokens: int = 0):
         """The step's Super-Tree and its packed batch: (DraftResult, PackedVerifyBatch, speculated). Falls back to
-        plain AR when the draft side fails (the requests go on)."""
+        plain AR when the draft side fails (the requests go on). min_tokens: the selection's floor (a probe's,
+        `Decision.min_tokens`)."""
         failed = False
         if speculate and self.drafter is not None:
             try:
@@ -661,9 +664,10 @@ class Executor:
                     drafted = draft_tree_batched(self.policy, roots, self.drafter, budget, None, float(ctx.max()),
                                                  read=lambda *t: self.link.read("draft levels", *t),
                                                  send=lambda t: self.link.send("draft rows", t),
-                                                 sync_every_level=self.sync_every_level)
+                                                 sync_every_level=self.sync_every_level, min_tokens=min_tokens)
                 else:
-                    drafted = draft_tree(self.policy, roots, self.drafter.draft_fn, budget, None, float(ctx.max()))
+                    drafted = draft_tree(self.policy, roots, self.drafter.draft_fn, budget, None, float(ctx.max()),
+                                         min_tokens)
                 return drafted, self._pack(drafted.selected, ctx), True
             except Exception:  # noqa: BLE001 - drafting is an optimisation: this step runs as plain AR
                 self._contain("drafting")

@@ -620,3 +620,32 @@ def test_bad_price_filter_inputs_are_refused_before_anything_moves(host_backend)
                                      ctypes_double(0.0), 0, ctypes_double(1.0), None, ctypes_double(0.0),
                                      ctypes_double(0.0), ctypes_double(1e-6), out) != 0
     assert b"n must be >= 1" in lib.echo_last_error()
+
+
+# every verified token as dear as a whole step: the budget rule verifies the roots alone
+DEAR = CostModel((1, 8, 16, 32, 64, 128), (0.01, 0.08, 0.16, 0.32, 0.64, 1.28), (1, 8, 64), (0.001, 0.0012, 0.003))
+
+
+@pytest.mark.parametrize("path", ["torch", "host"])
+@pytest.mark.parametrize("batch_size", [1, 6])
+def test_a_probes_floor_verifies_the_allocations_first_drafts_where_the_rule_takes_none(host_backend, path,
+                                                                                         batch_size):
+    """A speculative probe's floor (`Decision.min_tokens`: 2B) on prices under which the rule takes no drafted
+    token: the step verifies the roots and the allocation's first B drafted nodes (`allocate_budget` on the same
+    candidates and spines, the oracle), on the torch path and where the host library selects; without the floor,
+    the roots alone. A floor beyond what was drafted and allowed keeps what the allocation holds."""
+    config = EchoConfig(policy="echo", beam_width=2, top_k=3, max_depth=4, k_max=64)
+    table = markov_draft_fn(30, seed=batch_size).table
+    roots = torch.arange(batch_size) % 30
+    for floor, budget in ((0, batch_size + 64), (2 * batch_size, batch_size + 64), (10 ** 6, batch_size + 5)):
+        policy = make_policy(config, DEAR)
+        if path == "host":
+            kernels.install_host(policy)
+            assert policy.selector is not None
+        got = draft_tree_batched(policy, roots, MarkovLevels(table, roots, policy.max_children), budget,
+                                 context=50.0, sync_every_level=True, min_tokens=floor)
+        alloc = allocate_budget(got.candidates, got.state.spine_depth, budget, config.max_nodes_per_request)
+        want = alloc.truncated(min(max(floor, batch_size), alloc.total), got.candidates.request_ids).selected
+        assert torch.equal(got.mask, want), (floor, budget)
+        assert got.selected.total_nodes == min(max(floor, batch_size), alloc.total) <= budget
+        assert (got.selected.total_nodes > batch_size) == (floor > 0)  # the rule alone: the roots

@@ -160,14 +160,16 @@ def test_gate_thresholds_rise_with_load(default_pair, prompts):
 def test_the_draft_is_prefilled_only_where_speculation_is_not_a_confident_loss(default_pair, prompts):
     """Admission skips the draft's prompt prefill where the controller's last estimate at the batch size is a
     confident loss (after the probes on STEEP measured losing steps; the draft would catch up if a later step
-    speculated); before any estimate, and where speculation pays (FLAT), the draft is prefilled with the target."""
+    speculated); before any estimate, and where speculation pays (FLAT), the draft is prefilled with the target. (A
+    probe that finds the budget rule verifying its roots alone verifies a drafted token per request, dearer on
+    STEEP: the credit pays for fewer probes and the estimate takes a few rounds to become confident.)"""
     target, draft, tok = default_pair
     for cost in (STEEP, FLAT):
         ex = Executor(target, draft, tok, EchoConfig(k_max=64), max_batch_size=4, max_seq_len=256, cost_model=cost,
                       clock=ModelledClock(cost))
-        for round_ in range(5):
+        for round_ in range(8):
             expected = not ex.controller.expects_plain(4)
-            for p in prompts[4 * round_: 4 * round_ + 4]:
+            for p in (prompts[(4 * round_ + i) % len(prompts)] for i in range(4)):
                 ex.submit(ex.make_request(p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)))
             ex.admit()
             started = [r for r in ex.running if r.target_ctx > 0]  # a long prompt's prefill may come in chunks
@@ -429,3 +431,25 @@ def test_the_warm_up_teaches_the_constants_and_leaves_the_load_curve(default_pai
     while ex.has_work:
         ex.step()
     assert not np.allclose(ex.step_cost.theta_verification[held_v], v0[held_v])  # traffic moves the forwards
+
+
+@pytest.mark.parametrize("reason", ["probe", "exploit"])
+def test_a_speculative_probe_verifies_drafts_where_the_rule_would_verify_none(default_pair, prompts, ar_outputs,
+                                                                               reason):
+    """LINEAR prices (a verified token costs a step): the budget rule verifies the roots alone nearly always. With
+    the controller made to speculate at every step, a step it calls a probe verifies one drafted token per request
+    where the rule would take none (`Decision.min_tokens`: 2B), so the price of a verified token is measured: no
+    probe verifies its roots alone; the steps it exploits verify what the rule takes. Outputs stay AR's."""
+    target, draft, tok = default_pair
+    ex = Executor(target, draft, tok, EchoConfig(k_max=64, max_nodes_per_request=16), max_batch_size=4,
+                  max_seq_len=256, cost_model=LINEAR, clock=ModelledClock(LINEAR), fallback=True)
+    ex.controller.decide = lambda b, *a, **k: Decision(True, reason, b)
+    reqs, reports = drive(ex, prompts[:4], 16)
+    assert [r.output_token_ids for r in reqs] == [o[:16] for o in ar_outputs[:4]]
+    spec = [r for r in reports if r.speculated]
+    assert len(spec) >= 4
+    verified = [r.verified_tokens - r.batch_size for r in spec]
+    if reason == "probe":
+        assert min(verified) > 0 and sum(verified) >= 0.75 * sum(r.batch_size for r in spec), verified
+    else:
+        assert sum(verified) <= 0.25 * sum(r.batch_size for r in spec), verified
