@@ -172,8 +172,9 @@ class LevelSpeculator:
         rows = [i for i in range(n) if drafting[i]]
         budget = None if self.k_max is None else max(self.k_max, len(rows))
         self._rows = torch.tensor(rows, dtype=torch.long)
+        floor = decision.min_tokens(len(rows)) if decision is not None and self.config.probe_floor else 0
         self._loop = DraftLoop(self.policy, torch.zeros(len(rows), dtype=torch.long), budget=budget, context=context,
-                               min_tokens=decision.min_tokens(len(rows)) if decision is not None else 0)
+                               min_tokens=floor)
         self._step = {**step, "forwards": [sum(lengths) + catch_up + n], "catch_up": catch_up}
         return StepPlan(True, prepend, drafting, decision, catch_up)
 

@@ -86,9 +86,18 @@ SPREAD = ("tokens_per_s", "speedup_vs_ar")
 
 # tree-shape options a --methods entry may set for itself ("chain:num_draft_tokens=2", "eagle2:total_tokens=16:
 # max_depth=4"); static_nodes=N keeps the default static tree's first N - 1 paths (it is listed best paths first)
+def on_off(value: str) -> bool:
+    """'on' -> True, 'off' -> False (a method's switch option)."""
+    if value not in ("on", "off"):
+        raise ValueError(value)
+    return value == "on"
+
+
+on_off.accepts = "'on' or 'off'"
+
 SHAPE_OPTIONS = {"max_depth": int, "top_k": int, "beam_width": int, "total_tokens": int, "num_draft_tokens": int,
                  "max_nodes_per_request": int, "k_max": int, "fixed_threshold": float, "ddd_threshold": float,
-                 "static_nodes": int}
+                 "static_nodes": int, "probe_floor": on_off}
 
 
 def split_fallback(spec: str) -> tuple[str, str | None]:
@@ -116,7 +125,8 @@ def parse_method(spec: str) -> tuple[str, dict]:
         try:
             overrides[key] = SHAPE_OPTIONS[key](value)
         except ValueError:
-            raise ValueError(f"methods: {spec!r}: {key} takes a {SHAPE_OPTIONS[key].__name__}, got {value!r}") from None
+            what = getattr(SHAPE_OPTIONS[key], "accepts", f"a {SHAPE_OPTIONS[key].__name__}")
+            raise ValueError(f"methods: {spec!r}: {key} takes {what}, got {value!r}") from None
     if "static_nodes" in overrides:
         n = overrides.pop("static_nodes")
         if not 2 <= n <= len(DEFAULT_STATIC_CHOICES) + 1:

@@ -36,6 +36,8 @@ class EchoConfig:
     fixed_threshold: the single tau of echo-fixed.
     ddd_threshold: DDD's stop rule: keep drafting while log(sum of the beam's path probabilities) > threshold.
     ddd_check_every: DDD checks its rule every this many levels.
+    probe_floor: with the AR fallback, a speculative probe whose budget rule would verify its roots alone verifies
+        one drafted token per request (`core.controller.Decision.min_tokens`); False: the rule alone (an ablation).
     """
 
     policy: str = "echo"
@@ -52,6 +54,7 @@ class EchoConfig:
     fixed_threshold: float = 0.3
     ddd_threshold: float = -1.2
     ddd_check_every: int = 1
+    probe_floor: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -64,6 +67,8 @@ class EchoConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"EchoConfig.{name} must be an integer >= 1 (root included), got {value!r}")
+        if not isinstance(self.probe_floor, bool):
+            raise ValueError(f"EchoConfig.probe_floor must be True or False, got {self.probe_floor!r}")
         if not 0.0 <= self.fixed_threshold <= 1.0:
             raise ValueError(f"EchoConfig.fixed_threshold must be in [0, 1], got {self.fixed_threshold}")
         if math.isnan(self.ddd_threshold) or self.ddd_threshold > 0:

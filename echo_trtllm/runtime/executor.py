@@ -514,8 +514,8 @@ class Executor:
         wanted = decision.speculate if decision is not None else self._forced is not False
         # the policy's own rule before drafting (the echo family: no budget beyond the roots means no draft)
         planned = wanted and self.policy.drafts(b, self._budget(), float(ctx.max()))
-        drafted, packed, speculated = self._draft(reqs, roots, ctx, planned,
-                                                  decision.min_tokens() if decision is not None else 0)
+        floor = decision.min_tokens() if decision is not None and self.config.probe_floor else 0
+        drafted, packed, speculated = self._draft(reqs, roots, ctx, planned, floor)
         drafter = self.drafter if speculated else None
         t_verify = self.clock.now()
         try:

@@ -38,7 +38,7 @@ def test_registry_holds_every_policy_with_capabilities():
     ("policy", "medusa", "unknown"), ("max_depth", 0, "max_depth"), ("k_max", -1, "k_max"),
     ("total_tokens", 0, "total_tokens"), ("fixed_threshold", 1.5, "fixed_threshold"),
     ("ddd_threshold", 0.5, "ddd_threshold"), ("static_choices", ((0, 0),), "prefix"),
-    ("gate_depths", (1, 9), "gate_depths"),
+    ("gate_depths", (1, 9), "gate_depths"), ("probe_floor", "yes", "probe_floor must be True or False"),
 ])  # fmt: skip
 def test_config_errors_name_the_field(field, value, message):
     kwargs = {field: value}

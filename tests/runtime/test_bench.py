@@ -281,7 +281,10 @@ def test_method_entries_carry_their_own_shape_and_fallback():
     assert cfg.config_for("chain:num_draft_tokens=2", 4).num_draft_tokens == 2
     assert len(cfg.config_for("static:static_nodes=5", 4).static_choices) == 4
     assert parse_method("eagle2:total_tokens=16:max_depth=4") == ("eagle2", {"total_tokens": 16, "max_depth": 4})
+    assert parse_method("echo:probe_floor=off") == ("echo", {"probe_floor": False})
+    assert not cfg.config_for("echo:probe_floor=off", 4).probe_floor and cfg.config_for("echo", 4).probe_floor
     for bad, match in [("chain:depth=2", "each ':' option is one of"), ("chain:num_draft_tokens=x", "takes a int"),
+                       ("echo:probe_floor=no", "probe_floor takes 'on' or 'off', got 'no'"),
                        ("nope", r"unknown \['nope'\]"), ("echo:fallback=maybe", "fallback=MODE"),
                        ("static:static_nodes=99", "static_nodes takes 2..16")]:
         with pytest.raises(ValueError, match=match):

@@ -433,15 +433,17 @@ def test_the_warm_up_teaches_the_constants_and_leaves_the_load_curve(default_pai
     assert not np.allclose(ex.step_cost.theta_verification[held_v], v0[held_v])  # traffic moves the forwards
 
 
-@pytest.mark.parametrize("reason", ["probe", "exploit"])
+@pytest.mark.parametrize("reason,floor", [("probe", True), ("exploit", True), ("probe", False)])
 def test_a_speculative_probe_verifies_drafts_where_the_rule_would_verify_none(default_pair, prompts, ar_outputs,
-                                                                               reason):
+                                                                               reason, floor):
     """LINEAR prices (a verified token costs a step): the budget rule verifies the roots alone nearly always. With
     the controller made to speculate at every step, a step it calls a probe verifies one drafted token per request
     where the rule would take none (`Decision.min_tokens`: 2B), so the price of a verified token is measured: no
-    probe verifies its roots alone; the steps it exploits verify what the rule takes. Outputs stay AR's."""
+    probe verifies its roots alone; the steps it exploits verify what the rule takes, as do its probes with the floor
+    off (`EchoConfig.probe_floor`, the ablation). Outputs stay AR's."""
     target, draft, tok = default_pair
-    ex = Executor(target, draft, tok, EchoConfig(k_max=64, max_nodes_per_request=16), max_batch_size=4,
+    ex = Executor(target, draft, tok, EchoConfig(k_max=64, max_nodes_per_request=16, probe_floor=floor),
+                  max_batch_size=4,
                   max_seq_len=256, cost_model=LINEAR, clock=ModelledClock(LINEAR), fallback=True)
     ex.controller.decide = lambda b, *a, **k: Decision(True, reason, b)
     reqs, reports = drive(ex, prompts[:4], 16)
@@ -449,7 +451,7 @@ def test_a_speculative_probe_verifies_drafts_where_the_rule_would_verify_none(de
     spec = [r for r in reports if r.speculated]
     assert len(spec) >= 4
     verified = [r.verified_tokens - r.batch_size for r in spec]
-    if reason == "probe":
+    if reason == "probe" and floor:
         assert min(verified) > 0 and sum(verified) >= 0.75 * sum(r.batch_size for r in spec), verified
     else:
         assert sum(verified) <= 0.25 * sum(r.batch_size for r in spec), verified
