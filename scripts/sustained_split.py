@@ -7,7 +7,13 @@ decisions with its exploration credit.
 
     python scripts/sustained_split.py --model <target> --head <its EAGLE-3 head> [--methods ar,echo,echo:fallback=off]
         [--concurrency 16] [--duration 60] [--warmup-seconds 10] [--max-tokens 64] [--max-tokens-range-ratio 0.5]
-        [--rounds 3] [--lead-steps 4] [--dtype bfloat16] [--json out.json]
+        [--rounds 3] [--lead-steps 4] [--dtype bfloat16] [--token-price-scale S] [--json out.json]
+
+--token-price-scale S: every engine starts from one cost curve, measured once at load (as an engine measures its
+own) and shared by every method and round, with each verified token beyond the first priced S times what was
+measured: the start of a build that drew a verified token far too dear (docs/performance.md: 37 ms where about 7
+was measured), so a method's recovery from it is compared from the same prices. Without it each engine measures its
+own curve at load, as a server does.
 
 The engine admits waiting requests at the start of a step and prefills their whole prompts before the decode step
 (`Executor.admit`), so under sustained load part of the wall time is prefill that no speculation can shorten; the
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import math
 import statistics
 import sys
@@ -37,8 +44,10 @@ from echo_trtllm.bench.prompts import load_prompts  # noqa: E402
 from echo_trtllm.bench.run import make_engine, parse_method, split_fallback, write_report  # noqa: E402
 from echo_trtllm.bench.serve import request_max_tokens  # noqa: E402
 from echo_trtllm.core import EchoConfig  # noqa: E402
+from echo_trtllm.core.cost import CostModel  # noqa: E402
 from echo_trtllm.models.eagle3 import load_eagle3  # noqa: E402
 from echo_trtllm.models.loader import load_model  # noqa: E402
+from echo_trtllm.runtime.calibrate import LOAD_REPEATS, measure_cost_model  # noqa: E402
 from echo_trtllm.runtime.request import SamplingParams  # noqa: E402
 
 
@@ -104,6 +113,14 @@ class Load:
             self.ex.submit(request)
             sent += 1
 
+    def token_ms(self, rows: int, context: float) -> float | None:
+        """The engine's price of one more verified token at `rows` requests and `context` (None: unpriced)."""
+        prices = self.ex.prices
+        if prices is None or rows < 1:
+            return None
+        one = float(prices.verify_time(rows + 1, context, rows)) - float(prices.verify_time(rows, context, rows))
+        return round(one * 1e3, 3)
+
     def step(self) -> dict:
         """One step; refills the batch for every request that finished. Its row."""
         t = time.perf_counter()
@@ -112,6 +129,8 @@ class Load:
         self.submit(len(r.finished))
         d, ctl = r.decision, self.ex.controller
         return {"rows": r.batch_size, "speculated": bool(r.speculated), "wall_s": wall, "step_s": r.timings.total,
+                # what the prices the budget rule reads charge for one more verified token at this batch (ms)
+                "token_ms": self.token_ms(r.batch_size, r.context),
                 "verified": r.verified_tokens, "emitted": r.emitted_tokens, "finished": len(r.finished),
                 "reason": getattr(d, "reason", None), "credit": None if ctl is None else round(ctl.credit, 3),
                 # the controller's estimate of speculative over plain tokens a second and its band (None: no decision)
@@ -166,14 +185,21 @@ def summary(rows: list[dict], parts: dict, wall_s: float) -> dict:
             "decisions": dict(collections.Counter(r["reason"] for r in rows if r["reason"]))}
 
 
-def engine_for(method: str, target, head, tok, max_batch_size: int, max_seq_len: int):
-    """One --methods entry's engine (bench's grammar: policy[:option=value]...[:fallback=MODE])."""
+def engine_for(method: str, target, head, tok, max_batch_size: int, max_seq_len: int, cost_model="auto"):
+    """One --methods entry's engine (bench's grammar: policy[:option=value]...[:fallback=MODE]); cost_model: as
+    `LLM`'s ("auto": measured at load)."""
     policy, overrides = parse_method(method)
     fallback = split_fallback(method)[1] or "auto"
     llm = make_engine(target, head, tok, EchoConfig(policy=policy, **overrides), max_batch_size, max_seq_len,
-                      fallback=fallback)
+                      cost_model=cost_model, fallback=fallback)
     llm.shutdown()  # the executor is stepped here, in this thread
     return llm.executor
+
+
+def scaled_token_price(cost: CostModel, scale: float) -> CostModel:
+    """The curve with each verified token beyond the first priced `scale` times (--token-price-scale)."""
+    first = cost.verify_seconds[0]
+    return dataclasses.replace(cost, verify_seconds=tuple(first + scale * (v - first) for v in cost.verify_seconds))
 
 
 def paired_prefill(base: list, other: list) -> dict | None:
@@ -227,8 +253,12 @@ def _args(argv):
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--lead-steps", type=int, default=4)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--token-price-scale", type=float, default=None,
+                   help="engines start from one measured curve, each verified token priced this many times (docstring)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.token_price_scale is not None and not args.token_price_scale > 0:
+        p.error(f"--token-price-scale must be > 0, got {args.token_price_scale}")
     if not 1 <= args.concurrency <= args.max_batch_size:
         p.error(f"--concurrency must lie in [1, --max-batch-size={args.max_batch_size}], got {args.concurrency}")
     if args.rounds < 1:
@@ -258,10 +288,15 @@ def main(argv: list[str] | None = None) -> None:
     head = load_eagle3(args.head or DEFAULT_EAGLE3, target)
     prompts = load_prompts("humaneval")
     runs: dict[str, list[dict]] = {m: [] for m in args.methods}
+    cost, start_prices = "auto", None
+    if args.token_price_scale is not None:
+        cost = scaled_token_price(measure_cost_model(target, head, repeats=LOAD_REPEATS), args.token_price_scale)
+        start_prices = {"verify_tokens": list(cost.verify_tokens),
+                        "verify_ms": [round(v * 1e3, 3) for v in cost.verify_seconds]}
     with torch.inference_mode():
         for rnd in range(args.rounds):
             for m in (args.methods if rnd % 2 == 0 else args.methods[::-1]):
-                ex = engine_for(m, target, head, tok, args.max_batch_size, args.max_seq_len)
+                ex = engine_for(m, target, head, tok, args.max_batch_size, args.max_seq_len, cost)
                 load = Load(ex, prompts, args.concurrency, args.max_tokens, args.max_tokens_range_ratio, rnd)
                 rows, parts, wall = measure(load, args.warmup_seconds, args.duration, args.lead_steps)
                 row = {"method": m, "round": rnd, **summary(rows, parts, wall), "steps": rows,
@@ -277,7 +312,8 @@ def main(argv: list[str] | None = None) -> None:
         write_report(args.json, "sustained_split", argv, concurrency=args.concurrency,
                      max_batch_size=args.max_batch_size, duration_s=args.duration, warmup_s=args.warmup_seconds,
                      rounds=args.rounds, max_tokens=args.max_tokens, range_ratio=args.max_tokens_range_ratio,
-                     lead_steps=args.lead_steps, dtype=args.dtype,
+                     lead_steps=args.lead_steps, dtype=args.dtype, token_price_scale=args.token_price_scale,
+                     start_prices=start_prices,
                      summary=out, runs=runs)
 
 

@@ -55,6 +55,7 @@ def test_the_load_stays_at_its_concurrency_and_every_step_is_in_the_window(metho
     assert all(r.params.max_tokens == request_max_tokens(load.index_of[r.request_id], 6, ratio, 1)
                for r in [*ex.running, *ex.waiting])
     assert all(r["emitted"] >= r["rows"] and r["verified"] >= r["rows"] for r in rows)
+    assert method != "echo" or all(isinstance(r["token_ms"], float) for r in rows)  # the rule's price of a token
     assert method == "echo" or not any(r["speculated"] for r in rows)
     assert method == "echo" or all(r["reason"] is None and r["ratio"] is None for r in rows)  # AR: no controller
     assert all(r["ratio"] is None or (r["ratio"] > 0 and (r["low"] or 0) <= r["ratio"]) for r in rows)
@@ -79,7 +80,8 @@ def test_bad_arguments_are_named_before_anything_loads():
     script = load_script(SCRIPTS / "sustained_split.py")
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
         script.main(["--methods", "ar,nope"])
-    for bad in (["--concurrency", "65"], ["--duration", "0"], ["--max-tokens-range-ratio", "1"]):
+    for bad in (["--concurrency", "65"], ["--duration", "0"], ["--max-tokens-range-ratio", "1"],
+                ["--token-price-scale", "0"]):
         with pytest.raises(SystemExit):
             script.main(bad)
 
@@ -92,3 +94,13 @@ def test_prefill_is_compared_on_the_prompts_both_runs_prefilled():
     assert p == {"prompts": 2, "tokens": 130, "ratio": round(0.4 / 0.3, 4),
                  "base_ms_per_token": round(0.3 / 130 * 1e3, 3), "ms_per_token": round(0.4 / 130 * 1e3, 3)}
     assert script.paired_prefill(base, [(7, 10, 0.1)]) is None
+
+
+def test_a_scaled_token_price_keeps_the_first_token_and_multiplies_each_one_after():
+    script = load_script(SCRIPTS / "sustained_split.py")
+    from echo_trtllm.core.cost import CostModel
+
+    cost = CostModel((1, 2, 4), (0.1, 0.12, 0.2), (1, 4), (0.01, 0.02))
+    assert script.scaled_token_price(cost, 5.0).verify_seconds == pytest.approx((0.1, 0.2, 0.6))
+    assert script.scaled_token_price(cost, 1.0) == cost
+    assert script.scaled_token_price(cost, 5.0).draft_seconds == cost.draft_seconds
