@@ -197,7 +197,10 @@ def engine_for(method: str, target, head, tok, max_batch_size: int, max_seq_len:
 
 
 def scaled_token_price(cost: CostModel, scale: float) -> CostModel:
-    """The curve with each verified token beyond the first priced `scale` times (--token-price-scale)."""
+    """The curve with each verified token beyond the first priced `scale` times (--token-price-scale); a curve with a
+    context grid is refused (its grid would keep the measured prices)."""
+    if cost.grid_tokens:
+        raise ValueError("scaled_token_price scales a curve without a context grid (the load's measurement)")
     first = cost.verify_seconds[0]
     return dataclasses.replace(cost, verify_seconds=tuple(first + scale * (v - first) for v in cost.verify_seconds))
 

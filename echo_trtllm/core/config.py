@@ -37,7 +37,8 @@ class EchoConfig:
     ddd_threshold: DDD's stop rule: keep drafting while log(sum of the beam's path probabilities) > threshold.
     ddd_check_every: DDD checks its rule every this many levels.
     probe_floor: with the AR fallback, a speculative probe whose budget rule would verify its roots alone verifies
-        one drafted token per request (`core.controller.Decision.min_tokens`); False: the rule alone (an ablation).
+        as many drafted tokens as requests (`core.controller.Decision.min_tokens`); False: the rule alone (an
+        ablation).
     """
 
     policy: str = "echo"

@@ -102,10 +102,11 @@ class Decision:
 
     def min_tokens(self, rows: int | None = None) -> int:
         """The tokens the step verifies, roots included, for `rows` drafting requests (default: the batch), where
-        the budget rule would verify the roots alone: a speculative probe verifies one drafted token per request
-        (2 x rows, as a probe with no evidence is priced), so the price of a verified token is measured where the
-        rule, at the prices it has, would never look (a step that verifies its roots only cannot correct it); 0 for
-        any other decision."""
+        the budget rule would verify the roots alone: a speculative probe verifies as many drafted tokens as rows
+        (2 x rows, as a probe with no evidence is priced: the allocation's first drafted nodes, the batch's likeliest
+        spine nodes, so a confident request may get two and another none), so the price of a verified token is
+        measured where the rule, at the prices it has, would never look (a step that verifies its roots only cannot
+        correct it); 0 for any other decision."""
         return 2 * (self.batch_size if rows is None else rows) if self.speculate and self.reason == "probe" else 0
 
     @property

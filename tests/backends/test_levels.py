@@ -346,18 +346,20 @@ def test_no_warm_up_without_prices():
 @pytest.mark.parametrize("reason,floor", [("probe", True), ("exploit", True), ("probe", False)])
 def test_a_probe_verifies_a_drafted_token_per_row_where_the_rule_would_verify_none(reason, floor):
     """Verification priced at a whole step per token: the budget rule hands back empty chains. A speculative step
-    the controller calls a probe hands every row a chain of at least one token (`Decision.min_tokens`), so the
-    price of a verified token is measured; an exploit, or a probe with the floor off, keeps the rule's choice."""
+    the controller calls a probe hands back as many drafted tokens as rows (`Decision.min_tokens`), so the
+    price of a verified token is measured; an exploit, or a probe with the floor off, keeps the rule's choice. The
+    engine's steps cost what the prices say (a modelled clock), so what they learn keeps a token that dear."""
     cost = CostModel((1, 2, 4, 8, 16), (0.05, 0.10, 0.20, 0.40, 0.80), (1, 2, 4, 8, 16), (0.001,) * 5)
-    spec = LevelSpeculator(EchoConfig(probe_floor=floor), 3, cost=cost, warm_up=0)
+    clock = Clock()
+    spec = LevelSpeculator(EchoConfig(probe_floor=floor), 3, cost=cost, clock=clock, warm_up=0)
     spec.controller.decide = lambda n, c, extra=0: Decision(True, reason, n)
-    engine = Engine(spec, 3, prompts=PROMPTS[:4])
+    engine = Engine(spec, 3, clock, lambda b, t: 0.05 * t, 0.001, prompts=PROMPTS[:4])
     lengths = []
     for _ in range(6):
         engine.step()
         lengths.append([len(engine.chains[r]) for r in sorted(engine.chains)])
     decode = lengths[1:]  # the first step prefills
     if reason == "probe" and floor:
-        assert all(min(row) >= 1 for row in decode), lengths
+        assert all(sum(row) == len(row) for row in decode), lengths
     else:
         assert all(sum(row) == 0 for row in decode), lengths

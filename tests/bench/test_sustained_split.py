@@ -104,3 +104,6 @@ def test_a_scaled_token_price_keeps_the_first_token_and_multiplies_each_one_afte
     assert script.scaled_token_price(cost, 5.0).verify_seconds == pytest.approx((0.1, 0.2, 0.6))
     assert script.scaled_token_price(cost, 1.0) == cost
     assert script.scaled_token_price(cost, 5.0).draft_seconds == cost.draft_seconds
+    grid = CostModel((1, 2), (0.1, 0.2), grid_tokens=(1, 2), grid_contexts=(8, 16), grid_seconds=((0.1, 0.1), (0.2, 0.2)))
+    with pytest.raises(ValueError, match="without a context grid"):
+        script.scaled_token_price(grid, 5.0)

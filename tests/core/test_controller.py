@@ -232,3 +232,11 @@ def test_each_batch_size_bucket_has_its_own_exploration_credit():
     plain16, _ = engine.step(Phase(0, 16, 0.75), False)
     ctl.observe(plain16, 16.0, Decision(False, "plain", 16, plain_seconds=plain16.seconds))
     assert ctl.credit_at(1) < 0 and ctl.credit_at(16) == 2.0  # each bucket earns and pays its own
+
+
+def test_only_a_speculative_probe_asks_for_drafted_tokens():
+    """`Decision.min_tokens`: 2 x rows for a speculative probe (the batch by default), 0 for every other decision."""
+    assert Decision(True, "probe", 16).min_tokens() == 32 and Decision(True, "probe", 16).min_tokens(5) == 10
+    for decision in (Decision(True, "exploit", 16), Decision(False, "plain", 16), Decision(False, "plain-probe", 16),
+                     Decision(True, "forced", 16), Decision(False, "forced", 16), Decision(False, "probe", 16)):
+        assert decision.min_tokens() == 0, decision

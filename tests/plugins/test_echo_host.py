@@ -649,3 +649,30 @@ def test_a_probes_floor_verifies_the_allocations_first_drafts_where_the_rule_tak
         assert torch.equal(got.mask, want), (floor, budget)
         assert got.selected.total_nodes == min(max(floor, batch_size), alloc.total) <= budget
         assert (got.selected.total_nodes > batch_size) == (floor > 0)  # the rule alone: the roots
+
+
+@pytest.mark.parametrize("path", ["torch", "host"])
+def test_a_probes_floor_leaves_a_step_where_the_rule_takes_drafted_tokens(host_backend, path):
+    """On prices where the rule verifies some drafted tokens, the floor changes nothing: the same selection with and
+    without it, step after step (the policies learning the same outcomes), on the torch path and the host
+    library's."""
+    config = EchoConfig(policy="echo", beam_width=2, top_k=3, max_depth=4, k_max=64)
+    batch_size = 6
+    table = markov_draft_fn(30, seed=3).table
+    plain, floored = make_policy(config, COST), make_policy(config, COST)
+    if path == "host":
+        kernels.install_host(plain)
+        kernels.install_host(floored)
+    gen = torch.Generator().manual_seed(3)
+    took = 0
+    for step in range(8):
+        roots = torch.randint(0, 30, (batch_size,), generator=gen)
+        want = draft_tree_batched(plain, roots, MarkovLevels(table, roots, plain.max_children), batch_size + 64,
+                                  context=50.0, sync_every_level=True)
+        got = draft_tree_batched(floored, roots, MarkovLevels(table, roots, floored.max_children), batch_size + 64,
+                                 context=50.0, sync_every_level=True, min_tokens=2 * batch_size)
+        if want.selected.total_nodes > batch_size:
+            took += 1
+            same_result(got, want)
+        _learn((plain, floored), want, gen)
+    assert took >= 4  # the case needs steps where the rule took drafted tokens

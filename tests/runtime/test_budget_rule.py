@@ -161,7 +161,7 @@ def test_the_draft_is_prefilled_only_where_speculation_is_not_a_confident_loss(d
     """Admission skips the draft's prompt prefill where the controller's last estimate at the batch size is a
     confident loss (after the probes on STEEP measured losing steps; the draft would catch up if a later step
     speculated); before any estimate, and where speculation pays (FLAT), the draft is prefilled with the target. (A
-    probe that finds the budget rule verifying its roots alone verifies a drafted token per request, dearer on
+    probe that finds the budget rule verifying its roots alone verifies as many drafted tokens as requests, dearer on
     STEEP: the credit pays for fewer probes and the estimate takes a few rounds to become confident.)"""
     target, draft, tok = default_pair
     for cost in (STEEP, FLAT):
@@ -437,14 +437,13 @@ def test_the_warm_up_teaches_the_constants_and_leaves_the_load_curve(default_pai
 def test_a_speculative_probe_verifies_drafts_where_the_rule_would_verify_none(default_pair, prompts, ar_outputs,
                                                                                reason, floor):
     """LINEAR prices (a verified token costs a step): the budget rule verifies the roots alone nearly always. With
-    the controller made to speculate at every step, a step it calls a probe verifies one drafted token per request
-    where the rule would take none (`Decision.min_tokens`: 2B), so the price of a verified token is measured: no
+    the controller made to speculate at every step, a step it calls a probe verifies as many drafted tokens as
+    requests where the rule would take none (`Decision.min_tokens`: 2B), so the price of a verified token is measured: no
     probe verifies its roots alone; the steps it exploits verify what the rule takes, as do its probes with the floor
     off (`EchoConfig.probe_floor`, the ablation). Outputs stay AR's."""
     target, draft, tok = default_pair
     ex = Executor(target, draft, tok, EchoConfig(k_max=64, max_nodes_per_request=16, probe_floor=floor),
-                  max_batch_size=4,
-                  max_seq_len=256, cost_model=LINEAR, clock=ModelledClock(LINEAR), fallback=True)
+                  max_batch_size=4, max_seq_len=256, cost_model=LINEAR, clock=ModelledClock(LINEAR), fallback=True)
     ex.controller.decide = lambda b, *a, **k: Decision(True, reason, b)
     reqs, reports = drive(ex, prompts[:4], 16)
     assert [r.output_token_ids for r in reqs] == [o[:16] for o in ar_outputs[:4]]
