@@ -84,8 +84,6 @@ FALLBACK_LABELS = {"on": "+fallback", "off": "pure"}
 AR_SPREAD_WARNING = 0.10
 SPREAD = ("tokens_per_s", "speedup_vs_ar")
 
-# tree-shape options a --methods entry may set for itself ("chain:num_draft_tokens=2", "eagle2:total_tokens=16:
-# max_depth=4"); static_nodes=N keeps the default static tree's first N - 1 paths (it is listed best paths first)
 def on_off(value: str) -> bool:
     """'on' -> True, 'off' -> False (a method's switch option)."""
     if value not in ("on", "off"):
@@ -95,6 +93,9 @@ def on_off(value: str) -> bool:
 
 on_off.accepts = "'on' or 'off'"
 
+# options a --methods entry may set for itself: its tree's shape ("chain:num_draft_tokens=2", "eagle2:total_tokens=16:
+# max_depth=4"; static_nodes=N keeps the default static tree's first N - 1 paths, it is listed best paths first) and
+# the probe's floor (probe_floor=on|off, `EchoConfig.probe_floor`)
 SHAPE_OPTIONS = {"max_depth": int, "top_k": int, "beam_width": int, "total_tokens": int, "num_draft_tokens": int,
                  "max_nodes_per_request": int, "k_max": int, "fixed_threshold": float, "ddd_threshold": float,
                  "static_nodes": int, "probe_floor": on_off}
