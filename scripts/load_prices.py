@@ -24,6 +24,7 @@ import torch
 
 from echo_trtllm.bench.run import make_engine
 from echo_trtllm.core.config import EchoConfig
+from echo_trtllm.core.cost import marginal_token_time
 from echo_trtllm.core.prices import StepCostModel
 from echo_trtllm.models.eagle3 import load_eagle3
 from echo_trtllm.models.loader import load_model
@@ -40,8 +41,7 @@ def read_prices(prices, batch_size: int, context: float) -> dict:
             "speculative_host_ms": round((t["step"] + t["speculative"]) * 1e3, 3),
             "drafted_tree_ms": round((t["drafted"] + t["tree"]) * 1e3, 3),
             "plain_step_ms": round(plain * 1e3, 2),
-            "one_more_token_ms": round((float(prices.verify_time(batch_size + 1, context, batch_size)) - plain) * 1e3,
-                                       3)}
+            "one_more_token_ms": round(marginal_token_time(prices, batch_size, context) * 1e3, 3)}
 
 
 def main(argv=None) -> int:

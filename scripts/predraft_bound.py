@@ -28,7 +28,7 @@ from echo_trtllm.api import SamplingParams
 from echo_trtllm.bench.prompts import load_prompts
 from echo_trtllm.bench.run import make_engine
 from echo_trtllm.core.config import EchoConfig
-from echo_trtllm.core.cost import budget_seconds
+from echo_trtllm.core.cost import budget_seconds, marginal_token_time
 from echo_trtllm.models.eagle3 import load_eagle3
 from echo_trtllm.models.loader import load_model
 
@@ -66,7 +66,7 @@ def read_step(executor, report) -> dict | None:
     return {"speculated": report.speculated, "verified": report.verified_tokens, "drafted": report.drafted_tokens,
             "decision": getattr(report.decision, "reason", None), "depth1_estimate_at_1": round(depth1, 4),
             "best_estimate": round(best, 4), "plain_ms": round(v0 * 1e3, 2),
-            "token_ms": round((float(cost.verify_time(b + 1, ctx, b)) - v0) * 1e3, 3),
+            "token_ms": round(marginal_token_time(cost, b, ctx) * 1e3, 3),
             "control_ms": round(cost.control_seconds * 1e3, 2), "one_level_ms": round(one_level * 1e3, 2),
             "largest_drafting_ms": round(largest * 1e3, 2),
             "max_drafted": n, "ratio_one_level_1_token": round(one[0], 4),

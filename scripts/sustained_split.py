@@ -44,7 +44,7 @@ from echo_trtllm.bench.prompts import load_prompts  # noqa: E402
 from echo_trtllm.bench.run import make_engine, parse_method, split_fallback, write_report  # noqa: E402
 from echo_trtllm.bench.serve import request_max_tokens  # noqa: E402
 from echo_trtllm.core import EchoConfig  # noqa: E402
-from echo_trtllm.core.cost import CostModel  # noqa: E402
+from echo_trtllm.core.cost import CostModel, marginal_token_time  # noqa: E402
 from echo_trtllm.models.eagle3 import load_eagle3  # noqa: E402
 from echo_trtllm.models.loader import load_model  # noqa: E402
 from echo_trtllm.runtime.calibrate import LOAD_REPEATS, measure_cost_model  # noqa: E402
@@ -118,8 +118,7 @@ class Load:
         prices = self.ex.prices
         if prices is None or rows < 1:
             return None
-        one = float(prices.verify_time(rows + 1, context, rows)) - float(prices.verify_time(rows, context, rows))
-        return round(one * 1e3, 3)
+        return round(marginal_token_time(prices, rows, context) * 1e3, 3)
 
     def step(self) -> dict:
         """One step; refills the batch for every request that finished. Its row."""

@@ -264,6 +264,14 @@ def choose_budget(estimates: Tensor, batch_size: int, cost: CostModel, spent_sec
     return batch_size + int(torch.argmax(rate))  # first maximum: the smaller K on ties
 
 
+def marginal_token_time(cost: CostModel, batch_size: int, context: float | None = None) -> float:
+    """What one more verified token costs a step of `batch_size` requests at `context`, in seconds:
+    t_verify(B + 1) - t_verify(B). The budget rule verifies a drafted token when its acceptance pays this; a
+    learnt curve whose knots are not non-decreasing can read it negative."""
+    b = max(1, batch_size)
+    return float(cost.verify_time(b + 1, context, b)) - float(cost.verify_time(b, context, b))
+
+
 def level_cost_ratio(cost: CostModel, batch_size: int, draft_width: int = 0) -> float:
     """What one more draft level costs, as a fraction of a plain step, when every request of a batch of B gets
     it: one draft level over B * draft_width tokens (forward and host work) plus the verification of B more

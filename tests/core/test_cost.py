@@ -64,3 +64,17 @@ def test_break_even_probability_by_hand():
     # with the draft: one more level of 2 nodes per request for 10 requests costs t_draft(20) on top
     with_draft = CostModel((1, 100), (0.11, 1.1), (1, 100), (0.011, 0.11))  # t_d(T) = 0.01 + 0.001 T
     assert break_even_accept_prob(with_draft, 10, draft_width=2) == pytest.approx((0.3 - 0.2 + 0.03) / 0.2)
+
+
+def test_marginal_token_time_reads_the_curve_by_hand():
+    """One more verified token's price: the curve's slope between B and B + 1, by hand on linear pieces."""
+    from echo_trtllm.core.cost import marginal_token_time
+
+    assert marginal_token_time(CostModel.linear(0.1, 0.01), 16) == pytest.approx(0.01)
+    # knots (1, 0.2), (8, 0.27), (16, 0.43): 0.01 a token below 8, 0.02 above
+    cost = CostModel((1, 8, 16), (0.20, 0.27, 0.43))
+    assert marginal_token_time(cost, 4) == pytest.approx(0.01)
+    assert marginal_token_time(cost, 8) == pytest.approx(0.02)
+    assert marginal_token_time(cost, 0) == marginal_token_time(cost, 1)  # no batch reads as one request
+    # a curve that falls between two knots prices the token negative
+    assert marginal_token_time(CostModel((1, 4), (0.3, 0.2)), 2) == pytest.approx(-0.1 / 3)
