@@ -467,14 +467,16 @@ class LLM:
     def speculation_stats(self) -> dict | None:
         """The online cost model's median relative error over its last 256 steps and, with the AR fallback, what the
         speculation controller did since load (`core.controller.ControllerStats`: steps, speculative steps, probes,
-        tokens, the exploration's measured loss and gain in tokens, its share) and its exploration credit (that of
-        the batch-size bucket of its last decision or step); None without prices. A snapshot read from another thread."""
+        tokens, the exploration's measured loss and gain in tokens, its share), its exploration credit (that of
+        the batch-size bucket of its last decision or step) and its last estimate of speculative over plain tokens a
+        second (`SpeculationController.last_estimate`); None without prices. A snapshot read from another thread."""
         ex = self.executor
         if ex.step_cost is None:
             return None
         out = {"step_prediction_error": ex.step_cost.median_relative_error(256)}
         if ex.controller is not None:
-            out.update(ex.controller.stats.as_dict(), credit=ex.controller.credit)
+            out.update(ex.controller.stats.as_dict(), credit=ex.controller.credit,
+                       last_estimate=ex.controller.last_estimate())
         return out
 
     @property

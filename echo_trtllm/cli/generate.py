@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
+        spec = llm.speculation_stats()
     tokens = sum(len(o.token_ids) for o in outputs)
     steps = sum(o.stats.steps for o in outputs)
     for o in outputs:
@@ -54,4 +55,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"policy={config.policy} draft={kind} dtype={llm.dtype['target']}/{llm.dtype['draft']} "
           f"requests={len(outputs)} tokens={tokens} steps={steps} mean_accepted_tokens={tokens / max(steps, 1):.2f} "
           f"time={elapsed:.2f}s tokens/s={tokens / elapsed:.1f}")
+    if spec is not None and "speculative_steps" in spec:
+        print(fallback_line(spec))
     return 0
+
+
+def fallback_line(spec: dict) -> str:
+    """What the AR fallback did, from `LLM.speculation_stats`: a run that speculated little says why (the
+    controller measured speculation no faster than plain steps at this batch, on this machine)."""
+    line = (f"fallback: {spec['speculative_steps']} of {spec['steps']} steps speculative "
+            f"(probes {spec['probes']}, plain probes {spec['plain_probes']})")
+    est = spec.get("last_estimate")
+    if est is not None:
+        line += (f"; estimate at {est['batch_size']} request{'s' if est['batch_size'] != 1 else ''}: "
+                 f"speculative {est['ratio']:.2f}x plain tokens/s ({est['low']:.2f}-{est['high']:.2f})")
+    if spec["speculative_steps"] < spec["steps"]:
+        line += "; speculation is exploited where its band lies above 1x (--fallback off speculates every step)"
+    return line

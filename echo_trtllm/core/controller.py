@@ -308,6 +308,16 @@ class SpeculationController:
         ratio = rate * t_plain / b
         return ratio, math.sqrt(rel_sampling + rel_model), t_plain, t_spec, plain_var
 
+    def last_estimate(self) -> dict | None:
+        """The last estimate made, as a decision reads it: batch size, speculative / plain tokens a second and its
+        band (low, high at z deviations); None before any, or while it had no evidence near that batch (nan)."""
+        last = self._estimate
+        if not last or math.isnan(last["value"][0]):
+            return None
+        ratio, dev = last["value"][0], last["value"][1]
+        return {"batch_size": last["batch"], "ratio": ratio, "low": ratio * math.exp(-self.z * dev),
+                "high": ratio * math.exp(self.z * dev)}
+
     def expects_plain(self, batch_size: int) -> bool:
         """Whether the last estimate, made at this batch size within the last 64 steps, was a confident loss (its
         upper bound below 1): the engine need not prepare speculation there (a draft's prompt prefill). False when

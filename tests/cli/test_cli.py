@@ -40,6 +40,28 @@ def test_generate_with_no_models_runs_echo_with_the_committed_eagle3_head(capsys
     assert texts["eagle3"] == texts["model"] == texts["none"]
 
 
+def test_generate_says_what_the_fallback_did(capsys):
+    """With the AR fallback the last line counts the steps that speculated and the controller's estimate, and a
+    run that stayed plain says how to speculate every step (from `LLM.speculation_stats`'s own keys)."""
+    import re
+
+    from echo_trtllm.cli.generate import fallback_line
+
+    assert main(["generate", "--dtype", "float32", "--max-tokens", "8"]) == 0  # the README's command, fallback auto
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    m = re.match(r"fallback: (\d+) of (\d+) steps speculative \(probes (\d+), plain probes (\d+)\)", last)
+    assert m and int(m[1]) <= int(m[2]) <= 8 and int(m[3]) <= int(m[1]), last
+
+    spec = {"steps": 64, "speculative_steps": 1, "probes": 1, "plain_probes": 0,
+            "last_estimate": {"batch_size": 1, "ratio": 0.68, "low": 0.24, "high": 1.95}}
+    line = fallback_line(spec)
+    assert line.startswith("fallback: 1 of 64 steps speculative (probes 1, plain probes 0)")
+    assert "estimate at 1 request: speculative 0.68x plain tokens/s (0.24-1.95)" in line
+    assert "--fallback off" in line
+    spec.update(speculative_steps=64, probes=0, last_estimate=None)
+    assert fallback_line(spec) == "fallback: 64 of 64 steps speculative (probes 0, plain probes 0)"
+
+
 def test_bench_serve_turns_each_method_into_serve_flags_and_refuses_what_serve_cannot_run(capsys):
     from echo_trtllm.cli.bench_serve import method_flags
 

@@ -240,3 +240,17 @@ def test_only_a_speculative_probe_asks_for_drafted_tokens():
     for decision in (Decision(True, "exploit", 16), Decision(False, "plain", 16), Decision(False, "plain-probe", 16),
                      Decision(True, "forced", 16), Decision(False, "forced", 16), Decision(False, "probe", 16)):
         assert decision.min_tokens() == 0, decision
+
+
+def test_the_last_estimate_is_what_the_last_decision_read():
+    """`last_estimate` (what `LLM.speculation_stats` and `echo-trtllm generate` report): None before any estimate
+    and while there is no evidence (nan), then the batch size, ratio and band the last decision carried."""
+    ctl = fresh()
+    assert ctl.last_estimate() is None
+    assert ctl.decide(4, 256.0).reason in ("probe", "plain") and ctl.last_estimate() is None  # nothing known: nan
+    _paying(ctl, 40)
+    d = ctl.decide(4, 256.0)
+    est = ctl.last_estimate()
+    assert est["batch_size"] == 4 and not math.isnan(d.ratio)
+    assert (est["ratio"], est["low"], est["high"]) == pytest.approx((d.ratio, d.low, d.high))
+    assert est["low"] < est["ratio"] < est["high"]
