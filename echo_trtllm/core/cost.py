@@ -38,6 +38,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -247,10 +248,11 @@ def budget_rates(estimates: Tensor, batch_size: int, cost: CostModel, spent_seco
 def budget_seconds(count: int, batch_size: int, cost: CostModel, spent_seconds: float = 0.0,
                    context: float | None = None) -> Tensor:
     """Seconds of the step for n = 0, 1, ..., count candidates verified beyond the roots (`budget_rates`'s
-    denominator)."""
-    n = torch.arange(count + 1, dtype=torch.float64)  # tokens taken
-    speculative = n > 0
-    return spent_seconds + cost.control_seconds * speculative + cost.verify_time(batch_size + n, context, batch_size)
+    denominator), float64. Summed in NumPy: the rule reads a few hundred numbers a step, where each tensor
+    operation's dispatch costs more than its arithmetic."""
+    n = np.arange(count + 1, dtype=np.float64)  # tokens taken
+    verify = cost.verify_time(torch.from_numpy(batch_size + n), context, batch_size)
+    return torch.from_numpy(spent_seconds + cost.control_seconds * (n > 0) + verify.double().numpy())
 
 
 def choose_budget(estimates: Tensor, batch_size: int, cost: CostModel, spent_seconds: float = 0.0,

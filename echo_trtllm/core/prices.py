@@ -433,7 +433,9 @@ class StepPrices:
                        "tree": v[n + 3], "step": d[0], "speculative": d[1], "draft": d[2:2 + n], "draft_att": d[2 + n],
                        "knots_t": torch.tensor(KNOTS, dtype=torch.float64),
                        "verify_t": torch.tensor(v[:n], dtype=torch.float64),
-                       "draft_t": torch.tensor(d[2:2 + n], dtype=torch.float64)}
+                       "draft_t": torch.tensor(d[2:2 + n], dtype=torch.float64),
+                       "knots_np": np.array(KNOTS, dtype=np.float64), "verify_np": np.array(v[:n], dtype=np.float64),
+                       "draft_np": np.array(d[2:2 + n], dtype=np.float64)}
             self._version = m.version
         return self._t
 
@@ -463,6 +465,22 @@ class StepPrices:
         return values[i] + (values[i + 1] - values[i]) * u
 
     @staticmethod
+    def _curve_np(values: np.ndarray, knots: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """`_curve` of a float64 array in NumPy, the same operations in the same order (bit-equal to the tensor
+        branch, tests/core/test_prices.py): the budget rule reads the curve at every K of a step, where a dozen
+        tensor operations over a few hundred numbers cost more in dispatch than in arithmetic."""
+        i = np.clip(np.searchsorted(knots, x, side="right"), 1, len(KNOTS) - 1)
+        x0, x1, y0, y1 = knots[i - 1], knots[i], values[i - 1], values[i]
+        return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+    @staticmethod
+    def _host_array(tokens) -> np.ndarray | None:
+        """A CPU tensor of tokens as a float64 array (None: a scalar or a tensor on another device)."""
+        if isinstance(tokens, Tensor) and tokens.ndim and tokens.device.type == "cpu":
+            return tokens.detach().double().numpy()
+        return None
+
+    @staticmethod
     def _out(x, scalar_input):
         return max(x, MIN_SECONDS) if scalar_input else x.clamp(min=MIN_SECONDS)
 
@@ -471,10 +489,16 @@ class StepPrices:
         """Seconds of the verification phase over `tokens` tokens (a plain step's when tokens = batch size; the
         speculative part is `control_seconds`). batch_size None: a plain step of `tokens` requests."""
         t = self._tables()
+        c = self._context(context)
+        xs = self._host_array(tokens)
+        if xs is not None:
+            b = xs if batch_size is None else float(batch_size)
+            y = (self._curve_np(t["verify_np"], t["knots_np"], xs) + t["verify_att"] * xs * c / CONTEXT_SCALE
+                 + t["per_request"] * b)
+            return torch.from_numpy(np.maximum(y, MIN_SECONDS))
         scalar = not (isinstance(tokens, Tensor) and tokens.ndim)
         x = float(tokens) if scalar else tokens.double()
         b = x if batch_size is None else float(batch_size)
-        c = self._context(context)
         y = (self._curve(t["verify"], t["verify_t"], t["knots_t"], x) + t["verify_att"] * x * c / CONTEXT_SCALE
              + t["per_request"] * b)
         return self._out(y, scalar)
@@ -482,9 +506,13 @@ class StepPrices:
     def draft_time(self, tokens: Tensor | int, context: float | None = None) -> Tensor:
         """Seconds of one draft forward over `tokens` tokens (its knot curve and attention)."""
         t = self._tables()
+        c = self._context(context)
+        xs = self._host_array(tokens)
+        if xs is not None:
+            y = self._curve_np(t["draft_np"], t["knots_np"], xs) + t["draft_att"] * xs * c / CONTEXT_SCALE
+            return torch.from_numpy(np.maximum(y, MIN_SECONDS))
         scalar = not (isinstance(tokens, Tensor) and tokens.ndim)
         x = float(tokens) if scalar else tokens.double()
-        c = self._context(context)
         y = self._curve(t["draft"], t["draft_t"], t["knots_t"], x) + t["draft_att"] * x * c / CONTEXT_SCALE
         return self._out(y, scalar)
 

@@ -78,3 +78,19 @@ def test_marginal_token_time_reads_the_curve_by_hand():
     assert marginal_token_time(cost, 0) == marginal_token_time(cost, 1)  # no batch reads as one request
     # a curve that falls between two knots prices the token negative
     assert marginal_token_time(CostModel((1, 4), (0.3, 0.2)), 2) == pytest.approx(-0.1 / 3)
+
+
+def test_budget_seconds_is_each_k_priced_alone():
+    """`budget_seconds` (summed in NumPy) against a loop pricing each n alone as floats: the drafting already
+    spent, the tree's constant once any drafted token is verified, the verification of B + n tokens; on the
+    curve model and on the learnt step prices."""
+    from echo_trtllm.core.cost import budget_seconds
+    from echo_trtllm.core.prices import StepCostModel
+
+    curve = CostModel((1, 8, 16, 64, 256), (0.20, 0.22, 0.35, 0.70, 2.2), control_seconds=0.003)
+    for cost, context in ((curve, None), (StepCostModel.from_cost_model(curve).prices, 150.0)):
+        got = budget_seconds(40, 16, cost, 0.05, context)
+        assert got.dtype == torch.float64 and got.shape == (41,)
+        want = [0.05 + (cost.control_seconds if n else 0.0) + float(cost.verify_time(16 + n, context, 16))
+                for n in range(41)]
+        assert got.tolist() == pytest.approx(want, rel=1e-12)

@@ -157,6 +157,30 @@ def test_the_rules_read_the_same_prices():
     assert rates.shape == (3,) and choose_budget(torch.tensor([0.9, 0.5]), 4, prices, 0.001, 64.0) >= 4
 
 
+def test_the_curves_read_in_numpy_are_the_tensor_reads_bit_for_bit():
+    """A CPU tensor of tokens is read in NumPy (`StepPrices._curve_np`); the tensor branch of `_curve` is its
+    oracle, equal bit for bit on and beyond the knots (extrapolated segments, fractional tokens), and the whole
+    verification and draft prices equal each token read as a scalar. Knot values drawn at random, not monotone."""
+    from echo_trtllm.core.prices import StepPrices
+
+    rng = np.random.default_rng(3)
+    knots_t = torch.tensor(KNOTS, dtype=torch.float64)
+    x = torch.tensor([0.0, 0.5, 1, 1.5, 2, 3, 16, 17, 100.25, 4095, 4096, 5000, 9000], dtype=torch.float64)
+    for _ in range(5):
+        values = rng.random(len(KNOTS)) * 0.1
+        oracle = StepPrices._curve(values.tolist(), torch.from_numpy(values), knots_t, x)
+        got = StepPrices._curve_np(values, knots_t.numpy(), x.numpy())
+        assert np.array_equal(got, oracle.numpy())
+    prices = StepCostModel.from_cost_model(CostModel.linear(0.004, 0.0001)).prices
+    tokens = torch.arange(1, 300)
+    for b, c in ((1, 30.0), (16, 300.0)):
+        verify = prices.verify_time(tokens, c, b)
+        assert verify.dtype == torch.float64
+        assert verify.tolist() == pytest.approx([prices.verify_time(int(t), c, b) for t in tokens], rel=1e-12)
+        draft = prices.draft_time(tokens, c)
+        assert draft.tolist() == pytest.approx([prices.draft_time(int(t), c) for t in tokens], rel=1e-12)
+
+
 def test_what_no_step_can_measure_is_refused_before_it_poisons_the_prices():
     with pytest.raises(ValueError, match="finite"):
         StepSample(1, 1, 0.0, (), 0.0, float("inf"))
