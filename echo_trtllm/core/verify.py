@@ -373,6 +373,7 @@ def verify_paths(
     position_uniforms: Tensor | None = None,
     max_depth: int | None = None,
     acceptor: Callable[[PackedVerifyBatch, Tensor, int | None], AcceptedPaths] | None = None,
+    reader: Callable[[PackedVerifyBatch, Tensor, int | None], AcceptedPaths | None] | None = None,
 ) -> AcceptedPaths:
     """`verify`'s accepted paths in fixed shapes (`AcceptedPaths`): greedy without `sampling`, else the sampling
     rule (greedy rows one-hot). max_depth: the tree's deepest depth, known on the host (it must not be below the
@@ -380,9 +381,16 @@ def verify_paths(
     and sampling with deterministic drafts reads it only in `process_logits`' two checks (whether any row needs
     top-k / top-p filtering, whether any is greedy). The runtime reads the result once. acceptor(batch, pred,
     max_depth): greedy acceptance of the target's top-1 `pred` (default `_accept_predicted`; on the CPU the runtime
-    passes the host library's, `kernels.host_greedy_acceptor`, of which `_accept_predicted` is the oracle)."""
+    passes the host library's, `kernels.host_greedy_acceptor`, of which `_accept_predicted` is the oracle).
+    reader(batch, logits, max_depth): greedy acceptance reading the logits itself, or None where it does not apply
+    (then the argmax of every row and `acceptor`); the runtime passes `kernels.host_greedy_logits_acceptor` on the
+    CPU for steps that verify drafted tokens, which reads a row's top-1 only where the walk needs it."""
     if sampling is None:
         _check_logits(batch, target_logits, "target_logits")
+        if reader is not None:
+            paths = reader(batch, target_logits, max_depth)
+            if paths is not None:
+                return paths
         return (acceptor or _accept_predicted)(batch, row_argmax(target_logits), max_depth)
     return _sampling_paths(batch, target_logits, sampling, generators, draft_probs, position_uniforms, max_depth)
 

@@ -346,6 +346,52 @@ def _accept_greedy_host(lib, batch: PackedVerifyBatch, pred: Tensor, max_depth: 
     return AcceptedPaths(nodes, tokens, counts)
 
 
+def host_greedy_logits_acceptor():
+    """Greedy verification's acceptance reading the target's logits on the host library (`core.verify.verify_paths`'
+    reader): the top-1 of a node's row is read only where the walk needs it (after a node on an accepted path, and
+    at each request's last accepted node), where the runtime otherwise takes every verified row's argmax first; None
+    where the library is not built (or predates it). The runtime passes it where the target runs on the CPU."""
+    return _host_entry("echo_accept_greedy_logits_host", _accept_greedy_logits_host)
+
+
+_LOGIT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _accept_greedy_logits_host(lib, batch: PackedVerifyBatch, logits: Tensor, max_depth: int | None,
+                               pred: Tensor | None = None) -> AcceptedPaths | None:
+    """`echo_accept_greedy_logits_host` (echo_abi.h) on a packed batch and its (N_tot, V) logits on the host, or None
+    where the logits are not float32 / bfloat16 CPU rows (the caller then takes the argmax of every row). `verify_paths`
+    with `_accept_predicted` over `row_argmax` is its oracle (tests/plugins/test_greedy_accept_host.py). pred: an
+    (N_tot,) int64 CPU tensor the rows' top-1 are written to, -1 for the rows never read (tests, measurements)."""
+    n, b = batch.total_nodes, batch.batch_size
+    if (logits.ndim != 2 or logits.shape[0] != n or logits.device.type != "cpu" or logits.dtype not in _LOGIT_DTYPES
+            or logits.shape[1] < 1 or logits.stride(1) != 1):
+        return None
+    for name, t, size in (("input_ids", batch.input_ids, n), ("parents", batch.parents, n),
+                          ("node_depths", batch.node_depths, n), ("cu_num_nodes", batch.cu_num_nodes, b + 1)):
+        if t.shape != (size,) or t.device.type != "cpu":  # the library reads these lengths from n and b
+            raise ValueError(f"accept_greedy_logits: the batch's {name} must be {size} entries on the CPU, got "
+                             f"{tuple(t.shape)} on {t.device}")
+    depths = batch.node_depths.to(torch.int32).contiguous()
+    if max_depth is None:
+        max_depth = int(depths.max()) if n else 0
+    ids = batch.input_ids.long().contiguous()
+    parents, cu = batch.parents.to(torch.int32).contiguous(), batch.cu_num_nodes.to(torch.int32).contiguous()
+    nodes = torch.empty(b, max_depth + 1, dtype=torch.long)
+    tokens = torch.empty(b, max_depth + 1, dtype=torch.long)
+    counts = torch.empty(b, dtype=torch.long)
+    if pred is None:
+        pred = torch.empty(n, dtype=torch.long)
+    elif pred.shape != (n,) or pred.dtype != torch.long or pred.device.type != "cpu" or not pred.is_contiguous():
+        raise ValueError(f"accept_greedy_logits: pred must be a contiguous int64 CPU tensor of one entry per node "
+                         f"({n}), got {pred.dtype} {tuple(pred.shape)} on {pred.device}")
+    _check(lib, lib.echo_accept_greedy_logits_host(
+        _ptr(logits), ctypes.c_int64(logits.stride(0) if n > 1 else logits.shape[1]), ctypes.c_int64(logits.shape[1]),
+        _i32(_LOGIT_DTYPES[logits.dtype]), _ptr(ids), _ptr(parents), _ptr(depths), _ptr(cu), _i32(b), _i32(n),
+        _i32(max_depth + 1), _ptr(nodes), _ptr(tokens), _ptr(counts), _ptr(pred)))
+    return AcceptedPaths(nodes, tokens, counts)
+
+
 def _host_entry(symbol: str, fn, bind: bool = True):
     """fn with the host library as its first argument (bind=False: fn(lib) is the entry), where `backend_for`
     picks the host library and it has `symbol`; None otherwise (not built, or a build that predates the symbol)."""

@@ -95,6 +95,9 @@ def check_limits(config: EchoConfig, max_batch_size: int, has_draft: bool) -> No
             "step needs at least its root verified"
         )
 
+# plain steps of more rows than this take every row's argmax on the forward's threads rather than the host library's
+# logits reader (one thread): measured inside the engine on the Qwen target, bf16, 2 cores (docs/performance.md)
+READER_PLAIN_ROWS = 32
 
 @dataclass
 class StepTimings:
@@ -224,6 +227,8 @@ class Executor:
         self._pack_backend = kernels.backend_for(target.device)  # packing runs where the target is (`_pack`)
         # greedy acceptance where the logits are: the host library's on the CPU, torch's elsewhere (`_verify`)
         self._acceptor = kernels.host_greedy_acceptor() if self._pack_backend == "host" else None
+        # and, on the CPU, the top-1 of a verified row read only where the walk needs it (`_verify`)
+        self._logits_reader = kernels.host_greedy_logits_acceptor() if self._pack_backend == "host" else None
         self._init_pricing(config, cost_model, gate_samples, fallback, adapt)
         self._init_memory(target, draft, config, max_batch_size, max_seq_len, max_num_tokens)
         self.waiting: deque[Request] = deque()
@@ -460,8 +465,12 @@ class Executor:
             )
             u = torch.tensor([r.position_uniforms(len(r.output_token_ids), depth) for r in reqs], dtype=torch.float64)
             uniforms = send("uniforms", u)
+        # the reader reads the rows it needs on one thread; the argmax reads every row on the forward's threads, which
+        # pays only where every row is needed and there are many (docs/performance.md: plain steps of 64 rows)
+        wide_plain = packed.total_nodes == packed.batch_size > READER_PLAIN_ROWS
+        reader = None if wide_plain else self._logits_reader
         paths = verify_paths(packed, logits, sampling, position_uniforms=uniforms, max_depth=depth - 1,
-                             acceptor=self._acceptor)
+                             acceptor=self._acceptor, reader=reader)
         return AcceptedPaths(*self.link.read("accepted path", paths.nodes, paths.tokens, paths.counts)).flatten()
 
     def _finish(self, req: Request, tokens: list[int]) -> int:

@@ -2,6 +2,8 @@
 // Builds with any C++17 compiler (no CUDA needed): this is what CI tests against echo_trtllm.core.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <vector>
@@ -37,6 +39,135 @@ inline double estimate_one(const echo_segments& f, double c, int32_t r) {
     prior = x > 0.0 ? c * std::pow(e / x, d) : std::pow(e, d);
   }
   return clamp01(f.l0[s] + f.l1[s] * (c - f.start[s]) + f.share[s] * prior);
+}
+
+// 16 lanes in GCC's vector extensions (the compiler's vectoriser does not take an argmax loop; they lower to the
+// vector width the library is built for)
+typedef float lanes_f __attribute__((vector_size(64)));
+typedef int32_t lanes_i __attribute__((vector_size(64)));
+typedef uint32_t lanes_u __attribute__((vector_size(64)));
+typedef uint16_t lanes_h __attribute__((vector_size(32)));
+constexpr int kLanes = 16;
+
+#define ECHO_INLINE inline __attribute__((always_inline))
+
+ECHO_INLINE float load_one(const float* p, int64_t i) { return p[i]; }
+ECHO_INLINE float load_one(const uint16_t* p, int64_t i) {
+  const uint32_t u = static_cast<uint32_t>(p[i]) << 16;  // bfloat16: the high half of a float32
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// (written through a reference: a 64-byte vector returned by value has another ABI with and without AVX-512)
+ECHO_INLINE void load_lanes(const float* p, lanes_f& v) { std::memcpy(&v, p, sizeof v); }
+
+ECHO_INLINE void load_lanes(const uint16_t* p, lanes_f& v) {
+  lanes_h h;
+  std::memcpy(&h, p, sizeof h);
+  const lanes_u u = __builtin_convertvector(h, lanes_u) << 16;
+  std::memcpy(&v, &u, sizeof v);
+}
+
+// The first index of the row's maximum, or of its first NaN where it has one: torch.argmax's answer (values are
+// only compared, never computed). One pass keeps, per lane, its largest value and where it first met it, and
+// whether it met a NaN; the answer is the smallest index among the lanes holding the maximum. Inlined into one
+// clone per instruction set below (the library is built for any x86-64; the loader picks the CPU's clone).
+template <typename T>
+ECHO_INLINE int64_t argmax_lanes(const T* __restrict x, int64_t n) {
+  lanes_f best = lanes_f{} - INFINITY;
+  lanes_i where = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  lanes_i idx = where, nan = lanes_i{};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    lanes_f f;
+    load_lanes(x + i, f);
+    const lanes_i more = f > best;
+    best = more ? f : best;
+    where = more ? idx : where;
+    nan |= f != f;
+    idx += kLanes;
+  }
+  float top = -INFINITY;
+  int64_t at = n;  // past the end: nothing met yet
+  bool any_nan = false;
+  for (int j = 0; j < kLanes; ++j) {
+    any_nan |= nan[j] != 0;
+    if (i > 0 && (best[j] > top || (best[j] == top && where[j] < at))) top = best[j], at = where[j];
+  }
+  for (; i < n; ++i) {
+    const float f = load_one(x, i);
+    any_nan |= f != f;
+    if (f > top || at == n) top = f, at = i;
+  }
+  if (any_nan)
+    for (i = 0; i < n; ++i) {
+      const float f = load_one(x, i);
+      if (f != f) return i;
+    }
+  return at == n ? 0 : at;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
+#define ECHO_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define ECHO_CLONES
+#endif
+
+ECHO_CLONES int64_t argmax_row(const float* x, int64_t n) { return argmax_lanes(x, n); }
+ECHO_CLONES int64_t argmax_row(const uint16_t* x, int64_t n) { return argmax_lanes(x, n); }
+
+// Greedy acceptance's walk (echo_abi.h, echo_accept_greedy_host), the target's top-1 after node j read as pred(j):
+// only for nodes on an accepted path, in node order, and for each request's last accepted node
+template <typename Pred>
+int accept_greedy(const char* who, const int64_t* input_ids, const int32_t* parents, const int32_t* depths,
+                  const int32_t* cu, int32_t batch_size, int32_t num_nodes, int32_t width, int64_t* nodes,
+                  int64_t* tokens, int64_t* counts, Pred pred) {
+  ECHO_REQUIRE(batch_size >= 1 && num_nodes >= batch_size && width >= 1,
+               "%s: batch_size must be >= 1, num_nodes >= batch_size (a root each) and width >= 1, got %d, %d, %d",
+               who, batch_size, num_nodes, width);
+  ECHO_REQUIRE(input_ids && parents && depths && cu && nodes && tokens && counts, "%s: a required array is NULL",
+               who);
+  ECHO_REQUIRE(cu[0] == 0 && cu[batch_size] == num_nodes, "%s: cu must run from 0 to num_nodes (%d), got %d to %d",
+               who, num_nodes, cu[0], cu[batch_size]);
+  for (int32_t r = 0; r < batch_size; ++r)  // every request's range inside [0, num_nodes) before any node is read
+    ECHO_REQUIRE(cu[r + 1] > cu[r] && cu[r + 1] <= num_nodes, "%s: request %d has no nodes or runs past num_nodes "
+                 "(cu[%d] = %d, cu[%d] = %d): cu must rise strictly to num_nodes (%d), a root each", who, r, r, cu[r],
+                 r + 1, cu[r + 1], num_nodes);
+  for (int32_t r = 0; r < batch_size; ++r)  // the whole tree checked before any row is read
+    for (int32_t j = cu[r]; j < cu[r + 1]; ++j) {
+      const int32_t p = parents[j], d = depths[j];
+      ECHO_REQUIRE((j == cu[r]) == (p < 0), "%s: node %d: a request's first node is its root (parent -1) and no "
+                   "other is, got parent %d", who, j, p);
+      ECHO_REQUIRE(p < j - cu[r], "%s: node %d: its parent %d must come before it in its request", who, j, p);
+      ECHO_REQUIRE(d == (p < 0 ? 0 : depths[cu[r] + p] + 1) && d < width, "%s: node %d: depth %d must be its "
+                   "parent's + 1 (a root's 0) and below width %d", who, j, d, width);
+    }
+  std::vector<uint8_t> ok(static_cast<size_t>(num_nodes), 0);
+  for (int32_t r = 0; r < batch_size; ++r) {
+    const int32_t start = cu[r], end = cu[r + 1];
+    int32_t last = start;
+    for (int32_t j = start; j < end; ++j) {
+      const int32_t p = parents[j];
+      // on an accepted path iff its draft is the target's choice after its parent, and the parent is on one
+      ok[j] = p < 0 || (ok[start + p] && input_ids[j] == pred(start + p));
+      if (ok[j] && depths[j] > depths[last]) last = j;  // the deepest; at equal depth the lowest index stays
+    }
+    const int32_t n = depths[last];
+    const int64_t bonus = pred(last);
+    int64_t* row_nodes = nodes + static_cast<size_t>(r) * width;
+    int64_t* row_tokens = tokens + static_cast<size_t>(r) * width;
+    for (int32_t c = 0; c < width; ++c) {
+      row_nodes[c] = -1;
+      row_tokens[c] = bonus;  // the bonus: the path's last column and every one after it
+    }
+    for (int32_t j = last, c = n; c >= 0; j = start + parents[j], --c) {  // up to the root (its -1 parent never indexed)
+      row_nodes[c] = j;
+      if (c > 0) row_tokens[c - 1] = input_ids[j];
+    }
+    counts[r] = n + 1;
+  }
+  return abi::ok();
 }
 
 int check_segments(const echo_segments& f, const char* who) {
@@ -668,47 +799,31 @@ int echo_kalman_step_host(int32_t n, double* theta, double* cov, const double* p
 int echo_accept_greedy_host(const int64_t* input_ids, const int64_t* pred, const int32_t* parents,
                             const int32_t* depths, const int32_t* cu, int32_t batch_size, int32_t num_nodes,
                             int32_t width, int64_t* nodes, int64_t* tokens, int64_t* counts) {
-  const char* who = "accept_greedy";
-  ECHO_REQUIRE(batch_size >= 1 && num_nodes >= batch_size && width >= 1,
-               "%s: batch_size must be >= 1, num_nodes >= batch_size (a root each) and width >= 1, got %d, %d, %d",
-               who, batch_size, num_nodes, width);
-  ECHO_REQUIRE(input_ids && pred && parents && depths && cu && nodes && tokens && counts,
-               "%s: a required array is NULL", who);
-  ECHO_REQUIRE(cu[0] == 0 && cu[batch_size] == num_nodes, "%s: cu must run from 0 to num_nodes (%d), got %d to %d",
-               who, num_nodes, cu[0], cu[batch_size]);
-  for (int32_t r = 0; r < batch_size; ++r)  // every request's range inside [0, num_nodes) before any node is read
-    ECHO_REQUIRE(cu[r + 1] > cu[r] && cu[r + 1] <= num_nodes, "%s: request %d has no nodes or runs past num_nodes "
-                 "(cu[%d] = %d, cu[%d] = %d): cu must rise strictly to num_nodes (%d), a root each", who, r, r, cu[r],
-                 r + 1, cu[r + 1], num_nodes);
-  std::vector<uint8_t> ok(static_cast<size_t>(num_nodes), 0);
-  for (int32_t r = 0; r < batch_size; ++r) {
-    const int32_t start = cu[r], end = cu[r + 1];
-    int32_t last = start;
-    for (int32_t j = start; j < end; ++j) {
-      const int32_t p = parents[j], d = depths[j];
-      ECHO_REQUIRE((j == start) == (p < 0), "%s: node %d: a request's first node is its root (parent -1) and no "
-                   "other is, got parent %d", who, j, p);
-      ECHO_REQUIRE(p < j - start, "%s: node %d: its parent %d must come before it in its request", who, j, p);
-      ECHO_REQUIRE(d == (p < 0 ? 0 : depths[start + p] + 1) && d < width, "%s: node %d: depth %d must be its "
-                   "parent's + 1 (a root's 0) and below width %d", who, j, d, width);
-      // on an accepted path iff its draft is the target's choice after its parent, and the parent is on one
-      ok[j] = p < 0 || (ok[start + p] && input_ids[j] == pred[start + p]);
-      if (ok[j] && d > depths[last]) last = j;  // the deepest; at equal depth the lowest index stays
-    }
-    const int32_t n = depths[last];
-    int64_t* row_nodes = nodes + static_cast<size_t>(r) * width;
-    int64_t* row_tokens = tokens + static_cast<size_t>(r) * width;
-    for (int32_t c = 0; c < width; ++c) {
-      row_nodes[c] = -1;
-      row_tokens[c] = pred[last];  // the bonus: the path's last column and every one after it
-    }
-    for (int32_t j = last, c = n; c >= 0; j = start + parents[j], --c) {  // up to the root (its -1 parent never indexed)
-      row_nodes[c] = j;
-      if (c > 0) row_tokens[c - 1] = input_ids[j];
-    }
-    counts[r] = n + 1;
-  }
-  return abi::ok();
+  ECHO_REQUIRE(pred, "accept_greedy: a required array is NULL");
+  return accept_greedy("accept_greedy", input_ids, parents, depths, cu, batch_size, num_nodes, width, nodes, tokens,
+                       counts, [pred](int32_t j) { return pred[j]; });
+}
+
+int echo_accept_greedy_logits_host(const void* logits, int64_t row_stride, int64_t vocab, int32_t dtype,
+                                   const int64_t* input_ids, const int32_t* parents, const int32_t* depths,
+                                   const int32_t* cu, int32_t batch_size, int32_t num_nodes, int32_t width,
+                                   int64_t* nodes, int64_t* tokens, int64_t* counts, int64_t* pred) {
+  const char* who = "accept_greedy_logits";
+  ECHO_REQUIRE(logits && pred, "%s: a required array is NULL", who);
+  ECHO_REQUIRE(vocab >= 1 && row_stride >= vocab, "%s: vocab must be >= 1 and row_stride >= vocab, got %lld, %lld",
+               who, static_cast<long long>(vocab), static_cast<long long>(row_stride));
+  ECHO_REQUIRE(dtype == 0 || dtype == 1, "%s: dtype must be 0 (float32) or 1 (bfloat16), got %d", who, dtype);
+  for (int32_t j = 0; j < num_nodes; ++j) pred[j] = -1;
+  // a node's top-1 is read the first time the walk needs it: after a node on an accepted path, and the path's last
+  return accept_greedy(who, input_ids, parents, depths, cu, batch_size, num_nodes, width, nodes, tokens, counts,
+                       [=](int32_t j) {
+                         if (pred[j] < 0) {
+                           const size_t at = static_cast<size_t>(j) * static_cast<size_t>(row_stride);
+                           pred[j] = dtype == 0 ? argmax_row(static_cast<const float*>(logits) + at, vocab)
+                                                : argmax_row(static_cast<const uint16_t*>(logits) + at, vocab);
+                         }
+                         return pred[j];
+                       });
 }
 
 }  // extern "C"

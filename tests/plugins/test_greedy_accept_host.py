@@ -143,11 +143,12 @@ def test_the_runtime_accepts_on_the_host_as_the_oracle_does(host_backend, prompt
     config = EchoConfig(policy="echo", k_max=48, beam_width=3, top_k=3, max_depth=5)
     runs = [Executor(target, head, tok, config, max_batch_size=4, max_seq_len=256) for _ in range(2)]
     host, oracle = runs
-    assert host._acceptor is not None
-    calls = []
-    real = host._acceptor
+    assert host._acceptor is not None and host._logits_reader is not None
+    calls, reads = [], []
+    real, reader = host._acceptor, host._logits_reader
     host._acceptor = lambda *a: (calls.append(1), real(*a))[1]
-    oracle._acceptor = None
+    host._logits_reader = lambda *a: (reads.append(a[0].total_nodes > a[0].batch_size), reader(*a))[1]
+    oracle._acceptor = oracle._logits_reader = None
     requests = [[], []]
     for ex, mine in zip(runs, requests):
         for i, p in enumerate(prompts[:6]):
@@ -162,8 +163,118 @@ def test_the_runtime_accepts_on_the_host_as_the_oracle_does(host_backend, prompt
             assert torch.equal(a.result.accepted_token_ids, b.result.accepted_token_ids)
             assert torch.equal(a.result.accepted_node_ids, b.result.accepted_node_ids)
             accepted += int(a.result.num_accepted_drafts.sum())
-    assert calls and accepted > 0
+    assert any(reads) and accepted > 0  # the reader took the steps that verify drafts
     assert [r.output_token_ids for r in requests[0]] == [r.output_token_ids for r in requests[1]]
+
+
+def _planted(batch, pred: torch.Tensor, vocab: int, gen, dtype) -> torch.Tensor:
+    """Logits whose top-1 in row i is pred[i] (each row's maximum raised above the rest)."""
+    logits = torch.randn(batch.total_nodes, vocab, generator=gen)
+    logits[torch.arange(batch.total_nodes), pred % vocab] = logits.max() + 1.0 + torch.rand(batch.total_nodes,
+                                                                                             generator=gen)
+    return logits.to(dtype)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("batch_size", [1, 4, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_logits_reader_accepts_as_the_oracle_reading_only_the_rows_it_needs(host_backend, seed, batch_size,
+                                                                                  dtype):
+    """`host_greedy_logits_acceptor` against `_accept_predicted` over the argmax of every row (`verify_paths`
+    without a reader), on logits whose top-1 accepts paths of every length; the rows it read are exactly the
+    accepted paths' nodes (each path's last node gives the bonus), and each read row's top-1 is torch.argmax's."""
+    read = kernels.host_greedy_logits_acceptor()
+    assert read is not None
+    batch, gen = _packed(seed, batch_size, "host")
+    deepest = int(batch.node_depths.max())
+    for p_child in (0.0, 0.5, 1.0):
+        logits = _planted(batch, _choices(batch, gen, p_child), 1000 + 7 * seed, gen, dtype)
+        want = verify_paths(batch, logits, max_depth=deepest)
+        pred = torch.empty(batch.total_nodes, dtype=torch.long)
+        _same(read(batch, logits, deepest, pred), want)
+        on_path = set(want.nodes[want.nodes >= 0].tolist())
+        full = logits.argmax(-1)  # every row's top-1: which nodes lie on an accepted path (ok), as the oracle walks
+        gp, ids = batch.global_parents.tolist(), batch.input_ids.tolist()
+        ok = []
+        for j, p in enumerate(gp):
+            ok.append(p < 0 or (ok[p] and ids[j] == int(full[p])))
+        rows_read = set(torch.nonzero(pred >= 0).flatten().tolist())
+        assert on_path <= rows_read <= {j for j in range(len(ok)) if ok[j]}
+        rows = sorted(rows_read)
+        assert torch.equal(pred[rows], logits[rows].argmax(-1))
+        _same(verify_paths(batch, logits, max_depth=deepest, reader=read), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_logits_readers_top1_is_torch_argmax_on_ties_nans_infinities_and_tails(host_backend, dtype):
+    """One request whose root's row is each hard case in turn (a vocabulary of 1, 15, 16, 17, 1000 and 151,936
+    entries: no full lane block, one, and a tail): ties (the first index), a NaN (its first), infinities, all -inf
+    (index 0); the bonus token is torch.argmax of the row."""
+    from echo_trtllm.core.tree import SuperTree
+
+    read = kernels.host_greedy_logits_acceptor()
+    batch = kernels.pack(SuperTree.from_parents([torch.tensor([-1])], [torch.tensor([3])]), torch.tensor([10]),
+                         backend="torch")
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (1, 15, 16, 17, 1000, 151_936):
+        rows = [torch.randn(vocab, generator=gen), torch.zeros(vocab), torch.full((vocab,), -float("inf"))]
+        tie = torch.randn(vocab, generator=gen)
+        tie[vocab // 3] = tie[vocab - 1] = 50.0
+        nan = torch.randn(vocab, generator=gen)
+        nan[vocab // 2] = float("nan")
+        nan[vocab - 1] = float("nan")
+        inf = torch.randn(vocab, generator=gen)
+        inf[vocab // 4] = float("inf")
+        inf[0] = -float("inf")
+        for row in (*rows, tie, nan, inf):
+            x = row.to(dtype)[None]
+            assert read(batch, x, 0).tokens.tolist() == [[int(x[0].argmax())]], (vocab, row[:4])
+
+
+def test_the_logits_reader_leaves_what_it_cannot_read_to_the_argmax(host_backend):
+    """float16 logits, a strided vocabulary and GPU-less fallbacks: None, so `verify_paths` takes every row's argmax
+    and the acceptor; a malformed batch is refused by name before any row is read."""
+    read = kernels.host_greedy_logits_acceptor()
+    batch, gen = _packed(1, 4, "host")
+    logits = torch.randn(batch.total_nodes, 64, generator=gen)
+    assert read(batch, logits.half(), None) is None
+    assert read(batch, torch.randn(64, batch.total_nodes).T, None) is None  # rows not contiguous in the vocabulary
+    _same(verify_paths(batch, logits.half(), reader=read), verify_paths(batch, logits.half()))
+    bad = dataclasses.replace(batch, parents=torch.cat([batch.parents[:1], batch.parents[:1], batch.parents[2:]]))
+    with pytest.raises(kernels.PluginError, match="a request's first node is its root"):
+        read(bad, logits, None)
+    with pytest.raises(ValueError, match="pred must be a contiguous int64"):
+        read(batch, logits, None, torch.empty(3, dtype=torch.long))
+
+
+def test_plain_steps_of_many_rows_take_every_rows_argmax(host_backend, prompts):
+    """The runtime's rule (`executor.READER_PLAIN_ROWS`): a plain step of up to 32 rows is accepted by the logits
+    reader, one of more rows by every row's argmax and the acceptor; both emit what AR emits."""
+    from echo_trtllm.core import EchoConfig
+    from echo_trtllm.models import DEFAULT_TARGET
+    from echo_trtllm.models.loader import load_model
+    from echo_trtllm.runtime.executor import READER_PLAIN_ROWS, Executor
+    from echo_trtllm.runtime.request import SamplingParams
+
+    target, tok = load_model(DEFAULT_TARGET, dtype="float32")
+    outputs = {}
+    for rows in (READER_PLAIN_ROWS, READER_PLAIN_ROWS + 1):
+        ex = Executor(target, None, tok, EchoConfig(policy="ar"), max_batch_size=rows, max_seq_len=128)
+        calls = {"reader": 0, "acceptor": 0}
+        reader, acceptor = ex._logits_reader, ex._acceptor
+        ex._logits_reader = lambda *a: (calls.__setitem__("reader", calls["reader"] + 1), reader(*a))[1]
+        ex._acceptor = lambda *a: (calls.__setitem__("acceptor", calls["acceptor"] + 1), acceptor(*a))[1]
+        reqs = [ex.make_request(prompts[i % len(prompts)], SamplingParams(max_tokens=3, temperature=0,
+                                                                           ignore_eos=True)) for i in range(rows)]
+        for r in reqs:
+            ex.submit(r)
+        while ex.has_work:
+            ex.step()
+        assert (calls["reader"] > 0, calls["acceptor"] > 0) == ((True, False) if rows <= READER_PLAIN_ROWS
+                                                                 else (False, True)), (rows, calls)
+        outputs[rows] = [r.output_token_ids for r in reqs]
+    # the same prompts in both runs: the shared requests emit the same tokens either way
+    assert outputs[READER_PLAIN_ROWS] == outputs[READER_PLAIN_ROWS + 1][:READER_PLAIN_ROWS]
 
 
 def test_the_micro_benchmark_writes_its_rows(host_backend, tmp_path):
@@ -179,3 +290,22 @@ def test_the_micro_benchmark_writes_its_rows(host_backend, tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["requests"], r["nodes_each"]) for r in rows] == [(1, 6), (16, 2), (64, 1)]
     assert all(r["torch_us"] > 0 and r["host_us"] > 0 for r in rows)
+
+
+def test_the_in_engine_ab_writes_both_arms(host_backend, tmp_path):
+    """scripts/accept_reader_ab.py on the embedded pair: a row per method and batch size with both arms' acceptance
+    times and rows verified (timings are the machine's: not checked), and the runtime's rule restored after."""
+    import json
+    from pathlib import Path
+
+    import echo_trtllm.runtime.executor as executor_mod
+    from tests.helpers import load_script
+
+    out = tmp_path / "ab.json"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "accept_reader_ab.py"
+    assert load_script(script).main(["--batch-sizes", "1,3", "--steps", "4", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["method"], r["batch_size"]) for r in rows] == [("ar", 1), ("ar", 3), ("echo", 1), ("echo", 3)]
+    assert all(r["steps_per_arm"] == 2 and r["reader_accept_ms"] > 0 and r["argmax_accept_ms"] > 0 for r in rows)
+    assert all(r["reader_verified"] == r["argmax_verified"] == r["batch_size"] for r in rows[:2])  # AR: roots
+    assert executor_mod.READER_PLAIN_ROWS == 32

@@ -197,6 +197,16 @@ int echo_accept_greedy_host(const int64_t* input_ids, const int64_t* pred, const
                             const int32_t* depths, const int32_t* cu, int32_t batch_size, int32_t num_nodes,
                             int32_t width, int64_t* nodes, int64_t* tokens, int64_t* counts);
 
+/* echo_accept_greedy_host reading the target's logits instead of pred: row j of logits (num_nodes rows of vocab
+ * entries, row j at j * row_stride; dtype 0 float32, 1 bfloat16) gives the top-1 after node j (the first index of
+ * its maximum, or of its first NaN: torch.argmax's answer), read only where the walk needs it: after a node on an
+ * accepted path, and at each request's last accepted node (the bonus). pred (num_nodes): the top-1 of every row
+ * read, -1 where none was. The whole tree is checked before any row is read. */
+int echo_accept_greedy_logits_host(const void* logits, int64_t row_stride, int64_t vocab, int32_t dtype,
+                                   const int64_t* input_ids, const int32_t* parents, const int32_t* depths,
+                                   const int32_t* cu, int32_t batch_size, int32_t num_nodes, int32_t width,
+                                   int64_t* nodes, int64_t* tokens, int64_t* counts, int64_t* pred);
+
 #ifdef __cplusplus
 }
 #endif
