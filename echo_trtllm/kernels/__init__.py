@@ -37,7 +37,7 @@ from echo_trtllm.core.verify import AcceptedPaths
 
 __all__ = ["BACKENDS", "load_library", "backend_for", "host_allocator", "host_estimate_reader", "host_level_replayer",
            "host_selector", "host_acceptance_counter", "host_tree_builder", "host_isotonic",
-           "host_kalman_stepper", "host_tree_selector", "host_greedy_acceptor",
+           "host_kalman_stepper", "host_tree_selector", "host_greedy_acceptor", "host_greedy_logits_acceptor",
            "install_host", "gate", "allocate_budget", "pack", "PluginError"]
 
 logger = logging.getLogger(__name__)
@@ -365,8 +365,8 @@ def _accept_greedy_logits_host(lib, batch: PackedVerifyBatch, logits: Tensor, ma
     (N_tot,) int64 CPU tensor the rows' top-1 are written to, -1 for the rows never read (tests, measurements)."""
     n, b = batch.total_nodes, batch.batch_size
     if (logits.ndim != 2 or logits.shape[0] != n or logits.device.type != "cpu" or logits.dtype not in _LOGIT_DTYPES
-            or logits.shape[1] < 1 or logits.stride(1) != 1):
-        return None
+            or logits.shape[1] < 1 or logits.stride(1) != 1 or (n > 1 and logits.stride(0) < logits.shape[1])):
+        return None  # not rows of one vocabulary each, one after another (overlapping rows: an expanded tensor)
     for name, t, size in (("input_ids", batch.input_ids, n), ("parents", batch.parents, n),
                           ("node_depths", batch.node_depths, n), ("cu_num_nodes", batch.cu_num_nodes, b + 1)):
         if t.shape != (size,) or t.device.type != "cpu":  # the library reads these lengths from n and b

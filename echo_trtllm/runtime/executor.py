@@ -96,7 +96,8 @@ def check_limits(config: EchoConfig, max_batch_size: int, has_draft: bool) -> No
         )
 
 # plain steps of more rows than this take every row's argmax on the forward's threads rather than the host library's
-# logits reader (one thread): measured inside the engine on the Qwen target, bf16, 2 cores (docs/performance.md)
+# logits reader (one thread): inside the engine on the Qwen target, bf16, 2 cores, the reader was faster at 1 and 16
+# plain rows and the two equal at 64 (docs/performance.md); more threads favour the argmax
 READER_PLAIN_ROWS = 32
 
 @dataclass

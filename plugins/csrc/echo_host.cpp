@@ -1,5 +1,6 @@
 // C ABI, host entry points: argument checks, then the reference path of the same headers the kernels use.
-// Builds with any C++17 compiler (no CUDA needed): this is what CI tests against echo_trtllm.core.
+// Builds with GCC or Clang in C++17 (no CUDA needed; GNU vector extensions in the greedy reader's argmax): this is
+// what CI tests against echo_trtllm.core.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -45,8 +46,6 @@ inline double estimate_one(const echo_segments& f, double c, int32_t r) {
 // vector width the library is built for)
 typedef float lanes_f __attribute__((vector_size(64)));
 typedef int32_t lanes_i __attribute__((vector_size(64)));
-typedef uint32_t lanes_u __attribute__((vector_size(64)));
-typedef uint16_t lanes_h __attribute__((vector_size(32)));
 constexpr int kLanes = 16;
 
 #define ECHO_INLINE inline __attribute__((always_inline))
@@ -62,12 +61,26 @@ ECHO_INLINE float load_one(const uint16_t* p, int64_t i) {
 // (written through a reference: a 64-byte vector returned by value has another ABI with and without AVX-512)
 ECHO_INLINE void load_lanes(const float* p, lanes_f& v) { std::memcpy(&v, p, sizeof v); }
 
+// bfloat16: a float32's high half. __builtin_convertvector (GCC 9+, Clang) widens the 16 halves in one vector
+// instruction; older compilers get the loop, the same values, slower
+#if defined(__clang__) || __GNUC__ >= 9
+typedef uint32_t lanes_u __attribute__((vector_size(64)));
+typedef uint16_t lanes_h __attribute__((vector_size(32)));
 ECHO_INLINE void load_lanes(const uint16_t* p, lanes_f& v) {
   lanes_h h;
   std::memcpy(&h, p, sizeof h);
   const lanes_u u = __builtin_convertvector(h, lanes_u) << 16;
   std::memcpy(&v, &u, sizeof v);
 }
+#else
+ECHO_INLINE void load_lanes(const uint16_t* p, lanes_f& v) {
+  uint16_t h[kLanes];
+  uint32_t u[kLanes];
+  std::memcpy(h, p, sizeof h);
+  for (int j = 0; j < kLanes; ++j) u[j] = static_cast<uint32_t>(h[j]) << 16;
+  std::memcpy(&v, u, sizeof v);
+}
+#endif
 
 // The first index of the row's maximum, or of its first NaN where it has one: torch.argmax's answer (values are
 // only compared, never computed). One pass keeps, per lane, its largest value and where it first met it, and
@@ -108,7 +121,9 @@ ECHO_INLINE int64_t argmax_lanes(const T* __restrict x, int64_t n) {
   return at == n ? 0 : at;
 }
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
+// clones need the loader's ifunc (glibc on Linux) and GCC's target_clones; elsewhere one build for the target
+#if defined(__x86_64__) && defined(__linux__) && defined(__GLIBC__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(__CUDACC__)
 #define ECHO_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define ECHO_CLONES
@@ -813,6 +828,8 @@ int echo_accept_greedy_logits_host(const void* logits, int64_t row_stride, int64
   ECHO_REQUIRE(vocab >= 1 && row_stride >= vocab, "%s: vocab must be >= 1 and row_stride >= vocab, got %lld, %lld",
                who, static_cast<long long>(vocab), static_cast<long long>(row_stride));
   ECHO_REQUIRE(dtype == 0 || dtype == 1, "%s: dtype must be 0 (float32) or 1 (bfloat16), got %d", who, dtype);
+  ECHO_REQUIRE(vocab <= std::numeric_limits<int32_t>::max() - kLanes, "%s: vocab must be below 2^31 - %d (the "
+               "argmax's lanes count in 32 bits), got %lld", who, kLanes, static_cast<long long>(vocab));
   for (int32_t j = 0; j < num_nodes; ++j) pred[j] = -1;
   // a node's top-1 is read the first time the walk needs it: after a node on an accepted path, and the path's last
   return accept_greedy(who, input_ids, parents, depths, cu, batch_size, num_nodes, width, nodes, tokens, counts,

@@ -231,6 +231,33 @@ def test_the_logits_readers_top1_is_torch_argmax_on_ties_nans_infinities_and_tai
             assert read(batch, x, 0).tokens.tolist() == [[int(x[0].argmax())]], (vocab, row[:4])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_logits_readers_top1_is_torch_argmax_where_a_higher_lane_holds_the_earlier_index(host_backend, dtype):
+    """The vectorised pass keeps a maximum per lane (index mod 16); on a tie between lanes the earliest index wins,
+    not the lowest lane: index 18 (lane 2) against 33 (lane 1), and random rows of few distinct values (+-0, +-inf,
+    1, 2, NaN: ties everywhere) over vocabularies of 1-70 entries, read from rows of a wider tensor (a row stride
+    beyond the vocabulary), each against torch.argmax."""
+    from echo_trtllm.core.tree import SuperTree
+
+    read = kernels.host_greedy_logits_acceptor()
+    roots = 3
+    batch = kernels.pack(SuperTree.from_parents([torch.tensor([-1])] * roots, [torch.tensor([3])] * roots),
+                         torch.full((roots,), 10), backend="torch")
+    x = torch.zeros(roots, 64)
+    x[0, 18] = x[0, 33] = 50.0
+    x[1, 1] = x[1, 16] = x[1, 63] = 7.0  # lane 1 first, lane 0 later, lane 15 last
+    x[2, 47] = x[2, 2] = float("nan")
+    got = read(batch, x.to(dtype), 0).tokens[:, 0].tolist()
+    assert got == [18, 1, 2] == x.to(dtype).argmax(-1).tolist()
+    gen = torch.Generator().manual_seed(5)
+    values = torch.tensor([0.0, -0.0, 1.0, 2.0, float("inf"), -float("inf"), float("nan")])
+    for vocab in range(1, 71):
+        for _ in range(4):
+            wide = values[torch.randint(0, len(values) - (vocab % 3 == 0), (roots, vocab + 5), generator=gen)]
+            rows = wide.to(dtype)[:, :vocab]  # stride vocab + 5
+            assert read(batch, rows, 0).tokens[:, 0].tolist() == rows.argmax(-1).tolist(), (vocab, rows)
+
+
 def test_the_logits_reader_leaves_what_it_cannot_read_to_the_argmax(host_backend):
     """float16 logits, a strided vocabulary and GPU-less fallbacks: None, so `verify_paths` takes every row's argmax
     and the acceptor; a malformed batch is refused by name before any row is read."""
@@ -239,6 +266,9 @@ def test_the_logits_reader_leaves_what_it_cannot_read_to_the_argmax(host_backend
     logits = torch.randn(batch.total_nodes, 64, generator=gen)
     assert read(batch, logits.half(), None) is None
     assert read(batch, torch.randn(64, batch.total_nodes).T, None) is None  # rows not contiguous in the vocabulary
+    one = torch.randn(1, 64, generator=gen).expand(batch.total_nodes, 64)  # every row the same memory
+    assert read(batch, one, None) is None
+    _same(verify_paths(batch, one, reader=read), verify_paths(batch, one))
     _same(verify_paths(batch, logits.half(), reader=read), verify_paths(batch, logits.half()))
     bad = dataclasses.replace(batch, parents=torch.cat([batch.parents[:1], batch.parents[:1], batch.parents[2:]]))
     with pytest.raises(kernels.PluginError, match="a request's first node is its root"):
