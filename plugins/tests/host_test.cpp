@@ -129,6 +129,29 @@ static void signed_zero_and_nan() {
   EXPECT(echo_gate_host(nan_level, req, active, 2, 2, 0.0f, conf, passed) == ECHO_INVALID_ARGUMENT);
 }
 
+// greedy acceptance over logits: root 0 -> 1 (tok 5), 2 (tok 7); 1 -> 3 (tok 2). The root's row peaks at 5 (node 1
+// accepted), node 1's at 2 (node 3 accepted), node 3's at 9 (the bonus); node 2's row is never read
+static void greedy_logits_example() {
+  const int32_t vocab = 20;
+  float logits[4 * vocab] = {};
+  logits[0 * vocab + 5] = 3.f;
+  logits[1 * vocab + 2] = 3.f;
+  logits[2 * vocab + 4] = 3.f;
+  logits[3 * vocab + 9] = 3.f;
+  logits[3 * vocab + 17] = 3.f;  // a tie: the first index wins
+  const int64_t ids[] = {11, 5, 7, 2};
+  const int32_t parents[] = {-1, 0, 0, 1}, depths[] = {0, 1, 1, 2}, cu[] = {0, 4};
+  int64_t nodes[3], tokens[3], counts[1], pred[4];
+  EXPECT(echo_accept_greedy_logits_host(logits, vocab, vocab, 0, ids, parents, depths, cu, 1, 4, 3, nodes, tokens,
+                                        counts, pred) == ECHO_OK);
+  EXPECT(counts[0] == 3 && nodes[0] == 0 && nodes[1] == 1 && nodes[2] == 3);
+  EXPECT(tokens[0] == 5 && tokens[1] == 2 && tokens[2] == 9);
+  EXPECT(pred[0] == 5 && pred[1] == 2 && pred[2] == -1 && pred[3] == 9);
+  EXPECT(echo_accept_greedy_logits_host(logits, vocab, vocab, 2, ids, parents, depths, cu, 1, 4, 3, nodes, tokens,
+                                        counts, pred) == ECHO_INVALID_ARGUMENT);
+  EXPECT(std::strstr(echo_last_error(), "dtype must be 0") != nullptr);
+}
+
 int main() {
   std::printf("echo plugin host test (ABI %d, CUDA %s)\n", echo_abi_version(), echo_has_cuda() ? "yes" : "no");
   design_example();
@@ -137,6 +160,7 @@ int main() {
   random_invariants();
   empty_batch();
   signed_zero_and_nan();
+  greedy_logits_example();
   std::printf(failures ? "%d FAILED\n" : "all passed\n", failures);
   return failures ? EXIT_FAILURE : EXIT_SUCCESS;
 }
