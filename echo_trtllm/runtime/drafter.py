@@ -546,20 +546,25 @@ class Eagle3Drafter(Drafter):
 
     def expand_roots(self, rows: Tensor) -> DraftTopK:
         top = super().expand_roots(rows)
-        self._y = self._level_y[0][self.link.send("draft rows", rows)][:, None]  # (R, 1, h): the roots' outputs
+        # the previous level's head outputs (B', W, h) and which of its rows each drafting row reads: rows that stop
+        # drafting are dropped from this index, never copied out of the outputs (one gather per level reads them)
+        self._y = self._level_y[0][:, None]  # (B, 1, h): every request's root output
+        self._y_rows = self.link.send("draft rows", rows)
         return top
 
     def _forward_level(self, batch, parents: Tensor) -> Tensor:
         """Each frontier node reads its parent's head output in place of a target feature."""
         r, w = parents.shape
-        h = self._y.shape[-1]
-        logits, y = self._forward(batch, self._y.gather(1, parents[..., None].expand(r, w, h)).reshape(r * w, h))
+        slots, h = self._y.shape[1], self._y.shape[-1]
+        flat = (self._y_rows[:, None] * slots + parents).reshape(-1)  # (R * W,) rows of the flattened outputs
+        logits, y = self._forward(batch, self._y.reshape(-1, h).index_select(0, flat))
         self._y = y.reshape(r, w, h)
+        self._y_rows = torch.arange(r, device=y.device)
         return logits
 
     def _keep_rows_on_device(self, index: Tensor) -> None:
         super()._keep_rows_on_device(index)
-        self._y = self._y[index]
+        self._y_rows = self._y_rows[index]
 
     def _forward_nodes(self, batch, level: DraftLevel, frontier: Tensor) -> Tensor:
         """Level d: each frontier node reads its parent's head output in place of a target feature."""
