@@ -314,9 +314,13 @@ class SpeculationController:
         last = self._estimate
         if not last or math.isnan(last["value"][0]):
             return None
-        ratio, dev = last["value"][0], last["value"][1]
-        return {"batch_size": last["batch"], "ratio": ratio, "low": ratio * math.exp(-self.z * dev),
-                "high": ratio * math.exp(self.z * dev)}
+        ratio = last["value"][0]
+        low, high = self._band(ratio, last["value"][1])
+        return {"batch_size": last["batch"], "ratio": ratio, "low": low, "high": high}
+
+    def _band(self, ratio: float, dev: float) -> tuple[float, float]:
+        """An estimate's (low, high) at z log-scale deviations: what a decision weighs and reports."""
+        return ratio * math.exp(-self.z * dev), ratio * math.exp(self.z * dev)
 
     def expects_plain(self, batch_size: int) -> bool:
         """Whether the last estimate, made at this batch size within the last 64 steps, was a confident loss (its
@@ -358,7 +362,7 @@ class SpeculationController:
             if credit >= loss:
                 return Decision(True, "probe", expected_loss=loss, spec_seconds=probe, **common)
             return Decision(False, "plain", **common)
-        low, high = ratio * math.exp(-self.z * dev), ratio * math.exp(self.z * dev)
+        low, high = self._band(ratio, dev)
         common.update(ratio=ratio, low=low, high=high, spec_seconds=t_spec)
         # where the plain step's price is uncertain and most of the doubt, a plain step is what resolves it
         plain_doubt = plain_var > PLAIN_KNOWN ** 2 and plain_var >= 0.5 * dev ** 2

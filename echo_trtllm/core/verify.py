@@ -384,7 +384,7 @@ def verify_paths(
     passes the host library's, `kernels.host_greedy_acceptor`, of which `_accept_predicted` is the oracle).
     reader(batch, logits, max_depth): greedy acceptance reading the logits itself, or None where it does not apply
     (then the argmax of every row and `acceptor`); the runtime passes `kernels.host_greedy_logits_acceptor` on the
-    CPU for steps that verify drafted tokens, which reads a row's top-1 only where the walk needs it."""
+    CPU (every step but a plain one of many rows), which reads a row's top-1 only where the walk needs it."""
     if sampling is None:
         _check_logits(batch, target_logits, "target_logits")
         if reader is not None:

@@ -324,26 +324,35 @@ def _accept_greedy_host(lib, batch: PackedVerifyBatch, pred: Tensor, max_depth: 
     """`echo_accept_greedy_host` (echo_abi.h) on a packed batch on the host; `core.verify._accept_predicted` is its
     oracle (tests/plugins/test_greedy_accept_host.py). pred (N_tot,): the target's top-1 after each node; max_depth:
     the tree's deepest depth (None: read from the batch), the paths' width less one."""
-    n, b = batch.total_nodes, batch.batch_size
+    n = batch.total_nodes
     if pred.shape != (n,) or pred.device.type != "cpu":
         raise ValueError(f"accept_greedy: pred must be one CPU entry per node ({n}), got {tuple(pred.shape)} on "
                          f"{pred.device}")
+    tree, paths = _greedy_tree(batch, max_depth, "accept_greedy")
+    ids, parents, depths, cu, b, n, width = tree
+    _check(lib, lib.echo_accept_greedy_host(_ptr(ids), _ptr(pred.long().contiguous()), _ptr(parents), _ptr(depths),
+                                            _ptr(cu), _i32(b), _i32(n), _i32(width), *(_ptr(t) for t in paths)))
+    return AcceptedPaths(*paths)
+
+
+def _greedy_tree(batch: PackedVerifyBatch, max_depth: int | None, who: str):
+    """The greedy acceptors' shared arguments: the packed batch's arrays as the library reads them, checked (on the
+    CPU, one entry per node or cu's B + 1), and its outputs. Returns ((input_ids, parents, depths, cu, B, N, width),
+    (nodes, tokens, counts)); width = max_depth + 1 (max_depth None: the batch's deepest)."""
+    n, b = batch.total_nodes, batch.batch_size
     for name, t, size in (("input_ids", batch.input_ids, n), ("parents", batch.parents, n),
                           ("node_depths", batch.node_depths, n), ("cu_num_nodes", batch.cu_num_nodes, b + 1)):
         if t.shape != (size,) or t.device.type != "cpu":  # the library reads these lengths from n and b
-            raise ValueError(f"accept_greedy: the batch's {name} must be {size} entries on the CPU, got "
+            raise ValueError(f"{who}: the batch's {name} must be {size} entries on the CPU, got "
                              f"{tuple(t.shape)} on {t.device}")
     depths = batch.node_depths.to(torch.int32).contiguous()
     if max_depth is None:
         max_depth = int(depths.max()) if n else 0
-    ids, pred = batch.input_ids.long().contiguous(), pred.long().contiguous()
+    ids = batch.input_ids.long().contiguous()
     parents, cu = batch.parents.to(torch.int32).contiguous(), batch.cu_num_nodes.to(torch.int32).contiguous()
-    nodes = torch.empty(b, max_depth + 1, dtype=torch.long)
-    tokens = torch.empty(b, max_depth + 1, dtype=torch.long)
-    counts = torch.empty(b, dtype=torch.long)
-    _check(lib, lib.echo_accept_greedy_host(_ptr(ids), _ptr(pred), _ptr(parents), _ptr(depths), _ptr(cu), _i32(b),
-                                            _i32(n), _i32(max_depth + 1), _ptr(nodes), _ptr(tokens), _ptr(counts)))
-    return AcceptedPaths(nodes, tokens, counts)
+    paths = (torch.empty(b, max_depth + 1, dtype=torch.long), torch.empty(b, max_depth + 1, dtype=torch.long),
+             torch.empty(b, dtype=torch.long))
+    return (ids, parents, depths, cu, b, n, max_depth + 1), paths
 
 
 def host_greedy_logits_acceptor():
@@ -363,23 +372,12 @@ def _accept_greedy_logits_host(lib, batch: PackedVerifyBatch, logits: Tensor, ma
     where the logits are not float32 / bfloat16 CPU rows (the caller then takes the argmax of every row). `verify_paths`
     with `_accept_predicted` over `row_argmax` is its oracle (tests/plugins/test_greedy_accept_host.py). pred: an
     (N_tot,) int64 CPU tensor the rows' top-1 are written to, -1 for the rows never read (tests, measurements)."""
-    n, b = batch.total_nodes, batch.batch_size
+    n = batch.total_nodes
     if (logits.ndim != 2 or logits.shape[0] != n or logits.device.type != "cpu" or logits.dtype not in _LOGIT_DTYPES
             or logits.shape[1] < 1 or logits.stride(1) != 1 or (n > 1 and logits.stride(0) < logits.shape[1])):
         return None  # not rows of one vocabulary each, one after another (overlapping rows: an expanded tensor)
-    for name, t, size in (("input_ids", batch.input_ids, n), ("parents", batch.parents, n),
-                          ("node_depths", batch.node_depths, n), ("cu_num_nodes", batch.cu_num_nodes, b + 1)):
-        if t.shape != (size,) or t.device.type != "cpu":  # the library reads these lengths from n and b
-            raise ValueError(f"accept_greedy_logits: the batch's {name} must be {size} entries on the CPU, got "
-                             f"{tuple(t.shape)} on {t.device}")
-    depths = batch.node_depths.to(torch.int32).contiguous()
-    if max_depth is None:
-        max_depth = int(depths.max()) if n else 0
-    ids = batch.input_ids.long().contiguous()
-    parents, cu = batch.parents.to(torch.int32).contiguous(), batch.cu_num_nodes.to(torch.int32).contiguous()
-    nodes = torch.empty(b, max_depth + 1, dtype=torch.long)
-    tokens = torch.empty(b, max_depth + 1, dtype=torch.long)
-    counts = torch.empty(b, dtype=torch.long)
+    tree, paths = _greedy_tree(batch, max_depth, "accept_greedy_logits")
+    ids, parents, depths, cu, b, n, width = tree
     if pred is None:
         pred = torch.empty(n, dtype=torch.long)
     elif pred.shape != (n,) or pred.dtype != torch.long or pred.device.type != "cpu" or not pred.is_contiguous():
@@ -388,8 +386,8 @@ def _accept_greedy_logits_host(lib, batch: PackedVerifyBatch, logits: Tensor, ma
     _check(lib, lib.echo_accept_greedy_logits_host(
         _ptr(logits), ctypes.c_int64(logits.stride(0) if n > 1 else logits.shape[1]), ctypes.c_int64(logits.shape[1]),
         _i32(_LOGIT_DTYPES[logits.dtype]), _ptr(ids), _ptr(parents), _ptr(depths), _ptr(cu), _i32(b), _i32(n),
-        _i32(max_depth + 1), _ptr(nodes), _ptr(tokens), _ptr(counts), _ptr(pred)))
-    return AcceptedPaths(nodes, tokens, counts)
+        _i32(width), *(_ptr(t) for t in paths), _ptr(pred)))
+    return AcceptedPaths(*paths)
 
 
 def _host_entry(symbol: str, fn, bind: bool = True):
