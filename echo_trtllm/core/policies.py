@@ -550,13 +550,23 @@ class EchoPolicy(TreePolicy):
                     for m in (*methods, "acceptance_estimates"))
                 and type(self.acceptance).estimate is OnlineAcceptance.estimate)
 
+    @property
+    def chooses_frontier_on_host(self) -> bool:
+        """Whether `replay_level` can also choose the next level's frontier (`next_width=`), so that
+        `draft_tree_batched` drafting level by level makes one host-library call per level (`_draft_on_host`)."""
+        return self.replays_on_host and getattr(self.level_replayer, "next_frontier", False)
+
     def replay_level(self, state: DraftState, prev: DraftLevel, prev_slots: Tensor, depth: int, slot_width: int,
-                     front: Tensor, fvalid: Tensor, probs: Tensor, tokens: Tensor,
-                     row_of: Tensor) -> tuple[Tensor, DraftLevel | None, Tensor | None]:
+                     front: Tensor, fvalid: Tensor, probs: Tensor, tokens: Tensor, row_of: Tensor,
+                     parent_path: Tensor | None = None, next_width: int = 0):
         """One level the device drafted, replayed on the host library with this policy's decisions: what `_replay`'s
         loop body and `observe` do, in one call (`kernels.host_level_replayer`; the torch loop is its oracle,
         tests/plugins/test_echo_host.py). Returns the frontier slot of each node of `prev` (-1: not expanded),
-        the new level (None: an empty frontier, drafting ends) and its nodes' device slots."""
+        the new level (None: an empty frontier, drafting ends), its nodes' device slots and the next level.
+        next_width >= 1 (`chooses_frontier_on_host`): in the same call, the next level's frontier as
+        `_level_on_device` and `_keep_active` would choose it, from parent_path (R, W), the path probability of each
+        node of `front` (the roots': 1): (rows kept, front, fvalid, path probabilities, tokens, parents), each
+        (R kept, slots), None where drafting ends; next_width 0: None."""
         if state.history is None:
             state.history = torch.zeros(max(self.max_depth, depth), state.batch_size, dtype=torch.float32)
         if len(state.confidence) != depth - 1:
@@ -570,18 +580,19 @@ class EchoPolicy(TreePolicy):
         gain_row = self.acceptance.row(depth + 1)  # the cost stop reads the next depth's greedy row
         # a budget below the roots (a state not made by `start`) stops everyone, as the oracle's infinite bar does
         spare = max(int(state.budget or 0) - state.batch_size, 0) if self.budget_stop else None
-        slot_of, ints, floats, active, n, claimed, gain = self.level_replayer(
+        extra = {"parent_path": parent_path, "next_width": next_width} if next_width else {}
+        slot_of, ints, floats, active, n, claimed, gain, nxt = self.level_replayer(
             prev.request_ids, prev.path_probs, prev_slots, slot_width, front, fvalid, probs, tokens, row_of, depth,
-            tau, spare, table, gain_row, state.active, state.spine_depth, state.failed_at, state.history)
+            tau, spare, table, gain_row, state.active, state.spine_depth, state.failed_at, state.history, **extra)
         if ints.shape[1] == 0:
-            return slot_of, None, None
+            return slot_of, None, None, None
         state.confidence.append(state.history[depth - 1])
         state.active = active
         if priced and n > 0:
             self._stop_unless_paid(state, n, claimed, gain if table is not None else self._next_level_tokens(state))
         level = DraftLevel(depth=depth, request_ids=ints[0], parent_ids=ints[1], token_ids=ints[2],
                            draft_probs=floats[0], path_probs=floats[1], ranks=ints[3])
-        return slot_of, level, ints[4]
+        return slot_of, level, ints[4], nxt
 
     def select(self, tree: SuperTree, state: DraftState) -> Tensor:
         spine = state.spine_depth.to(tree.token_ids.device)
@@ -756,7 +767,8 @@ def draft_tree_batched(
     tensor on the drafter's device (default: .to the device of the drafted levels). sync_every_level: a sync
     point after every level, for a drafter whose reads cost nothing (on a CPU the host and the device are one, and
     every level drafted for a request the policy has already stopped is a whole draft forward wasted). min_tokens:
-    as `draft_tree`'s."""
+    as `draft_tree`'s. Deciding after every level with a policy whose host-library replay also chooses the next
+    frontier (`EchoPolicy.chooses_frontier_on_host`), each level is one call of the library (`_draft_on_host`)."""
     if not policy.beam_frontier:
         raise ValueError(f"policy {policy.name!r} does not draft a beam frontier; use draft_tree")
     read = read or (lambda *tensors: tuple(t.cpu() for t in tensors))
@@ -765,17 +777,35 @@ def draft_tree_batched(
     state = policy.start(root_token_ids.numel(), budget, context)
     state.frontier_slots, state.min_tokens = [], min_tokens
     depth_cap = policy.max_depth if max_levels is None else min(policy.max_depth, max_levels)
-    syncs = frozenset(range(1, depth_cap + 1)) if sync_every_level else policy.sync_depths(state)
     rows = torch.nonzero(state.active, as_tuple=True)[0]
+    host = getattr(policy, "replays_on_host", False)  # read once a step: the policy's methods do not change in it
+    if not rows.numel():
+        pass  # nobody drafts (the budget rule before drafting)
+    elif host and sync_every_level and getattr(policy, "chooses_frontier_on_host", False):
+        _draft_on_host(policy, state, levels, slots, drafter, rows, depth_cap, read, send)
+    else:
+        syncs = frozenset(range(1, depth_cap + 1)) if sync_every_level else policy.sync_depths(state)
+        _draft_on_device(policy, state, levels, slots, drafter, rows, depth_cap, syncs, read, send, host)
+    state.frontier_slots += [torch.full((lv.num_nodes,), -1, dtype=torch.long)
+                             for lv in levels[len(state.frontier_slots):]]
+    candidates = (policy.tree_builder or SuperTree.from_levels)(levels)
+    mask = policy.select(candidates, state)
+    return DraftResult(candidates, mask, (policy.tree_selector or SuperTree.select)(candidates, mask), state)
+
+
+def _draft_on_device(policy: TreePolicy, state: DraftState, levels: list[DraftLevel], slots: list[Tensor],
+                     drafter: LevelDrafter, rows: Tensor, depth_cap: int, syncs: frozenset[int], read, send,
+                     host: bool) -> None:
+    """`draft_tree_batched`'s loop with the frontiers chosen on the drafter's device and the levels replayed at the
+    sync depths (host: on the host library, `replay_level`). Appends to levels, slots and the state's records."""
     # levels drafted on the device since the last replay: (depth, rows, slots per row of the previous level,
     # frontier slots, frontier valid, probabilities, tokens)
     pending: list[tuple[int, Tensor, int, Tensor, Tensor, Tensor, Tensor]] = []
     replaying = True  # False once the replay met an empty frontier (draft_tree's break)
     score = tokens = None  # the previous level on the device: path probabilities (padding: -1) and tokens
     width, children = policy.expand_width, 1
-    host = getattr(policy, "replays_on_host", False)  # read once a step: the policy's methods do not change in it
     row_of = _row_of(state.batch_size, rows)
-    for depth in range(1, depth_cap + 1 if rows.numel() else 1):
+    for depth in range(1, depth_cap + 1):
         width_prev = 1 if depth == 1 else score.shape[1]  # slots per row of the previous level
         front, fvalid, probs, toks, score, tokens, children = _level_on_device(
             policy, drafter, depth, rows, score, tokens, width, children)
@@ -788,11 +818,48 @@ def draft_tree_batched(
             rows, score, tokens, row_of = _keep_active(state, drafter, send, rows, score, tokens, row_of)
     if pending and replaying:
         _replay(policy, state, levels, slots, pending, read, row_of, host)
-    state.frontier_slots += [torch.full((lv.num_nodes,), -1, dtype=torch.long)
-                             for lv in levels[len(state.frontier_slots):]]
-    candidates = (policy.tree_builder or SuperTree.from_levels)(levels)
-    mask = policy.select(candidates, state)
-    return DraftResult(candidates, mask, (policy.tree_selector or SuperTree.select)(candidates, mask), state)
+
+
+def _draft_on_host(policy: TreePolicy, state: DraftState, levels: list[DraftLevel], slots: list[Tensor],
+                   drafter: LevelDrafter, rows: Tensor, depth_cap: int, read, send) -> None:
+    """`draft_tree_batched`'s loop deciding after every level with one host-library call per level
+    (`EchoPolicy.replay_level` with next_width): the level replayed with the policy's decisions, then the next
+    level's frontier of the requests still drafting, where the device loop takes a few dozen tensor operations per
+    level (its frontier choice in `_level_on_device`, `_replay`, `_keep_active`). The device loop is its oracle
+    (tests/plugins/test_echo_host.py). Appends to levels, slots and the state's frontier records."""
+    b, r = state.batch_size, rows.numel()
+    row_of = _row_of(b, rows)
+    front, fvalid = torch.zeros(r, 1, dtype=torch.long), torch.ones(r, 1, dtype=torch.bool)
+    path, slot_width, tokens, parents = torch.ones(r, 1), 1, None, None
+    for depth in range(1, depth_cap + 1):
+        k = policy.num_children(depth)
+        if depth == 1:
+            top = drafter.expand_roots(rows)
+            probs, toks = top.probs[:, None], top.tokens[:, None]
+            dev = probs.device
+            send = send or (lambda t: t.to(dev))
+        else:
+            top = drafter.expand_level(depth, send(tokens), send(parents))
+            probs, toks = top.probs, top.tokens
+        probs, toks = read(probs[..., :k], toks[..., :k])
+        last = depth == depth_cap
+        w, level, level_slots, nxt = policy.replay_level(
+            state, levels[-1], slots[-1], depth, slot_width, front, fvalid, probs, toks, row_of, parent_path=path,
+            next_width=0 if last else policy.expand_width)
+        state.frontier_slots.append(w)
+        if level is None:
+            return
+        state.frontier_sizes.append(level.num_nodes // k)
+        levels.append(level)
+        slots.append(level_slots)
+        if last or nxt is None or not bool(state.active.any()):
+            return
+        keep, front, fvalid, path, tokens, parents = nxt
+        if keep.numel() < rows.numel():  # requests the replay stopped leave the device's batch
+            drafter.keep_rows(keep)
+            rows = rows[keep]
+            row_of = _row_of(b, rows)
+        slot_width = probs.shape[1] * k
 
 
 def _keep_active(state: DraftState, drafter: LevelDrafter, send, rows: Tensor, score: Tensor, tokens: Tensor,
@@ -860,8 +927,8 @@ def _replay(policy: TreePolicy, state: DraftState, levels: list[DraftLevel], slo
         front, fvalid, probs, toks = flat[4 * i: 4 * i + 4]
         prev = levels[-1]
         if host:  # the loop body below and policy.observe in one call of the host library
-            w, level, level_slots = policy.replay_level(state, prev, slots[-1], depth, width, front, fvalid, probs,
-                                                        toks, row_of)
+            w, level, level_slots, _ = policy.replay_level(state, prev, slots[-1], depth, width, front, fvalid,
+                                                           probs, toks, row_of)
             state.frontier_slots.append(w)
             if level is None:
                 return False

@@ -309,7 +309,10 @@ def host_level_replayer():
     one call per level for `core.policies._replay`'s loop body and the policy's gate, budget stop and cost stop's
     tokens), or None where the library is not built (or predates it): the levels are then replayed in torch, with
     the same results. `install_host` installs it."""
-    return _host_entry("echo_replay_level_host", _replay_level_host)
+    replayer = _host_entry("echo_replay_level_host", _replay_level_host)
+    if replayer is not None:  # whether it can also choose the next level's frontier (next_width=): newer builds
+        replayer.next_frontier = hasattr(_lib("host"), "echo_replay_level_next_host")
+    return replayer
 
 
 def host_greedy_acceptor():
@@ -427,12 +430,16 @@ def _host_segments(table: dict) -> tuple:
 def _replay_level_host(lib, prev_request_ids: Tensor, prev_path_probs: Tensor, prev_slots: Tensor, slot_width: int,
                        front: Tensor, fvalid: Tensor, probs: Tensor, tokens: Tensor, row_of: Tensor, depth: int,
                        tau: float | None, budget_spare: int | None, table: dict | None, gain_row: int,
-                       active: Tensor, spine_depth: Tensor, failed_at: Tensor, history: Tensor):
+                       active: Tensor, spine_depth: Tensor, failed_at: Tensor, history: Tensor,
+                       parent_path: Tensor | None = None, next_width: int = 0):
     """`echo_replay_level_host` (echo_abi.h) on host tensors. spine_depth and failed_at (int64) are updated in place
     and history's row depth - 1 is written. budget_spare None: no budget stop; table: the acceptance fit for the
     cost stop's tokens (None: not read). Returns (slot of each previous node in the frontier (-1: not expanded),
     the new level's (request, parent, token, rank, slot) int64 and (draft prob, path prob) float32 as tensors of
-    its nodes, the new active mask, active requests, claimed tokens, the active requests' estimated tokens)."""
+    its nodes, the new active mask, active requests, claimed tokens, the active requests' estimated tokens, the
+    next level). next_width >= 1: `echo_replay_level_next_host` with parent_path (R, W), each frontier node's path
+    probability on the device, and the next level is (rows kept, their frontier's slots, valid, path probabilities,
+    tokens and parents' frontier slots, each (R kept, min(next_width, W K))); else the next level is None."""
     prev_request_ids, prev_slots = prev_request_ids.long().contiguous(), prev_slots.long().contiguous()
     prev_path_probs, row_of = prev_path_probs.float().contiguous(), row_of.long().contiguous()
     active = active.bool().contiguous()
@@ -461,16 +468,38 @@ def _replay_level_host(lib, prev_request_ids: Tensor, prev_path_probs: Tensor, p
     active_out = torch.empty(b, dtype=torch.bool)
     nf, na, claimed, gain = _i32(0), _i32(0), ctypes.c_int64(0), ctypes.c_double(0.0)
     fit = None if table is None else ctypes.byref(_host_segments(table)[4])
-    _check(lib, lib.echo_replay_level_host(
-        _ptr(prev_request_ids), _ptr(prev_path_probs), _ptr(prev_slots), _i32(m), _i32(slot_width), _ptr(front),
-        _ptr(fvalid), _ptr(probs), _ptr(tokens), _i32(rows), _i32(width), _i32(k), _ptr(row_of), _i32(b),
-        _i32(depth), _i32(history.shape[0]), _i32(tau is not None), _f32(0.0 if tau is None else tau),
-        _i32(budget_spare is not None), _i32(budget_spare or 0), fit, _i32(gain_row), _ptr(active),
-        _ptr(active_out), _ptr(spine_depth), _ptr(failed_at), _ptr(history), _ptr(slot_of), _ptr(ints[0]),
-        _ptr(ints[1]), _ptr(ints[2]), _ptr(floats[0]), _ptr(floats[1]), _ptr(ints[3]), _ptr(ints[4]),
-        ctypes.byref(nf), ctypes.byref(na), ctypes.byref(claimed), ctypes.byref(gain)))
+    args = (_ptr(prev_request_ids), _ptr(prev_path_probs), _ptr(prev_slots), _i32(m), _i32(slot_width), _ptr(front),
+            _ptr(fvalid), _ptr(probs), _ptr(tokens), _i32(rows), _i32(width), _i32(k), _ptr(row_of), _i32(b),
+            _i32(depth), _i32(history.shape[0]), _i32(tau is not None), _f32(0.0 if tau is None else tau),
+            _i32(budget_spare is not None), _i32(budget_spare or 0), fit, _i32(gain_row), _ptr(active),
+            _ptr(active_out), _ptr(spine_depth), _ptr(failed_at), _ptr(history), _ptr(slot_of), _ptr(ints[0]),
+            _ptr(ints[1]), _ptr(ints[2]), _ptr(floats[0]), _ptr(floats[1]), _ptr(ints[3]), _ptr(ints[4]),
+            ctypes.byref(nf), ctypes.byref(na), ctypes.byref(claimed), ctypes.byref(gain))
+    if next_width < 1:
+        _check(lib, lib.echo_replay_level_host(*args))
+        nxt = None
+    else:
+        nxt = _replay_level_next(lib, args, parent_path, next_width, rows, width, k)
     size = nf.value * k
-    return (slot_of, ints[:, :size], floats[:, :size], active_out, na.value, claimed.value, gain.value)
+    return (slot_of, ints[:, :size], floats[:, :size], active_out, na.value, claimed.value, gain.value, nxt)
+
+
+def _replay_level_next(lib, args: tuple, parent_path: Tensor, next_width: int, rows: int, width: int, k: int):
+    """`echo_replay_level_next_host` with `_replay_level_host`'s arguments: the next level (rows kept, front, fvalid,
+    path probabilities, tokens, parents), None where drafting ended."""
+    parent_path = parent_path.float().contiguous()
+    if parent_path.shape != (rows, width):
+        raise ValueError(f"replay_level: parent_path must be (R, W) = {(rows, width)} like front, got "
+                         f"{tuple(parent_path.shape)}")
+    w = min(next_width, width * k)
+    keep, kept, slots = torch.empty(rows, dtype=torch.long), _i32(0), _i32(0)
+    ints, path = torch.empty(3, rows, w, dtype=torch.long), torch.empty(rows, w, dtype=torch.float32)
+    valid = torch.empty(rows, w, dtype=torch.bool)
+    _check(lib, lib.echo_replay_level_next_host(
+        *args, _ptr(parent_path), _i32(next_width), _ptr(keep), _ptr(ints[0]), _ptr(valid), _ptr(path), _ptr(ints[1]),
+        _ptr(ints[2]), ctypes.byref(kept), ctypes.byref(slots)))
+    r = kept.value
+    return (keep[:r], ints[0, :r], valid[:r], path[:r], ints[1, :r], ints[2, :r]) if slots.value else None
 
 
 def _estimate_host(lib, table: dict, confidences: np.ndarray, rows: np.ndarray) -> np.ndarray:

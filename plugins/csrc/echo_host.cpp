@@ -362,17 +362,19 @@ int echo_acceptance_estimate_host(const double* confidences, const int32_t* rows
   return abi::ok();
 }
 
-int echo_replay_level_host(const int64_t* prev_request_ids, const float* prev_path_probs, const int64_t* prev_slots,
-                           int32_t num_prev, int32_t slot_width, const int64_t* front, const uint8_t* fvalid,
-                           const float* probs, const int64_t* tokens, int32_t num_rows, int32_t width,
-                           int32_t children, const int64_t* row_of, int32_t batch_size, int32_t depth,
-                           int32_t max_levels, int32_t has_tau, float tau, int32_t budget_stop, int32_t budget_spare,
-                           const echo_segments* fit, int32_t gain_row, const uint8_t* active_in, uint8_t* active_out,
-                           int64_t* spine_depth, int64_t* failed_at, float* history, int64_t* out_slot_of,
-                           int64_t* out_request_ids, int64_t* out_parent_ids, int64_t* out_token_ids,
-                           float* out_draft_probs, float* out_path_probs, int64_t* out_ranks, int64_t* out_slots,
-                           int32_t* num_frontier, int32_t* num_active, int64_t* claimed, double* gain) {
-  const char* who = "replay_level";
+namespace {
+
+// echo_replay_level_host's body (who: the entry point named in errors)
+int replay_level(const char* who, const int64_t* prev_request_ids, const float* prev_path_probs,
+                 const int64_t* prev_slots, int32_t num_prev, int32_t slot_width, const int64_t* front,
+                 const uint8_t* fvalid, const float* probs, const int64_t* tokens, int32_t num_rows, int32_t width,
+                 int32_t children, const int64_t* row_of, int32_t batch_size, int32_t depth, int32_t max_levels,
+                 int32_t has_tau, float tau, int32_t budget_stop, int32_t budget_spare, const echo_segments* fit,
+                 int32_t gain_row, const uint8_t* active_in, uint8_t* active_out, int64_t* spine_depth,
+                 int64_t* failed_at, float* history, int64_t* out_slot_of, int64_t* out_request_ids,
+                 int64_t* out_parent_ids, int64_t* out_token_ids, float* out_draft_probs, float* out_path_probs,
+                 int64_t* out_ranks, int64_t* out_slots, int32_t* num_frontier, int32_t* num_active, int64_t* claimed,
+                 double* gain) {
   ECHO_REQUIRE(batch_size >= 1 && num_prev >= 0 && num_rows >= 0 && width >= 1 && children >= 1 && slot_width >= 1,
                "%s: batch_size, width, children and slot_width must be >= 1 and num_prev, num_rows >= 0, got %d, %d, "
                "%d, %d, %d, %d", who, batch_size, width, children, slot_width, num_prev, num_rows);
@@ -486,6 +488,112 @@ int echo_replay_level_host(const int64_t* prev_request_ids, const float* prev_pa
       if (active_out[b]) g += estimate_one(*fit, static_cast<double>(c[b]), gain_row);
     *gain = g;
   }
+  return abi::ok();
+}
+
+// A device level's slot s of row r as the device scores it: its parent's path probability x its own draft
+// probability, -1 for padding (core.policies._level_on_device's score)
+inline float device_score(const float* parent_path, const uint8_t* fvalid, const float* probs, int32_t width,
+                          int32_t children, size_t r, int64_t s) {
+  const size_t j = static_cast<size_t>(r) * width + static_cast<size_t>(s / children);
+  return fvalid[j] ? parent_path[j] * probs[static_cast<size_t>(r) * width * children + s] : -1.0f;
+}
+
+// torch.sort(descending=True, stable=True)'s order on one row's scores: NaN first, then larger, ties by slot
+inline bool scored_before(const float* score, int32_t a, int32_t b) {
+  const float x = score[a], y = score[b];
+  const bool nx = x != x, ny = y != y;
+  if (nx != ny) return nx;
+  if (!nx && x != y) return x > y;
+  return a < b;
+}
+
+}  // namespace
+
+int echo_replay_level_host(const int64_t* prev_request_ids, const float* prev_path_probs, const int64_t* prev_slots,
+                           int32_t num_prev, int32_t slot_width, const int64_t* front, const uint8_t* fvalid,
+                           const float* probs, const int64_t* tokens, int32_t num_rows, int32_t width,
+                           int32_t children, const int64_t* row_of, int32_t batch_size, int32_t depth,
+                           int32_t max_levels, int32_t has_tau, float tau, int32_t budget_stop, int32_t budget_spare,
+                           const echo_segments* fit, int32_t gain_row, const uint8_t* active_in, uint8_t* active_out,
+                           int64_t* spine_depth, int64_t* failed_at, float* history, int64_t* out_slot_of,
+                           int64_t* out_request_ids, int64_t* out_parent_ids, int64_t* out_token_ids,
+                           float* out_draft_probs, float* out_path_probs, int64_t* out_ranks, int64_t* out_slots,
+                           int32_t* num_frontier, int32_t* num_active, int64_t* claimed, double* gain) {
+  return replay_level("replay_level", prev_request_ids, prev_path_probs, prev_slots, num_prev, slot_width, front,
+                      fvalid, probs, tokens, num_rows, width, children, row_of, batch_size, depth, max_levels,
+                      has_tau, tau, budget_stop, budget_spare, fit, gain_row, active_in, active_out, spine_depth,
+                      failed_at, history, out_slot_of, out_request_ids, out_parent_ids, out_token_ids,
+                      out_draft_probs, out_path_probs, out_ranks, out_slots, num_frontier, num_active, claimed, gain);
+}
+
+int echo_replay_level_next_host(const int64_t* prev_request_ids, const float* prev_path_probs,
+                                const int64_t* prev_slots, int32_t num_prev, int32_t slot_width, const int64_t* front,
+                                const uint8_t* fvalid, const float* probs, const int64_t* tokens, int32_t num_rows,
+                                int32_t width, int32_t children, const int64_t* row_of, int32_t batch_size,
+                                int32_t depth, int32_t max_levels, int32_t has_tau, float tau, int32_t budget_stop,
+                                int32_t budget_spare, const echo_segments* fit, int32_t gain_row,
+                                const uint8_t* active_in, uint8_t* active_out, int64_t* spine_depth,
+                                int64_t* failed_at, float* history, int64_t* out_slot_of, int64_t* out_request_ids,
+                                int64_t* out_parent_ids, int64_t* out_token_ids, float* out_draft_probs,
+                                float* out_path_probs, int64_t* out_ranks, int64_t* out_slots, int32_t* num_frontier,
+                                int32_t* num_active, int64_t* claimed, double* gain, const float* parent_path,
+                                int32_t next_width, int64_t* out_keep, int64_t* out_front, uint8_t* out_fvalid,
+                                float* out_parent_path, int64_t* out_next_tokens, int64_t* out_next_parents,
+                                int32_t* num_kept, int32_t* next_slots) {
+  const char* who = "replay_level_next";
+  ECHO_REQUIRE(next_width >= 1, "%s: next_width must be >= 1, got %d", who, next_width);
+  ECHO_REQUIRE(num_kept && next_slots && (num_rows == 0 || (parent_path && out_keep && out_front && out_fvalid &&
+                                                            out_parent_path && out_next_tokens && out_next_parents)),
+               "%s: a required next-level array is NULL (parent_path, out_keep, out_front, out_fvalid, "
+               "out_parent_path, out_next_tokens, out_next_parents, num_kept, next_slots)", who);
+  *num_kept = 0;
+  *next_slots = 0;
+  if (int rc = replay_level(who, prev_request_ids, prev_path_probs, prev_slots, num_prev, slot_width, front, fvalid,
+                            probs, tokens, num_rows, width, children, row_of, batch_size, depth, max_levels, has_tau,
+                            tau, budget_stop, budget_spare, fit, gain_row, active_in, active_out, spine_depth,
+                            failed_at, history, out_slot_of, out_request_ids, out_parent_ids, out_token_ids,
+                            out_draft_probs, out_path_probs, out_ranks, out_slots, num_frontier, num_active, claimed,
+                            gain))
+    return rc;
+  if (*num_frontier == 0 || *num_active == 0) return abi::ok();
+  // each row's request (row_of's inverse; replay_level checked row_of's range)
+  std::vector<int64_t> request_of(static_cast<size_t>(num_rows), -1);
+  for (int32_t b = 0; b < batch_size; ++b)
+    if (row_of[b] < num_rows) request_of[static_cast<size_t>(row_of[b])] = b;
+  // the next level's frontier of every row still drafting: its next_width best slots of this level, in slot order
+  const int32_t slots = width * children;
+  const int32_t w = std::min(next_width, slots);
+  std::vector<float> score(static_cast<size_t>(slots));
+  std::vector<int32_t> order(static_cast<size_t>(slots));
+  int32_t kept = 0;
+  for (int32_t r = 0; r < num_rows; ++r) {
+    const int64_t b = request_of[static_cast<size_t>(r)];
+    if (b < 0 || !active_out[b]) continue;
+    for (int32_t s = 0; s < slots; ++s) {
+      score[static_cast<size_t>(s)] = device_score(parent_path, fvalid, probs, width, children, r, s);
+      order[static_cast<size_t>(s)] = s;
+    }
+    if (w < slots) {
+      std::partial_sort(order.begin(), order.begin() + w, order.end(),
+                        [&](int32_t a, int32_t c) { return scored_before(score.data(), a, c); });
+      std::sort(order.begin(), order.begin() + w);
+    }
+    out_keep[kept] = r;
+    for (int32_t j = 0; j < w; ++j) {
+      const int32_t s = order[static_cast<size_t>(j)];
+      const size_t o = static_cast<size_t>(kept) * w + j;
+      const float p = score[static_cast<size_t>(s)];
+      out_front[o] = s;
+      out_parent_path[o] = p;
+      out_fvalid[o] = p >= 0.0f;
+      out_next_tokens[o] = tokens[static_cast<size_t>(r) * slots + s];
+      out_next_parents[o] = s / children;
+    }
+    ++kept;
+  }
+  *num_kept = kept;
+  *next_slots = w;
   return abi::ok();
 }
 

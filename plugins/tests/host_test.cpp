@@ -152,6 +152,33 @@ static void greedy_logits_example() {
   EXPECT(std::strstr(echo_last_error(), "dtype must be 0") != nullptr);
 }
 
+// one level of one request's three children replayed, then its next frontier of two slots: the scores' order is
+// torch.sort's (NaN first, then higher, ties by the lower slot), the frontier in slot order
+static void next_frontier_example() {
+  const int64_t prev_req[] = {0}, prev_slots[] = {0}, front[] = {0}, tokens[] = {7, 8, 9}, row_of[] = {0};
+  const float prev_path[] = {1.f}, parent_path[] = {1.f};
+  const uint8_t fvalid[] = {1}, active_in[] = {1};
+  const float cases[2][3] = {{0.2f, 0.5f, 0.5f}, {NAN, 0.5f, 0.1f}};
+  const int64_t want_front[2][2] = {{1, 2}, {0, 1}};
+  for (int c = 0; c < 2; ++c) {
+    uint8_t active_out[1], out_fvalid[2];
+    int64_t spine[1] = {0}, failed[1] = {0}, slot_of[1], req[3], par[3], tok[3], rank[3], slot[3], keep[1], nf[2],
+            ntok[2], npar[2], claimed;
+    float history[2] = {}, dprob[3], pprob[3], npath[2];
+    int32_t num_frontier, num_active, num_kept, next_slots;
+    double gain;
+    EXPECT(echo_replay_level_next_host(prev_req, prev_path, prev_slots, 1, 1, front, fvalid, cases[c], tokens, 1, 1, 3,
+                                       row_of, 1, 1, 2, 0, 0.f, 0, 0, nullptr, 0, active_in, active_out, spine, failed,
+                                       history, slot_of, req, par, tok, dprob, pprob, rank, slot, &num_frontier,
+                                       &num_active, &claimed, &gain, parent_path, 2, keep, nf, out_fvalid, npath, ntok,
+                                       npar, &num_kept, &next_slots) == ECHO_OK);
+    EXPECT(num_frontier == 1 && num_active == 1 && num_kept == 1 && next_slots == 2 && keep[0] == 0);
+    EXPECT(nf[0] == want_front[c][0] && nf[1] == want_front[c][1]);
+    EXPECT(ntok[0] == tokens[nf[0]] && ntok[1] == tokens[nf[1]] && npar[0] == 0 && npar[1] == 0);
+    EXPECT(out_fvalid[0] == (c == 0) && out_fvalid[1] == 1);  // a NaN score is not >= 0
+  }
+}
+
 int main() {
   std::printf("echo plugin host test (ABI %d, CUDA %s)\n", echo_abi_version(), echo_has_cuda() ? "yes" : "no");
   design_example();
@@ -161,6 +188,7 @@ int main() {
   empty_batch();
   signed_zero_and_nan();
   greedy_logits_example();
+  next_frontier_example();
   std::printf(failures ? "%d FAILED\n" : "all passed\n", failures);
   return failures ? EXIT_FAILURE : EXIT_SUCCESS;
 }

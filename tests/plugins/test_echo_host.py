@@ -40,11 +40,15 @@ VERIFY_ONLY = CostModel((1, 8, 16, 32, 64, 128), (0.010, 0.011, 0.016, 0.026, 0.
 class Counting:
     """The host replayer, counting its calls (the host path must be the one taken)."""
 
-    def __init__(self, replayer):
-        self.replayer, self.calls = replayer, 0
+    def __init__(self, replayer, next_frontier: bool = True):
+        self.replayer, self.calls, self.frontiers = replayer, 0, 0
+        # a replayer that chooses the next frontier too makes `draft_tree_batched` draft level by level in one call
+        # each where it decides after every level (`_draft_on_host`); next_frontier=False: the device loop's replay
+        self.next_frontier = next_frontier and getattr(replayer, "next_frontier", False)
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
+        self.frontiers += kwargs.get("next_width", 0) > 0
         return self.replayer(*args, **kwargs)
 
 
@@ -66,19 +70,22 @@ def _learn(policies, result, gen):
 @pytest.mark.parametrize("batch_size", [1, 5, 16])
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("cost", [None, COST, VERIFY_ONLY], ids=["unpriced", "priced", "verify-priced"])
-@pytest.mark.parametrize("parts", ["replay", "select", "both"])
+@pytest.mark.parametrize("parts", ["replay", "select", "both", "replay-only"])
 def test_the_host_library_decides_what_the_torch_oracle_decides(host_backend, monkeypatch, config, batch_size, tied,
                                                                  cost, parts):
     """replay: the levels replayed on the host library (`replay_level`) against the torch replay and `observe`;
     select: the allocation and budget rule in one call (`selector`) against the allocator, `choose_budget` and
-    `truncated`; both: as the runtime installs them."""
+    `truncated`; both: as the runtime installs them. Deciding after every level (a CPU drafter), replay and both
+    draft each level in one call that also chooses the next frontier (`_draft_on_host`) against the device loop in
+    torch; replay-only: as both, the frontier chosen by the device loop (the host library replays only)."""
     vocab = 40
     table = tied_table(vocab, batch_size) if tied else markov_draft_fn(vocab, seed=batch_size).table
     reference, host = make_policy(config, cost), make_policy(config, cost)
     # the estimates read with the same library function on both sides, as the runtime installs it (its own oracle:
     # test_acceptance_host.py; NumPy's vectorised power rounds c^(1/d) differently in the last bits)
     reference.acceptance.reader = host.acceptance.reader = kernels.host_estimate_reader()
-    counting = Counting(kernels.host_level_replayer() if parts != "select" else kernels.host_selector())
+    counting = Counting(kernels.host_level_replayer() if parts != "select" else kernels.host_selector(),
+                        next_frontier=parts != "replay-only")
     if parts == "replay":
         host.level_replayer = counting
     elif parts == "select":
@@ -116,6 +123,8 @@ def test_the_host_library_decides_what_the_torch_oracle_decides(host_backend, mo
             assert torch.equal(getattr(got.state.allocation, name), getattr(want.state.allocation, name)), name
         _learn((reference, host), want, gen)
     assert counting.calls > 0 or (parts == "select" and cost is None)  # unpriced: the allocator alone
+    # the level-by-level steps chose their frontier in the replay's call wherever a level followed another
+    assert (counting.frontiers > 0) == (parts in ("replay", "both") and config.max_depth > 1)
     assert stops[id(host)] == stops[id(reference)]  # (some cases stop at the gate or budget before any cost stop)
 
 
@@ -178,7 +187,8 @@ def _args(**change):
 def test_one_level_by_hand(host_backend):
     replay = kernels.host_level_replayer()
     a = _args()
-    slot_of, ints, floats, active, n, claimed, gain = replay(*a.values())
+    slot_of, ints, floats, active, n, claimed, gain, nxt = replay(*a.values())
+    assert nxt is None  # not asked for (next_width 0)
     assert slot_of.tolist() == [0, 0]
     assert ints.tolist() == [[0, 0, 1, 1], [0, 0, 1, 1], [3, 4, 5, 6], [0, 1, 0, 1], [0, 1, 0, 1]]
     assert torch.allclose(floats, torch.tensor([[0.6, 0.3, 0.5, 0.4]] * 2))
@@ -187,6 +197,44 @@ def test_one_level_by_hand(host_backend):
     assert torch.allclose(a["history"][0], torch.tensor([0.6, 0.5]))
     # the gate is strict: a confidence equal to tau fails it
     assert replay(*_args(tau=0.5, budget_spare=8).values())[3].tolist() == [True, False]
+
+
+def test_the_next_frontier_by_hand(host_backend):
+    """Level 2 of three requests, one row each with two frontier nodes of two children: row 0's four slots score
+    0.5 x (0.6, 0.4) and 0.25 x (0.6, 0.0) -> 0.3, 0.2, 0.15, 0 (a valid slot); row 1's second node is padding
+    (fvalid False: its slots score -1) and its first has tied children; request 2 fails the gate. The best two
+    slots of each kept row, in slot order, with their scores, tokens and parents' frontier slots (slot // 2)."""
+    probs = torch.tensor([[[0.6, 0.4], [0.6, 0.0]], [[0.5, 0.5], [0.9, 0.1]], [[0.1, 0.1], [0.1, 0.1]]])
+    tokens = torch.arange(12).reshape(3, 2, 2)
+    a = _args(prev_request_ids=torch.tensor([0, 0, 1, 1, 2]), prev_path_probs=torch.tensor([0.5, 0.25, 0.8, 0.1, 0.1]),
+              prev_slots=torch.tensor([0, 1, 0, 1, 0]), slot_width=2, front=torch.tensor([[0, 1], [0, 1], [0, 1]]),
+              fvalid=torch.tensor([[True, True], [True, False], [True, True]]), probs=probs, tokens=tokens,
+              row_of=torch.tensor([0, 1, 2]), depth=2, tau=0.05, budget_spare=64,
+              active=torch.ones(3, dtype=torch.bool), spine_depth=torch.zeros(3, dtype=torch.long),
+              failed_at=torch.zeros(3, dtype=torch.long), history=torch.zeros(3, 3))
+    parent_path = torch.tensor([[0.5, 0.25], [0.8, 0.1], [0.1, 0.1]])
+    out = kernels.host_level_replayer()(*a.values(), parent_path=parent_path, next_width=2)
+    keep, front, fvalid, path, toks, parents = out[7]
+    assert out[3].tolist() == [True, True, False]  # request 2: confidence 0.01 fails tau 0.05
+    assert keep.tolist() == [0, 1]
+    assert front.tolist() == [[0, 1], [0, 1]]  # row 1: the tied 0.4s, lowest slots first; padding's -1 last
+    assert torch.equal(path, torch.tensor([[0.5 * 0.6, 0.5 * 0.4], [0.8 * 0.5, 0.8 * 0.5]]))
+    assert fvalid.tolist() == [[True, True], [True, True]]
+    assert toks.tolist() == [[0, 1], [4, 5]] and parents.tolist() == [[0, 0], [0, 0]]
+    # wider than the level: every slot, the padding's invalid; nobody active: no next level
+    wide = kernels.host_level_replayer()(*_args(**{**a, "active": torch.ones(3, dtype=torch.bool),
+                                                   "spine_depth": torch.zeros(3, dtype=torch.long),
+                                                   "failed_at": torch.zeros(3, dtype=torch.long)}).values(),
+                                         parent_path=parent_path, next_width=8)[7]
+    assert wide[1].tolist() == [[0, 1, 2, 3]] * 2 and wide[2].tolist() == [[True] * 4, [True, True, False, False]]
+    assert wide[3][0, 3] == 0 and wide[3][1, 3] == -1
+    gone = kernels.host_level_replayer()(*_args(**{**a, "tau": 0.99, "active": torch.ones(3, dtype=torch.bool),
+                                                   "spine_depth": torch.zeros(3, dtype=torch.long),
+                                                   "failed_at": torch.zeros(3, dtype=torch.long)}).values(),
+                                         parent_path=parent_path, next_width=2)
+    assert gone[4] == 0 and gone[7] is None
+    with pytest.raises(ValueError, match="parent_path must be \\(R, W\\)"):
+        kernels.host_level_replayer()(*_args().values(), parent_path=torch.ones(3), next_width=2)
 
 
 def test_the_budget_stop_by_hand(host_backend):

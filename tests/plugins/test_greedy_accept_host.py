@@ -339,3 +339,23 @@ def test_the_in_engine_ab_writes_both_arms(host_backend, tmp_path):
     assert all(r["steps_per_arm"] == 2 and r["reader_accept_ms"] > 0 and r["argmax_accept_ms"] > 0 for r in rows)
     assert all(r["reader_verified"] == r["argmax_verified"] == r["batch_size"] for r in rows[:2])  # AR: roots
     assert executor_mod.READER_PLAIN_ROWS == 32
+
+
+def test_the_in_engine_frontier_ab_writes_both_arms(host_backend, tmp_path):
+    """scripts/step_ab.py --change frontier on the embedded pair: a row per batch size with both arms' control, draft
+    and host times and rows verified (timings are the machine's: not checked), and AR refused by name."""
+    import json
+    from pathlib import Path
+
+    from tests.helpers import load_script
+
+    out = tmp_path / "ab.json"
+    script = load_script(Path(__file__).resolve().parents[2] / "scripts" / "step_ab.py")
+    assert script.main(["--change", "frontier", "--batch-sizes", "1,3", "--steps", "4", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["change"], r["method"], r["batch_size"]) for r in rows] == [("frontier", "echo", b) for b in (1, 3)]
+    for r in rows:
+        assert r["steps_per_arm"] == 2
+        assert all(r[f"{arm}_{k}"] > 0 for arm in ("one_call", "device_loop") for k in ("control_ms", "draft_ms"))
+    with pytest.raises(SystemExit):
+        script.main(["--change", "frontier", "--methods", "ar,echo"])

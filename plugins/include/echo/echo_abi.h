@@ -118,6 +118,30 @@ int echo_replay_level_host(const int64_t* prev_request_ids, const float* prev_pa
                            float* out_draft_probs, float* out_path_probs, int64_t* out_ranks, int64_t* out_slots,
                            int32_t* num_frontier, int32_t* num_active, int64_t* claimed, double* gain);
 
+/* echo_replay_level_host (same arguments, same results), then the next level's frontier where the host drafts
+ * level by level (echo_trtllm.core.policies._level_on_device's frontier choice and _keep_active, in the same call).
+ * parent_path (R, W): the device's path probability of each frontier node (1 for the roots). This level's device
+ * scores are parent_path x probs where fvalid, else -1 ((R, W * K) slots). For each row whose request is active
+ * after the call (active_out), in row order: out_keep its row, and its next_width best slots (NaN first, then the
+ * highest score, ties: the lowest slot; every slot where there are no more), in slot order: out_front the slot,
+ * out_parent_path its score, out_fvalid score >= 0, out_next_tokens its token, out_next_parents slot / K (room for
+ * R x min(next_width, W * K) each). *num_kept: the rows kept; *next_slots: min(next_width, W * K); both 0 where
+ * drafting ended (no frontier, or no request active). */
+int echo_replay_level_next_host(const int64_t* prev_request_ids, const float* prev_path_probs,
+                                const int64_t* prev_slots, int32_t num_prev, int32_t slot_width, const int64_t* front,
+                                const uint8_t* fvalid, const float* probs, const int64_t* tokens, int32_t num_rows,
+                                int32_t width, int32_t children, const int64_t* row_of, int32_t batch_size,
+                                int32_t depth, int32_t max_levels, int32_t has_tau, float tau, int32_t budget_stop,
+                                int32_t budget_spare, const echo_segments* fit, int32_t gain_row,
+                                const uint8_t* active_in, uint8_t* active_out, int64_t* spine_depth,
+                                int64_t* failed_at, float* history, int64_t* out_slot_of, int64_t* out_request_ids,
+                                int64_t* out_parent_ids, int64_t* out_token_ids, float* out_draft_probs,
+                                float* out_path_probs, int64_t* out_ranks, int64_t* out_slots, int32_t* num_frontier,
+                                int32_t* num_active, int64_t* claimed, double* gain, const float* parent_path,
+                                int32_t next_width, int64_t* out_keep, int64_t* out_front, uint8_t* out_fvalid,
+                                float* out_parent_path, int64_t* out_next_tokens, int64_t* out_next_parents,
+                                int32_t* num_kept, int32_t* next_slots);
+
 /* ECHO's selection (echo_trtllm.core.policies.EchoPolicy.select with a cost model) in one call:
  * echo_allocate_budget_host (same arguments; order required), then the budget rule along the taken order
  * (core.cost.choose_budget): with e_1, e_2, ... the acceptance estimates of the taken nodes on the fit (node i's
