@@ -12,6 +12,8 @@ Changes:
   torch around the library's replay. Reported: the control phase (`StepTimings.control`: drafting and selection
   less the head's forwards), the draft phase and the step's time outside the target's forward less the draft phase
   (issue 34's host time).
+- result: the step's drafting result in one host-library call (the Super-Tree, the selection, the selected tree and
+  its packed batch: `EchoPolicy.draft_result_on_host`) against the four calls it replaces. Reported as frontier.
 - reader: greedy acceptance with the host library's logits reader (a row's top-1 read only where the accepted paths
   need it) against every verified row's argmax then the tree walk (`scripts/accept_reader_ab.py`). Reported: the
   acceptance phase (`StepTimings.accept`). The runtime's rule for which steps take the reader
@@ -57,6 +59,15 @@ def _arms(change: str, ex):
         finally:
             executor_mod.READER_PLAIN_ROWS = saved
             ex._logits_reader = reader
+    elif change == "result":
+        resulter = getattr(ex.policy, "draft_resulter", None)
+        if resulter is None:
+            raise SystemExit("the host library's drafting result in one call is not built, or the policy does not "
+                             "select on it (scripts/setup.sh builds it; --methods echo)")
+        try:
+            yield lambda new: setattr(ex.policy, "draft_resulter", resulter if new else None)
+        finally:
+            ex.policy.draft_resulter = resulter
     else:
         replayer = getattr(ex.policy, "level_replayer", None)
         if replayer is None or not getattr(replayer, "next_frontier", False):
@@ -94,7 +105,8 @@ def run(target, head, tok, change: str, method: str, batch_size: int, steps: int
                 for k, v in _phases(r).items():
                     arms[arm].setdefault(k, []).append(v)
                 arms[arm]["verified"].append(r.verified_tokens)
-    label = {"reader": ("reader", "argmax"), "frontier": ("one_call", "device_loop")}[change]
+    label = {"reader": ("reader", "argmax"), "frontier": ("one_call", "device_loop"),
+             "result": ("one_call", "four_calls")}[change]
     return {"change": change, "method": method, "batch_size": batch_size,
             **{f"{label[names.index(arm)]}_{k}": (round(statistics.mean(v), 1) if k == "verified"
                                                    else round(statistics.median(v), 3))
@@ -113,7 +125,7 @@ def main(argv=None, change: str | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     if change is None:
-        ap.add_argument("--change", choices=("frontier", "reader"), required=True)
+        ap.add_argument("--change", choices=("frontier", "result", "reader"), required=True)
     ap.add_argument("--model", default=str(DEFAULT_TARGET))
     ap.add_argument("--head", default=str(DEFAULT_EAGLE3))
     ap.add_argument("--dtype", default="float32")
@@ -125,8 +137,8 @@ def main(argv=None, change: str | None = None) -> int:
     change = change or args.change
     if args.steps < 2:
         ap.error(f"--steps must be >= 2 (one a step per arm), got {args.steps}")
-    if change == "frontier" and "ar" in args.methods.split(","):
-        ap.error("--change frontier: AR steps draft nothing; use --methods echo")
+    if change != "reader" and "ar" in args.methods.split(","):
+        ap.error(f"--change {change}: AR steps draft nothing; use --methods echo")
     target, tok = load_model(args.model, dtype=args.dtype)
     head = load_eagle3(args.head, target) if "echo" in args.methods else None
     prompts = load_prompts("humaneval")

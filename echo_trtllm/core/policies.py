@@ -36,6 +36,7 @@ from .budget import BudgetAllocation, allocate_budget, greedy_fill
 from .config import EchoConfig
 from .acceptance import AcceptanceModel, OnlineAcceptance
 from .cost import CostModel, budget_seconds, choose_budget
+from .pack import PackedVerifyBatch
 from .gating import GATE_REFRESH, GateConfig, GateSamples, GateSchedule, best_path_confidence, gate
 from .tree import DraftLevel, DraftTopK, SuperTree, expand_level, priority_order, root_level
 
@@ -103,6 +104,9 @@ class DraftResult:
     # candidates.select(mask)
     selected: SuperTree
     state: DraftState
+    # selected packed for verification where the drafting loop packed it (`draft_tree_batched`'s context_lengths);
+    # None: the caller packs it
+    packed: PackedVerifyBatch | None = None
 
 
 def top_per_request(level: DraftLevel, eligible: Tensor, width: int, batch_size: int) -> Tensor:
@@ -442,6 +446,9 @@ class EchoPolicy(TreePolicy):
         # the host library's allocation and budget rule in one call (`kernels.host_selector`); None: `allocator`
         # then `choose_budget`
         self.selector = None
+        # the tree, the selection, the selected tree and its packed batch in one call of the host library
+        # (`kernels.host_draft_resulter`, `draft_result_on_host`); None: the four calls
+        self.draft_resulter = None
         calibrated = None if gate_samples is None else AcceptanceModel.from_samples(
             gate_samples.depths, gate_samples.confidences, gate_samples.accepted)
         # acceptance estimates for the budget rule, the cost-aware stop and the gate: re-learned online, starting
@@ -594,19 +601,47 @@ class EchoPolicy(TreePolicy):
                            draft_probs=floats[0], path_probs=floats[1], ranks=ints[3])
         return slot_of, level, ints[4], nxt
 
+    def _host_selection(self, state: DraftState, num_nodes: int):
+        """(the acceptance fit, the step's seconds of verifying 0, 1, ... taken tokens) where the host library selects
+        (`selector`, `draft_result_on_host`) as the rule in `select` would, else None: no prices, a probe's floor,
+        another allocator or decisions of a subclass, or a refit due (the oracle's path reads then)."""
+        floor = state.min_tokens > state.batch_size  # a probe's floor: the rule, then the floor if it took none
+        if (self.cost_model is None or self.selector is None or floor
+                or self.allocator is not getattr(self.selector, "allocator", None) or not self._own_decisions()):
+            return None
+        table = self.acceptance.fitted_segments()
+        if table is None:
+            return None
+        drafted = self.cost_model.drafting_time(state.frontier_sizes, state.context)
+        taken = min(num_nodes, int(state.budget)) - state.batch_size  # the most the allocation takes
+        return table, budget_seconds(max(taken, 0), state.batch_size, self.cost_model, drafted, state.context)
+
+    def draft_result_on_host(self, levels: list[DraftLevel], state: DraftState,
+                             context_lengths: Tensor) -> "DraftResult | None":
+        """The step's drafting result from its levels in one call of the host library (`draft_resulter`): the tree
+        (`tree_builder`), `select`, the selected tree (`tree_selector`) and its packed batch for these context
+        lengths (`DraftResult.packed`); None where the four calls run instead (no library entry, `_host_selection`
+        declines, or levels the library does not read). The four are its oracle (tests/plugins/test_echo_host.py)."""
+        if self.draft_resulter is None:
+            return None
+        host = self._host_selection(state, sum(lv.num_nodes for lv in levels))
+        if host is None:
+            return None
+        table, seconds = host
+        out = self.draft_resulter(levels, state.spine_depth, int(state.budget), self.config.max_nodes_per_request,
+                                  table, self.acceptance.max_depth, seconds, context_lengths)
+        if out is None:
+            return None
+        candidates, state.allocation, selected, packed = out
+        return DraftResult(candidates, state.allocation.selected, selected, state, packed)
+
     def select(self, tree: SuperTree, state: DraftState) -> Tensor:
         spine = state.spine_depth.to(tree.token_ids.device)
-        table = None
-        floor = state.min_tokens > state.batch_size  # a probe's floor: the rule below, then the floor if it took none
-        if (self.cost_model is not None and self.selector is not None and not floor
-                and self.allocator is getattr(self.selector, "allocator", None) and self._own_decisions()):
-            table = self.acceptance.fitted_segments()  # None where a refit is due: the oracle's path reads then
-        if table is not None:
+        host = self._host_selection(state, tree.total_nodes)
+        if host is not None:
             # the allocation and the budget rule below in one call of the host library
             # (tests/plugins/test_echo_host.py)
-            drafted = self.cost_model.drafting_time(state.frontier_sizes, state.context)
-            taken = min(tree.total_nodes, int(state.budget)) - state.batch_size  # the most the allocation takes
-            seconds = budget_seconds(max(taken, 0), state.batch_size, self.cost_model, drafted, state.context)
+            table, seconds = host
             state.allocation = self.selector(tree, spine, int(state.budget), self.config.max_nodes_per_request,
                                              choose=(table, self.acceptance.max_depth, seconds))
             return state.allocation.selected
@@ -749,7 +784,7 @@ def draft_tree_batched(
     policy: TreePolicy, root_token_ids: Tensor, drafter: LevelDrafter, budget: int | None = None,
     max_levels: int | None = None, context: float | None = None,
     read: Callable[..., tuple[Tensor, ...]] | None = None, send: Callable[[Tensor], Tensor] | None = None,
-    sync_every_level: bool = False, min_tokens: int = 0,
+    sync_every_level: bool = False, min_tokens: int = 0, context_lengths: Tensor | None = None,
 ) -> DraftResult:
     """`draft_tree` with the drafting loop on the drafter's device and one host read per sync point.
 
@@ -768,7 +803,9 @@ def draft_tree_batched(
     point after every level, for a drafter whose reads cost nothing (on a CPU the host and the device are one, and
     every level drafted for a request the policy has already stopped is a whole draft forward wasted). min_tokens:
     as `draft_tree`'s. Deciding after every level with a policy whose host-library replay also chooses the next
-    frontier (`EchoPolicy.chooses_frontier_on_host`), each level is one call of the library (`_draft_on_host`)."""
+    frontier (`EchoPolicy.chooses_frontier_on_host`), each level is one call of the library (`_draft_on_host`).
+    context_lengths (B,): the result's selection packed for verification too (`DraftResult.packed`) where the policy
+    makes the tree, the selection and the packing in one host-library call (`EchoPolicy.draft_result_on_host`)."""
     if not policy.beam_frontier:
         raise ValueError(f"policy {policy.name!r} does not draft a beam frontier; use draft_tree")
     read = read or (lambda *tensors: tuple(t.cpu() for t in tensors))
@@ -788,6 +825,10 @@ def draft_tree_batched(
         _draft_on_device(policy, state, levels, slots, drafter, rows, depth_cap, syncs, read, send, host)
     state.frontier_slots += [torch.full((lv.num_nodes,), -1, dtype=torch.long)
                              for lv in levels[len(state.frontier_slots):]]
+    if context_lengths is not None and getattr(policy, "draft_resulter", None) is not None:
+        result = policy.draft_result_on_host(levels, state, context_lengths)
+        if result is not None:
+            return result
     candidates = (policy.tree_builder or SuperTree.from_levels)(levels)
     mask = policy.select(candidates, state)
     return DraftResult(candidates, mask, (policy.tree_selector or SuperTree.select)(candidates, mask), state)

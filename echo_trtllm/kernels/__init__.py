@@ -37,7 +37,8 @@ from echo_trtllm.core.verify import AcceptedPaths
 
 __all__ = ["BACKENDS", "load_library", "backend_for", "host_allocator", "host_estimate_reader", "host_level_replayer",
            "host_selector", "host_acceptance_counter", "host_tree_builder", "host_isotonic",
-           "host_kalman_stepper", "host_tree_selector", "host_greedy_acceptor", "host_greedy_logits_acceptor",
+           "host_kalman_stepper", "host_tree_selector", "host_draft_resulter", "host_greedy_acceptor",
+           "host_greedy_logits_acceptor",
            "install_host", "gate", "allocate_budget", "pack", "PluginError"]
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,8 @@ def install_host(policy, step_cost=None) -> None:
     host): its budget allocation (`host_allocator`), the Super-Tree built from the drafted levels
     (`host_tree_builder`) and its selected sub-tree (`host_tree_selector`) and, for the echo family, its acceptance
     estimates' read (`host_estimate_reader`) and counts' update (`host_acceptance_counter`), its replay of drafted
-    levels (`host_level_replayer`) and its selection (`host_selector`); with step_cost (a `core.prices.StepCostModel`),
+    levels (`host_level_replayer`), its selection (`host_selector`) and the whole drafting result in one call
+    (`host_draft_resulter`); with step_cost (a `core.prices.StepCostModel`),
     its two filters' steps (`host_kalman_stepper`)."""
     if step_cost is not None:
         step_cost.drafting.stepper = step_cost.verification.stepper = host_kalman_stepper()
@@ -118,6 +120,7 @@ def install_host(policy, step_cost=None) -> None:
         policy.selector = host_selector()
         if policy.selector is not None:  # it allocates as this allocator does; a policy given another one skips it
             policy.selector.allocator = policy.allocator
+        policy.draft_resulter = host_draft_resulter()
 
 
 def host_estimate_reader():
@@ -163,25 +166,10 @@ def host_tree_builder():
 def _tree_from_levels_host(lib, levels: list) -> SuperTree:
     """`echo_tree_from_levels_host` over drafted levels on the host (the core's `from_levels` is its oracle, and
     builds the tree for levels that are not the drafting loop's own: on a device, or of other dtypes)."""
-    if not levels or levels[0].depth != 0:
-        raise ValueError("levels must start with the root level (depth 0) from root_level()")
-    for d, lv in enumerate(levels):
-        fields = (lv.request_ids, lv.parent_ids, lv.token_ids, lv.ranks, lv.draft_probs, lv.path_probs)
-        if lv.depth != d:
-            raise ValueError(f"tree_from_levels: level {d} has depth {lv.depth}; levels go 0, 1, 2, ...")
-        if any(t.ndim != 1 or t.numel() != lv.num_nodes for t in fields):
-            raise ValueError(f"tree_from_levels: level {d}'s fields must be 1-D with one entry per node "
-                             f"({lv.num_nodes}), got shapes {[tuple(t.shape) for t in fields]}")
-        if (any(t.device.type != "cpu" for t in fields) or any(t.dtype != torch.long for t in fields[:4])
-                or any(t.dtype != torch.float32 for t in fields[4:])):
-            return SuperTree.from_levels(levels)
-    sizes = torch.tensor([lv.num_nodes for lv in levels], dtype=torch.long)
-    req = torch.cat([lv.request_ids for lv in levels])
-    par = torch.cat([lv.parent_ids for lv in levels])
-    tok = torch.cat([lv.token_ids for lv in levels])
-    dprob = torch.cat([lv.draft_probs for lv in levels])
-    pprob = torch.cat([lv.path_probs for lv in levels])
-    rank = torch.cat([lv.ranks for lv in levels])
+    level_arrays = _level_arrays(levels, "tree_from_levels")
+    if level_arrays is None:
+        return SuperTree.from_levels(levels)
+    sizes, req, par, tok, dprob, pprob, rank = level_arrays
     n, b = req.numel(), levels[0].num_nodes
     ints = torch.empty(7, n, dtype=torch.long)  # token, parent, depth, rank, source, request, global parent
     floats = torch.empty(2, n, dtype=torch.float32)
@@ -191,9 +179,94 @@ def _tree_from_levels_host(lib, levels: list) -> SuperTree:
         _ptr(sizes), _i32(len(levels)), _ptr(req), _ptr(par), _ptr(tok), _ptr(dprob), _ptr(pprob), _ptr(rank),
         _ptr(ints[0]), _ptr(ints[1]), _ptr(ints[2]), _ptr(floats[0]), _ptr(floats[1]), _ptr(ints[3]), _ptr(cu),
         _ptr(ints[4]), _ptr(ints[5]), _ptr(ints[6]), _ptr(greedy)))
-    tree = SuperTree(token_ids=ints[0], parents=ints[1], depths=ints[2], draft_probs=floats[0],
-                     path_probs=floats[1], ranks=ints[3], cu_num_nodes=cu, source_index=ints[4])
-    tree.__dict__.update(request_ids=ints[5], global_parents=ints[6], on_greedy_path=greedy)
+    return _tree_of(ints, floats, cu, greedy, n)
+
+
+def _level_arrays(levels: list, who: str):
+    """The drafted levels' arrays as the library reads them, concatenated: (sizes, request, parent, token, draft
+    prob, path prob, rank), checked; None where a level is not the drafting loop's own (on a device, or of other
+    dtypes)."""
+    if not levels or levels[0].depth != 0:
+        raise ValueError("levels must start with the root level (depth 0) from root_level()")
+    for d, lv in enumerate(levels):
+        fields = (lv.request_ids, lv.parent_ids, lv.token_ids, lv.ranks, lv.draft_probs, lv.path_probs)
+        if lv.depth != d:
+            raise ValueError(f"{who}: level {d} has depth {lv.depth}; levels go 0, 1, 2, ...")
+        if any(t.ndim != 1 or t.numel() != lv.num_nodes for t in fields):
+            raise ValueError(f"{who}: level {d}'s fields must be 1-D with one entry per node "
+                             f"({lv.num_nodes}), got shapes {[tuple(t.shape) for t in fields]}")
+        if (any(t.device.type != "cpu" for t in fields) or any(t.dtype != torch.long for t in fields[:4])
+                or any(t.dtype != torch.float32 for t in fields[4:])):
+            return None
+    sizes = torch.tensor([lv.num_nodes for lv in levels], dtype=torch.long)
+    return (sizes, *(torch.cat([getattr(lv, f) for lv in levels]) for f in
+                     ("request_ids", "parent_ids", "token_ids", "draft_probs", "path_probs", "ranks")))
+
+
+def host_draft_resulter():
+    """A step's drafting result on the host library in one call (`EchoPolicy.draft_resulter`): the Super-Tree of the
+    drafted levels, the echo policy's selection (allocation and budget rule), the selected sub-tree and its packed
+    verification batch, where `host_tree_builder`, `host_selector`, `host_tree_selector` and `pack` are four calls;
+    None where the library is not built (or predates it). `install_host` installs it."""
+    return _host_entry("echo_draft_result_host", _draft_result_host)
+
+
+def _draft_result_host(lib, levels: list, spine_depth: Tensor, budget: int, max_nodes_per_request: int | None,
+                       table: dict, max_depth: int, seconds: Tensor, context_lengths: Tensor):
+    """`echo_draft_result_host` (echo_abi.h) over drafted levels on the host: (candidates, allocation, selected,
+    packed), or None where the levels are not the drafting loop's own (then the four calls run). Its oracles are
+    the four: `_tree_from_levels_host`, `allocate_budget(..., choose=)`, `_tree_select_host` and `pack`
+    (tests/plugins/test_echo_host.py)."""
+    level_arrays = _level_arrays(levels, "draft_result")
+    if level_arrays is None:
+        return None
+    sizes, req, par, tok, dprob, pprob, rank = level_arrays
+    n, b = req.numel(), levels[0].num_nodes
+    if spine_depth.shape != (b,) or context_lengths.shape != (b,):
+        raise ValueError(f"draft_result: spine_depth and context_lengths need one entry per request ({b}), got "
+                         f"{tuple(spine_depth.shape)} and {tuple(context_lengths.shape)}")
+    spine = spine_depth.to(torch.int32).contiguous()
+    ctx = context_lengths.to(torch.int32).contiguous()
+    seconds = seconds.double().contiguous()
+    tree_ints, tree_floats = torch.empty(7, n, dtype=torch.long), torch.empty(2, n, dtype=torch.float32)
+    sel_ints, sel_floats = torch.empty(7, n, dtype=torch.long), torch.empty(2, n, dtype=torch.float32)
+    tree_cu, sel_cu = torch.empty(b + 1, dtype=torch.long), torch.empty(b + 1, dtype=torch.long)
+    tree_greedy, sel_greedy = torch.empty(n, dtype=torch.bool), torch.empty(n, dtype=torch.bool)
+    selected, phase = torch.empty(n, dtype=torch.bool), torch.empty(n, dtype=torch.int8)
+    num_nodes, order = torch.empty(b, dtype=torch.int32), torch.empty(max(n, 1), dtype=torch.int32)
+    positions = torch.empty(2, n, dtype=torch.long)  # input ids, position ids
+    packed_ints = torch.empty(2 * b + 1 + 2 * n, dtype=torch.int32)
+    offsets, mask = torch.empty(b * n, dtype=torch.int32), torch.empty(n * words_per_row(n), dtype=torch.int32)
+    order_len, m, n_max = _i32(0), ctypes.c_int64(0), _i32(0)
+    _check(lib, lib.echo_draft_result_host(
+        _ptr(sizes), _i32(len(levels)), _ptr(req), _ptr(par), _ptr(tok), _ptr(dprob), _ptr(pprob), _ptr(rank),
+        _ptr(spine), _i32(budget), _i32(max_nodes_per_request or 0), ctypes.byref(_host_segments(table)[4]),
+        _i32(max_depth), _ptr(seconds), _i32(seconds.numel()), _ptr(ctx), _ptr(tree_ints), _ptr(tree_floats),
+        _ptr(tree_cu), _ptr(tree_greedy), _ptr(selected), _ptr(phase), _ptr(num_nodes), _ptr(order),
+        ctypes.byref(order_len), _ptr(sel_ints), _ptr(sel_floats), _ptr(sel_greedy), _ptr(sel_cu), ctypes.byref(m),
+        _ptr(positions[0]), _ptr(positions[1]), _ptr(packed_ints), _ptr(offsets), _ptr(mask), ctypes.byref(n_max)))
+    k, w = m.value, words_per_row(n_max.value)
+    candidates = _tree_of(tree_ints, tree_floats, tree_cu, tree_greedy, n)
+    chosen = _tree_of(sel_ints, sel_floats, sel_cu, sel_greedy, k)
+    allocation = BudgetAllocation(selected, phase, num_nodes.long(), order[:order_len.value].long())
+    cu, lengths = packed_ints[:b + 1], packed_ints[b + 1:2 * b + 1]
+    packed = PackedVerifyBatch(
+        input_ids=positions[0, :k], position_ids=positions[1, :k], parents=packed_ints[2 * b + 1:2 * b + 1 + k],
+        node_depths=packed_ints[2 * b + 1 + k:2 * b + 1 + 2 * k], cu_num_nodes=cu, generation_lengths=lengths,
+        position_offsets=offsets[:b * n_max.value].view(b, n_max.value), packed_mask=mask[:k * w].view(k, w))
+    return candidates, allocation, chosen, packed
+
+
+def _tree_of(ints: Tensor, floats: Tensor, cu: Tensor, greedy: Tensor | None, k: int) -> SuperTree:
+    """A SuperTree of the first k columns of the host library's (7, N) int64 rows (token, parent, depth, rank,
+    source, request, global parent) and (2, N) float32 rows (draft and path probabilities), with its derived
+    request ids, global parents and (where given) greedy flags filled."""
+    ints, floats = ints[:, :k], floats[:, :k]
+    tree = SuperTree(token_ids=ints[0], parents=ints[1], depths=ints[2], draft_probs=floats[0], path_probs=floats[1],
+                     ranks=ints[3], cu_num_nodes=cu, source_index=ints[4])
+    tree.__dict__.update(request_ids=ints[5], global_parents=ints[6])
+    if greedy is not None:
+        tree.__dict__["on_greedy_path"] = greedy[:k]
     return tree
 
 
@@ -233,14 +306,7 @@ def _tree_select_host(lib, tree: SuperTree, mask: Tensor) -> SuperTree:
         _ptr(c[4]), _ptr(c[5]), _ptr(c[6]), _ptr(greedy), ctypes.byref(m), _ptr(out_ints[0]), _ptr(out_ints[1]),
         _ptr(out_ints[2]), _ptr(out_floats[0]), _ptr(out_floats[1]), _ptr(out_ints[3]), _ptr(out_ints[4]),
         _ptr(out_ints[5]), _ptr(out_ints[6]), _ptr(out_greedy), _ptr(cu)))
-    k = m.value
-    ints, floats = out_ints[:, :k], out_floats[:, :k]
-    out = SuperTree(token_ids=ints[0], parents=ints[1], depths=ints[2], draft_probs=floats[0],
-                    path_probs=floats[1], ranks=ints[3], cu_num_nodes=cu, source_index=ints[4])
-    out.__dict__.update(request_ids=ints[5], global_parents=ints[6])
-    if out_greedy is not None:
-        out.__dict__["on_greedy_path"] = out_greedy[:k]
-    return out
+    return _tree_of(out_ints, out_floats, cu, out_greedy, m.value)
 
 
 def host_isotonic():

@@ -671,14 +671,17 @@ class Executor:
                 self.drafter.begin(reqs, self.policy.max_children, self._max_pending(len(reqs)))
                 budget = self._budget()
                 if self.policy.beam_frontier:  # the loop on the draft's device, one read per sync point
+                    # packed in the same host-library call as the selection where the host library packs
                     drafted = draft_tree_batched(self.policy, roots, self.drafter, budget, None, float(ctx.max()),
                                                  read=lambda *t: self.link.read("draft levels", *t),
                                                  send=lambda t: self.link.send("draft rows", t),
-                                                 sync_every_level=self.sync_every_level, min_tokens=min_tokens)
+                                                 sync_every_level=self.sync_every_level, min_tokens=min_tokens,
+                                                 context_lengths=ctx if self._pack_backend == "host" else None)
                 else:
                     drafted = draft_tree(self.policy, roots, self.drafter.draft_fn, budget, None, float(ctx.max()),
                                          min_tokens)
-                return drafted, self._pack(drafted.selected, ctx), True
+                packed = drafted.packed if drafted.packed is not None else self._pack(drafted.selected, ctx)
+                return drafted, packed, True
             except Exception:  # noqa: BLE001 - drafting is an optimisation: this step runs as plain AR
                 self._contain("drafting")
                 failed = True

@@ -951,4 +951,81 @@ int echo_accept_greedy_logits_host(const void* logits, int64_t row_stride, int64
                        });
 }
 
+int echo_draft_result_host(const int64_t* level_sizes, int32_t num_levels, const int64_t* request_ids,
+                           const int64_t* parent_ids, const int64_t* token_ids, const float* draft_probs,
+                           const float* path_probs, const int64_t* ranks, const int32_t* spine_depth, int32_t budget,
+                           int32_t max_nodes_per_request, const echo_segments* fit, int32_t max_depth,
+                           const double* seconds, int32_t num_seconds, const int32_t* context_lengths,
+                           int64_t* tree_ints, float* tree_floats, int64_t* tree_cu, uint8_t* tree_greedy,
+                           uint8_t* selected, int8_t* phase, int32_t* num_nodes_out, int32_t* order,
+                           int32_t* order_len, int64_t* sel_ints, float* sel_floats, uint8_t* sel_greedy,
+                           int64_t* sel_cu, int64_t* num_selected, int64_t* input_ids, int64_t* position_ids,
+                           int32_t* packed_ints, int32_t* offsets, int32_t* packed_mask, int32_t* n_max_out) {
+  const char* who = "draft_result";
+  ECHO_REQUIRE(level_sizes && num_levels >= 1, "%s: num_levels must be >= 1 (the roots first), got %d", who,
+               num_levels);
+  ECHO_REQUIRE(tree_ints && tree_floats && tree_cu && tree_greedy && selected && phase && num_nodes_out && order &&
+                   order_len && sel_ints && sel_floats && sel_greedy && sel_cu && num_selected && input_ids &&
+                   position_ids && packed_ints && offsets && packed_mask && n_max_out && context_lengths &&
+                   spine_depth,
+               "%s: a required array is NULL", who);
+  int64_t n = 0;
+  for (int32_t l = 0; l < num_levels; ++l) {
+    ECHO_REQUIRE(level_sizes[l] >= 0, "%s: level %d has %lld nodes", who, l, static_cast<long long>(level_sizes[l]));
+    n += level_sizes[l];
+  }
+  const int64_t b = level_sizes[0];
+  ECHO_REQUIRE(b >= 1 && n <= std::numeric_limits<int32_t>::max(), "%s: the roots must number >= 1 and the tree "
+               "below 2^31 nodes, got %lld roots, %lld nodes", who, static_cast<long long>(b),
+               static_cast<long long>(n));
+  // the Super-Tree (echo_tree_from_levels_host), its rows at stride n: token, parent, depth, rank, source, request,
+  // global parent; draft then path probabilities
+  int64_t* t = tree_ints;
+  if (int rc = echo_tree_from_levels_host(level_sizes, num_levels, request_ids, parent_ids, token_ids, draft_probs,
+                                          path_probs, ranks, t, t + n, t + 2 * n, tree_floats, tree_floats + n,
+                                          t + 3 * n, tree_cu, t + 4 * n, t + 5 * n, t + 6 * n, tree_greedy))
+    return rc;
+  // the selection (echo_select_host) over the tree's int32 views
+  const int32_t n32 = static_cast<int32_t>(n), b32 = static_cast<int32_t>(b);
+  std::vector<int32_t> depths(static_cast<size_t>(n)), parents(static_cast<size_t>(n)), cu(static_cast<size_t>(b + 1));
+  for (int64_t i = 0; i < n; ++i) {
+    depths[static_cast<size_t>(i)] = static_cast<int32_t>(t[2 * n + i]);
+    parents[static_cast<size_t>(i)] = static_cast<int32_t>(t[n + i]);
+  }
+  for (int64_t r = 0; r <= b; ++r) cu[static_cast<size_t>(r)] = static_cast<int32_t>(tree_cu[r]);
+  if (int rc = echo_select_host(tree_floats + n, depths.data(), parents.data(), cu.data(), b32, n32, spine_depth,
+                                budget, max_nodes_per_request, selected, phase, num_nodes_out, order, order_len,
+                                tree_greedy, fit, max_depth, seconds, num_seconds))
+    return rc;
+  // the selected sub-tree (echo_tree_select_host), its rows at stride n as the tree's
+  int64_t* s = sel_ints;
+  if (int rc = echo_tree_select_host(n, b, selected, t + 5 * n, t + 6 * n, t, t + 2 * n, tree_floats,
+                                     tree_floats + n, t + 3 * n, t + 4 * n, tree_greedy, num_selected, s, s + n,
+                                     s + 2 * n, sel_floats, sel_floats + n, s + 3 * n, s + 4 * n, s + 5 * n, s + 6 * n,
+                                     sel_greedy, sel_cu))
+    return rc;
+  // every node of it packed (echo_pack_host): packed_ints' rows at stride m (cu, B + 1 of a row; lengths, B; parents;
+  // depths; positions), offsets (B, n_max) and the mask (m, words) each contiguous
+  const int32_t m = static_cast<int32_t>(*num_selected);
+  int32_t n_max = 0;
+  std::vector<int32_t> sel_parents(static_cast<size_t>(m)), sel_cu32(static_cast<size_t>(b + 1));
+  for (int32_t i = 0; i < m; ++i) sel_parents[static_cast<size_t>(i)] = static_cast<int32_t>(s[n + i]);
+  for (int64_t r = 0; r <= b; ++r) {
+    sel_cu32[static_cast<size_t>(r)] = static_cast<int32_t>(sel_cu[r]);
+    if (r < b) n_max = std::max(n_max, static_cast<int32_t>(sel_cu[r + 1] - sel_cu[r]));
+  }
+  std::vector<int32_t> src(static_cast<size_t>(m)), pos(static_cast<size_t>(m));
+  int32_t* p = packed_ints;
+  if (int rc = echo_pack_host(sel_parents.data(), sel_cu32.data(), nullptr, context_lengths, b32, m, m, n_max, p,
+                              p + (b + 1), src.data(), p + (2 * b + 1), p + (2 * b + 1) + m, pos.data(), offsets,
+                              packed_mask))
+    return rc;
+  for (int32_t k = 0; k < m; ++k) {
+    input_ids[k] = s[src[static_cast<size_t>(k)]];
+    position_ids[k] = pos[static_cast<size_t>(k)];
+  }
+  *n_max_out = n_max;
+  return abi::ok();
+}
+
 }  // extern "C"

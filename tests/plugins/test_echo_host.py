@@ -16,6 +16,7 @@ import torch
 from echo_trtllm import kernels
 from echo_trtllm.core import CostModel, EchoConfig, make_policy
 from echo_trtllm.core.budget import allocate_budget
+from echo_trtllm.core.pack import pack as core_pack
 from echo_trtllm.core.policies import EchoPolicy, draft_tree_batched
 from echo_trtllm.core.prices import KalmanLinear, StepCostModel
 from echo_trtllm.core.steps import StepSample
@@ -105,14 +106,24 @@ def test_the_host_library_decides_what_the_torch_oracle_decides(host_backend, mo
     assert host.replays_on_host == (parts != "select") and not reference.replays_on_host
     gen = torch.Generator().manual_seed(batch_size)
     budget = batch_size + config.k_max
+    packed_in_one = 0
     for step in range(12):  # the online estimates and the gate learn between steps
         roots = torch.randint(0, vocab, (batch_size,), generator=gen)
         every = step % 2 == 0  # a CPU drafter syncs every level; a GPU one at the first gate only
         want = draft_tree_batched(reference, roots, MarkovLevels(table, roots, reference.max_children), budget,
                                   context=100.0 + step, sync_every_level=every)
+        # "both" as the runtime runs it on the CPU: the tree, the selection, the selected tree and its packing in
+        # one call where the host library selects (`draft_result_on_host`), against the four calls and the core's pack
+        ctx = torch.randint(50, 90, (batch_size,), generator=gen) if parts == "both" else None
         got = draft_tree_batched(host, roots, MarkovLevels(table, roots, host.max_children), budget,
-                                 context=100.0 + step, sync_every_level=every)
+                                 context=100.0 + step, sync_every_level=every, context_lengths=ctx)
         same_result(got, want)
+        if got.packed is not None:
+            packed_in_one += 1
+            _same_tree(got.candidates, want.candidates)
+            _same_tree(got.selected, want.selected)
+            _same_packed(got.packed, core_pack(want.selected, ctx))
+            _same_packed(got.packed, kernels.pack(want.selected, ctx, backend="host"), dtypes=True)
         assert len(got.state.confidence) == len(want.state.confidence)
         for a, b in zip(got.state.confidence, want.state.confidence):
             assert torch.equal(a, b)
@@ -126,6 +137,16 @@ def test_the_host_library_decides_what_the_torch_oracle_decides(host_backend, mo
     # the level-by-level steps chose their frontier in the replay's call wherever a level followed another
     assert (counting.frontiers > 0) == (parts in ("replay", "both") and config.max_depth > 1)
     assert stops[id(host)] == stops[id(reference)]  # (some cases stop at the gate or budget before any cost stop)
+    # priced, the host library selects (but where a refit is due: some steps take the four calls)
+    assert (packed_in_one > 0) == (parts == "both" and cost is not None)
+
+
+def _same_packed(a, b, dtypes: bool = False):
+    for name in ("input_ids", "position_ids", "parents", "node_depths", "cu_num_nodes", "generation_lengths",
+                 "position_offsets", "packed_mask"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.shape == y.shape and torch.equal(x.long(), y.long()), name
+        assert not dtypes or x.dtype == y.dtype, name
 
 
 @pytest.mark.parametrize("cost", [None, COST])
@@ -467,6 +488,24 @@ def test_every_policy_builds_its_tree_on_the_host_as_the_core_does(host_backend,
         same_result(got, want)
         _same_tree(got.candidates, want.candidates)
         _same_tree(got.selected, want.selected)
+
+
+def test_the_drafting_result_in_one_call_refuses_or_declines_by_name(host_backend):
+    """`kernels.host_draft_resulter`: levels the library does not read (other dtypes) decline (None: the four calls
+    run); per-request arrays of another length are refused by name."""
+    result = kernels.host_draft_resulter()
+    root, child = _root_and_child([5, 6], [0.5, 0.4], [1, 2])
+    table = make_policy(ECHO_CASES[0], COST).acceptance._segments_table()  # the fit as it starts
+    seconds = torch.full((3,), 0.1, dtype=torch.float64)
+    narrow = dataclasses.replace(child, path_probs=child.path_probs.double())
+    two = torch.zeros(2, dtype=torch.long)
+    assert result([root, narrow], two, 4, None, table, 5, seconds, torch.tensor([10, 10])) is None
+    with pytest.raises(ValueError, match="spine_depth and context_lengths need one entry per request \\(2\\)"):
+        result([root, child], torch.zeros(3, dtype=torch.long), 4, None, table, 5, seconds, torch.tensor([10, 10]))
+    candidates, allocation, selected, packed = result([root, child], two, 4, None, table, 5, seconds,
+                                                      torch.tensor([10, 12]))
+    assert candidates.total_nodes == 4 and allocation.selected.dtype == torch.bool
+    assert packed.position_ids[:selected.total_nodes].min() >= 10  # the nodes sit after each request's context
 
 
 def test_levels_of_other_dtypes_are_built_by_the_core(host_backend):

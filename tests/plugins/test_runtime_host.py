@@ -26,6 +26,7 @@ def _generate(default_pair, prompts, policy, calls=None):
             calls["isotonic"] = llm.executor.policy.acceptance.isotonic
             calls["tree"] = llm.executor.policy.tree_builder
             calls["selector_tree"] = llm.executor.policy.tree_selector
+            calls["resulter"] = llm.executor.policy.draft_resulter
             step_cost = llm.executor.step_cost
             calls["stepper"] = (step_cost.drafting.stepper, step_cost.verification.stepper)
         outs = llm.generate(prompts[:6], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
@@ -37,7 +38,7 @@ def _generate(default_pair, prompts, policy, calls=None):
 def test_the_engine_runs_allocation_and_packing_on_the_host_library(host_backend, default_pair, prompts,
                                                                     monkeypatch):
     counted = {"allocate_budget": 0, "pack": 0, "_estimate_host": 0, "_replay_level_host": 0, "_observe_host": 0,
-               "_kalman_step_host": 0, "_tree_select_host": 0}
+               "_kalman_step_host": 0, "_tree_select_host": 0, "_draft_result_host": 0}
     for name in counted:
         real = getattr(kernels, name)
 
@@ -54,7 +55,11 @@ def test_the_engine_runs_allocation_and_packing_on_the_host_library(host_backend
     assert info["counter"] is not None and info["isotonic"] is not None  # and the acceptance counted and refitted
     assert info["tree"] is not None and info["selector_tree"] is not None  # and the Super-Tree built and cut there
     assert None not in info["stepper"]  # and the step prices learned there
-    assert all(n > 0 for n in counted.values()), counted
+    assert info["resulter"] is not None  # and the tree, selection, selected tree and packing made in one call
+    # the one call replaces the allocation's, the selected tree's and the packing's calls where the library selects
+    # (the warm-up's plain steps still pack; a step whose estimates are due a refit takes the separate calls)
+    assert counted["_draft_result_host"] > 0, counted
+    assert all(n > 0 for k, n in counted.items() if k not in ("allocate_budget", "_tree_select_host")), counted
     monkeypatch.setenv("ECHO_PLUGIN_HOST_LIB", "/nonexistent/libecho_host.so")
     monkeypatch.setattr(kernels, "BUILD_DIR", kernels.BUILD_DIR / "nonexistent")
     kernels.load_library.cache_clear()
@@ -66,7 +71,7 @@ def test_the_engine_runs_allocation_and_packing_on_the_host_library(host_backend
         assert info["reader"] is None  # the estimates read with NumPy
         assert not info["replays"] and info["selector"] is None  # the levels replayed, the tree selected in torch
         assert info["counter"] is None and info["isotonic"] is None and info["tree"] is None
-        assert info["stepper"] == (None, None) and info["selector_tree"] is None
+        assert info["stepper"] == (None, None) and info["selector_tree"] is None and info["resulter"] is None
         plain = _generate(default_pair, prompts, "ar")
     finally:
         kernels.load_library.cache_clear()
