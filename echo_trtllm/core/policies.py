@@ -620,10 +620,14 @@ class EchoPolicy(TreePolicy):
                              context_lengths: Tensor) -> "DraftResult | None":
         """The step's drafting result from its levels in one call of the host library (`draft_resulter`): the tree
         (`tree_builder`), `select`, the selected tree (`tree_selector`) and its packed batch for these context
-        lengths (`DraftResult.packed`); None where the four calls run instead (no library entry, `_host_selection`
-        declines, or levels the library does not read). The four are its oracle (tests/plugins/test_echo_host.py)."""
-        if self.draft_resulter is None:
-            return None
+        lengths (`DraftResult.packed`); None where the four calls run instead (no library entry, a subclass's
+        `select`, another tree builder or selector, `_host_selection` declines, or levels the library does not
+        read). The four are its oracle (tests/plugins/test_echo_host.py)."""
+        resulter = self.draft_resulter
+        if (resulter is None or not self._own_decisions("select")
+                or self.tree_builder is not getattr(resulter, "tree_builder", None)
+                or self.tree_selector is not getattr(resulter, "tree_selector", None)):
+            return None  # a subclass's selection, or another tree builder or selector: the four calls
         host = self._host_selection(state, sum(lv.num_nodes for lv in levels))
         if host is None:
             return None

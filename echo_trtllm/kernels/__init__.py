@@ -121,6 +121,9 @@ def install_host(policy, step_cost=None) -> None:
         if policy.selector is not None:  # it allocates as this allocator does; a policy given another one skips it
             policy.selector.allocator = policy.allocator
         policy.draft_resulter = host_draft_resulter()
+        if policy.draft_resulter is not None:  # it builds and cuts the tree as these do; a policy given others skips it
+            policy.draft_resulter.tree_builder = policy.tree_builder
+            policy.draft_resulter.tree_selector = policy.tree_selector
 
 
 def host_estimate_reader():
@@ -236,7 +239,12 @@ def _draft_result_host(lib, levels: list, spine_depth: Tensor, budget: int, max_
     num_nodes, order = torch.empty(b, dtype=torch.int32), torch.empty(max(n, 1), dtype=torch.int32)
     positions = torch.empty(2, n, dtype=torch.long)  # input ids, position ids
     packed_ints = torch.empty(2 * b + 1 + 2 * n, dtype=torch.int32)
-    offsets, mask = torch.empty(b * n, dtype=torch.int32), torch.empty(n * words_per_row(n), dtype=torch.int32)
+    # the packing's outputs for the most the selection can keep: M <= min(N, budget) nodes, a request's n_max <= its
+    # root and budget - B more, and at most max_nodes_per_request (the library checks the sizes it writes)
+    rows = min(n, budget)
+    widest = min(n, budget - b + 1, max_nodes_per_request or n)
+    offsets = torch.empty(b * widest, dtype=torch.int32)
+    mask = torch.empty(rows * words_per_row(widest), dtype=torch.int32)
     order_len, m, n_max = _i32(0), ctypes.c_int64(0), _i32(0)
     _check(lib, lib.echo_draft_result_host(
         _ptr(sizes), _i32(len(levels)), _ptr(req), _ptr(par), _ptr(tok), _ptr(dprob), _ptr(pprob), _ptr(rank),
@@ -244,7 +252,8 @@ def _draft_result_host(lib, levels: list, spine_depth: Tensor, budget: int, max_
         _i32(max_depth), _ptr(seconds), _i32(seconds.numel()), _ptr(ctx), _ptr(tree_ints), _ptr(tree_floats),
         _ptr(tree_cu), _ptr(tree_greedy), _ptr(selected), _ptr(phase), _ptr(num_nodes), _ptr(order),
         ctypes.byref(order_len), _ptr(sel_ints), _ptr(sel_floats), _ptr(sel_greedy), _ptr(sel_cu), ctypes.byref(m),
-        _ptr(positions[0]), _ptr(positions[1]), _ptr(packed_ints), _ptr(offsets), _ptr(mask), ctypes.byref(n_max)))
+        _ptr(positions[0]), _ptr(positions[1]), _ptr(packed_ints), _ptr(offsets), ctypes.c_int64(offsets.numel()),
+        _ptr(mask), ctypes.c_int64(mask.numel()), ctypes.byref(n_max)))
     k, w = m.value, words_per_row(n_max.value)
     candidates = _tree_of(tree_ints, tree_floats, tree_cu, tree_greedy, n)
     chosen = _tree_of(sel_ints, sel_floats, sel_cu, sel_greedy, k)

@@ -960,7 +960,8 @@ int echo_draft_result_host(const int64_t* level_sizes, int32_t num_levels, const
                            uint8_t* selected, int8_t* phase, int32_t* num_nodes_out, int32_t* order,
                            int32_t* order_len, int64_t* sel_ints, float* sel_floats, uint8_t* sel_greedy,
                            int64_t* sel_cu, int64_t* num_selected, int64_t* input_ids, int64_t* position_ids,
-                           int32_t* packed_ints, int32_t* offsets, int32_t* packed_mask, int32_t* n_max_out) {
+                           int32_t* packed_ints, int32_t* offsets, int64_t offsets_capacity, int32_t* packed_mask,
+                           int64_t mask_capacity, int32_t* n_max_out) {
   const char* who = "draft_result";
   ECHO_REQUIRE(level_sizes && num_levels >= 1, "%s: num_levels must be >= 1 (the roots first), got %d", who,
                num_levels);
@@ -1014,6 +1015,11 @@ int echo_draft_result_host(const int64_t* level_sizes, int32_t num_levels, const
     sel_cu32[static_cast<size_t>(r)] = static_cast<int32_t>(sel_cu[r]);
     if (r < b) n_max = std::max(n_max, static_cast<int32_t>(sel_cu[r + 1] - sel_cu[r]));
   }
+  const int64_t words = n_max > 0 ? (n_max + 31) / 32 : 1;  // echo/pack.cuh's words_per_row
+  ECHO_REQUIRE(b * n_max <= offsets_capacity && int64_t{m} * words <= mask_capacity, "%s: the packed batch (%d "
+               "nodes, n_max %d) needs %lld offsets and %lld mask words, the outputs hold %lld and %lld", who, m,
+               n_max, static_cast<long long>(b * n_max), static_cast<long long>(int64_t{m} * words),
+               static_cast<long long>(offsets_capacity), static_cast<long long>(mask_capacity));
   std::vector<int32_t> src(static_cast<size_t>(m)), pos(static_cast<size_t>(m));
   int32_t* p = packed_ints;
   if (int rc = echo_pack_host(sel_parents.data(), sel_cu32.data(), nullptr, context_lengths, b32, m, m, n_max, p,

@@ -490,6 +490,52 @@ def test_every_policy_builds_its_tree_on_the_host_as_the_core_does(host_backend,
         _same_tree(got.selected, want.selected)
 
 
+class WiderLevels(MarkovLevels):
+    """A drafter that hands back one more child per node than the policy expands (the loops keep the first k)."""
+
+    def __init__(self, table, roots, k):
+        super().__init__(table, roots, k + 1)
+
+
+class OwnSelect(EchoPolicy):
+    """A subclass with its own selection (the same rule, reached through an override)."""
+
+    def select(self, tree, state):
+        return super().select(tree, state)
+
+
+@pytest.mark.parametrize("case", ["max_levels", "probe_floor", "own_select", "wider_top_k"])
+def test_the_one_call_paths_where_they_apply_and_decline(host_backend, case):
+    """The CPU's one-call paths (a level's replay with the next frontier; the drafting result with its packing) as
+    the runtime installs them, against the torch loop: with drafting capped below max_depth, with a probe's floor
+    (the result in one call declines: the four calls select), with a subclass's own `select` (declines), and with a
+    drafter that returns more children than the policy expands."""
+    config, vocab, b = ECHO_CASES[0], 40, 5
+    table = markov_draft_fn(vocab, seed=3).table
+    cls = OwnSelect if case == "own_select" else EchoPolicy
+    reference, host = cls(config, COST), cls(config, COST)
+    kernels.install_host(host)
+    reference.acceptance.reader = host.acceptance.reader
+    drafter = WiderLevels if case == "wider_top_k" else MarkovLevels
+    gen = torch.Generator().manual_seed(3)
+    kw = {"max_levels": 2} if case == "max_levels" else {}
+    floor = b + 3 if case == "probe_floor" else 0
+    for step in range(6):
+        roots = torch.randint(0, vocab, (b,), generator=gen)
+        ctx = torch.randint(50, 90, (b,), generator=gen)
+        want = draft_tree_batched(reference, roots, drafter(table, roots, reference.max_children), b + config.k_max,
+                                  context=100.0, sync_every_level=True, min_tokens=floor, **kw)
+        got = draft_tree_batched(host, roots, drafter(table, roots, host.max_children), b + config.k_max,
+                                 context=100.0, sync_every_level=True, min_tokens=floor, context_lengths=ctx, **kw)
+        same_result(got, want)
+        if case == "max_levels":
+            assert int(got.candidates.depths.max()) <= 2
+        assert (got.packed is None) == (case in ("probe_floor", "own_select")) or step == 0  # (a first refit)
+        if got.packed is not None:
+            _same_packed(got.packed, kernels.pack(want.selected, ctx, backend="host"), dtypes=True)
+        _learn((reference, host), want, gen)
+
+
 def test_the_drafting_result_in_one_call_refuses_or_declines_by_name(host_backend):
     """`kernels.host_draft_resulter`: levels the library does not read (other dtypes) decline (None: the four calls
     run); per-request arrays of another length are refused by name."""

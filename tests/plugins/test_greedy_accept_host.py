@@ -359,3 +359,6 @@ def test_the_in_engine_frontier_ab_writes_both_arms(host_backend, tmp_path):
         assert all(r[f"{arm}_{k}"] > 0 for arm in ("one_call", "device_loop") for k in ("control_ms", "draft_ms"))
     with pytest.raises(SystemExit):
         script.main(["--change", "frontier", "--methods", "ar,echo"])
+    assert script.main(["--change", "result", "--batch-sizes", "2", "--steps", "2", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["change"] == "result" and row["one_call_control_ms"] > 0 and row["four_calls_control_ms"] > 0
