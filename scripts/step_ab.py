@@ -1,7 +1,8 @@
 """One change inside the engine measured on the same executor: its steps alternate the two arms (the change's and
 the old path's, each pair of steps in a random order), so both arms see the same requests, the same prices and the
 same trees, and the machine's drift between minutes falls on both. Per method and batch size: each arm's median
-milliseconds a step of the phases the change touches, with the rows verified.
+milliseconds a step of the phases the change touches with their first and third quartiles over the arm's steps
+(`*_quartiles`), and the rows verified.
 
     python scripts/step_ab.py --change frontier --model <target> [--head <its EAGLE-3 head>] [--dtype bfloat16]
         [--batch-sizes 1,16,64] [--methods echo] [--steps 40] [--json out.json]
@@ -107,11 +108,18 @@ def run(target, head, tok, change: str, method: str, batch_size: int, steps: int
                 arms[arm]["verified"].append(r.verified_tokens)
     label = {"reader": ("reader", "argmax"), "frontier": ("one_call", "device_loop"),
              "result": ("one_call", "four_calls")}[change]
-    return {"change": change, "method": method, "batch_size": batch_size,
-            **{f"{label[names.index(arm)]}_{k}": (round(statistics.mean(v), 1) if k == "verified"
-                                                   else round(statistics.median(v), 3))
-               for arm, d in arms.items() for k, v in d.items() if v},
-            "steps_per_arm": min(len(d["verified"]) for d in arms.values())}
+    out = {"change": change, "method": method, "batch_size": batch_size}
+    for arm, d in arms.items():
+        for k, v in d.items():
+            if not v:
+                continue
+            key = f"{label[names.index(arm)]}_{k}"
+            out[key] = round(statistics.mean(v), 1) if k == "verified" else round(statistics.median(v), 3)
+            if k != "verified" and len(v) >= 2:  # the spread over the arm's steps: first and third quartiles
+                q = statistics.quantiles(v, n=4, method="inclusive")
+                out[f"{key}_quartiles"] = [round(q[0], 3), round(q[2], 3)]
+    out["steps_per_arm"] = min(len(d["verified"]) for d in arms.values())
+    return out
 
 
 def main(argv=None, change: str | None = None) -> int:

@@ -357,6 +357,8 @@ def test_the_in_engine_frontier_ab_writes_both_arms(host_backend, tmp_path):
     for r in rows:
         assert r["steps_per_arm"] == 2
         assert all(r[f"{arm}_{k}"] > 0 for arm in ("one_call", "device_loop") for k in ("control_ms", "draft_ms"))
+        low, high = r["one_call_control_ms_quartiles"]  # the arm's spread beside its median
+        assert low <= r["one_call_control_ms"] <= high
     with pytest.raises(SystemExit):
         script.main(["--change", "frontier", "--methods", "ar,echo"])
     assert script.main(["--change", "result", "--batch-sizes", "2", "--steps", "2", "--json", str(out)]) == 0
