@@ -632,8 +632,8 @@ class EchoPolicy(TreePolicy):
         if host is None:
             return None
         table, seconds = host
-        out = self.draft_resulter(levels, state.spine_depth, int(state.budget), self.config.max_nodes_per_request,
-                                  table, self.acceptance.max_depth, seconds, context_lengths)
+        out = resulter(levels, state.spine_depth, int(state.budget), self.config.max_nodes_per_request, table,
+                       self.acceptance.max_depth, seconds, context_lengths)
         if out is None:
             return None
         candidates, state.allocation, selected, packed = out
@@ -891,12 +891,8 @@ def _draft_on_host(policy: TreePolicy, state: DraftState, levels: list[DraftLeve
         w, level, level_slots, nxt = policy.replay_level(
             state, levels[-1], slots[-1], depth, slot_width, front, fvalid, probs, toks, row_of, parent_path=path,
             next_width=0 if last else policy.expand_width)
-        state.frontier_slots.append(w)
-        if level is None:
+        if not _record_replayed(state, levels, slots, w, level, level_slots, k):
             return
-        state.frontier_sizes.append(level.num_nodes // k)
-        levels.append(level)
-        slots.append(level_slots)
         if last or nxt is None or not bool(state.active.any()):
             return
         keep, front, fvalid, path, tokens, parents = nxt
@@ -905,6 +901,19 @@ def _draft_on_host(policy: TreePolicy, state: DraftState, levels: list[DraftLeve
             rows = rows[keep]
             row_of = _row_of(b, rows)
         slot_width = probs.shape[1] * k
+
+
+def _record_replayed(state: DraftState, levels: list[DraftLevel], slots: list[Tensor], frontier_slots: Tensor,
+                     level: DraftLevel | None, level_slots: Tensor | None, k: int) -> bool:
+    """A level `replay_level` made (its k children per expanded node) into the drafting loop's records; False at an
+    empty frontier (level None: drafting ends)."""
+    state.frontier_slots.append(frontier_slots)
+    if level is None:
+        return False
+    state.frontier_sizes.append(level.num_nodes // k)
+    levels.append(level)
+    slots.append(level_slots)
+    return True
 
 
 def _keep_active(state: DraftState, drafter: LevelDrafter, send, rows: Tensor, score: Tensor, tokens: Tensor,
@@ -974,12 +983,8 @@ def _replay(policy: TreePolicy, state: DraftState, levels: list[DraftLevel], slo
         if host:  # the loop body below and policy.observe in one call of the host library
             w, level, level_slots, _ = policy.replay_level(state, prev, slots[-1], depth, width, front, fvalid,
                                                            probs, toks, row_of)
-            state.frontier_slots.append(w)
-            if level is None:
+            if not _record_replayed(state, levels, slots, w, level, level_slots, probs.shape[-1]):
                 return False
-            state.frontier_sizes.append(level.num_nodes // probs.shape[-1])
-            levels.append(level)
-            slots.append(level_slots)
             continue
         # the frontier slot of each node of the previous level (-1: not in its request's device frontier)
         table = torch.full((pad + 1, width), -1, dtype=torch.long)
