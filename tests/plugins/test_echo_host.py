@@ -421,6 +421,12 @@ def test_bad_levels_are_refused_by_name(host_backend):
     short = dataclasses.replace(child, ranks=torch.tensor([0]))
     with pytest.raises(ValueError, match="level 1's fields must be 1-D with one entry per node \\(2\\)"):
         build([root, short])
+    # levels of other dtypes are not the drafting loop's own: the library declines them, the core builds the tree
+    for field, other in (("path_probs", torch.float64), ("ranks", torch.int32), ("token_ids", torch.int32),
+                         ("draft_probs", torch.bfloat16)):
+        odd = dataclasses.replace(child, **{field: getattr(child, field).to(other)})
+        assert kernels._level_arrays([root, odd], "tree") is None
+    assert kernels._level_arrays([root, child], "tree") is not None
 
 
 @pytest.mark.parametrize("seed", range(3))
