@@ -13,12 +13,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="session")
 def host_backend(tmp_path_factory):
-    """Build the plugin's host library from plugins/ with the C++ compiler and point the loader at it."""
+    """Build the plugin's host library from plugins/ with the C++ compiler and point the loader at it
+    (ECHO_HOST_CXXFLAGS: more flags, after the defaults: scripts/sanitize_host.sh builds it with the sanitizers)."""
     cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
     if cxx is None:
         pytest.fail("no C++ compiler found (g++/c++): the plugin host tests need one")
     out = tmp_path_factory.mktemp("plugin") / "libecho_host.so"
     cmd = [cxx, "-std=c++17", "-O2", "-ffp-contract=off", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC",
+           *os.environ.get("ECHO_HOST_CXXFLAGS", "").split(),
            f"-I{ROOT / 'plugins' / 'include'}", str(ROOT / "plugins" / "csrc" / "echo_host.cpp"), "-o", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     os.environ["ECHO_PLUGIN_HOST_LIB"] = str(out)
