@@ -1015,7 +1015,7 @@ int echo_draft_result_host(const int64_t* level_sizes, int32_t num_levels, const
     sel_cu32[static_cast<size_t>(r)] = static_cast<int32_t>(sel_cu[r]);
     if (r < b) n_max = std::max(n_max, static_cast<int32_t>(sel_cu[r + 1] - sel_cu[r]));
   }
-  const int64_t words = n_max > 0 ? (n_max + 31) / 32 : 1;  // echo/pack.cuh's words_per_row
+  const int64_t words = echo::words_per_row(n_max);
   ECHO_REQUIRE(b * n_max <= offsets_capacity && int64_t{m} * words <= mask_capacity, "%s: the packed batch (%d "
                "nodes, n_max %d) needs %lld offsets and %lld mask words, the outputs hold %lld and %lld", who, m,
                n_max, static_cast<long long>(b * n_max), static_cast<long long>(int64_t{m} * words),
