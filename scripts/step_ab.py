@@ -15,6 +15,9 @@ Changes:
   (issue 34's host time).
 - result: the step's drafting result in one host-library call (the Super-Tree, the selection, the selected tree and
   its packed batch: `EchoPolicy.draft_result_on_host`) against the four calls it replaces. Reported as frontier.
+- refit: the online acceptance refit, its compiled segments and the gate's threshold grids in one host-library call
+  (`kernels.host_acceptance_refitter`) against NumPy (with the host library's estimate reads, as before). The refit
+  runs about one step in GATE_REFRESH, so the arms' means (`*_mean`) are the figures to read. Reported as frontier.
 - reader: greedy acceptance with the host library's logits reader (a row's top-1 read only where the accepted paths
   need it) against every verified row's argmax then the tree walk (`scripts/accept_reader_ab.py`). Reported: the
   acceptance phase (`StepTimings.accept`). The runtime's rule for which steps take the reader
@@ -69,6 +72,16 @@ def _arms(change: str, ex):
             yield lambda new: setattr(ex.policy, "draft_resulter", resulter if new else None)
         finally:
             ex.policy.draft_resulter = resulter
+    elif change == "refit":
+        acceptance = getattr(ex.policy, "acceptance", None)
+        refitter = getattr(acceptance, "refitter", None)
+        if refitter is None:
+            raise SystemExit("the host library's acceptance refit is not built, or the policy has no online "
+                             "acceptance (scripts/setup.sh builds it; --methods echo)")
+        try:
+            yield lambda new: setattr(acceptance, "refitter", refitter if new else None)
+        finally:
+            acceptance.refitter = refitter
     else:
         replayer = getattr(ex.policy, "level_replayer", None)
         if replayer is None or not getattr(replayer, "next_frontier", False):
@@ -107,7 +120,7 @@ def run(target, head, tok, change: str, method: str, batch_size: int, steps: int
                     arms[arm].setdefault(k, []).append(v)
                 arms[arm]["verified"].append(r.verified_tokens)
     label = {"reader": ("reader", "argmax"), "frontier": ("one_call", "device_loop"),
-             "result": ("one_call", "four_calls")}[change]
+             "result": ("one_call", "four_calls"), "refit": ("one_call", "numpy")}[change]
     out = {"change": change, "method": method, "batch_size": batch_size}
     for arm, d in arms.items():
         for k, v in d.items():
@@ -115,6 +128,8 @@ def run(target, head, tok, change: str, method: str, batch_size: int, steps: int
                 continue
             key = f"{label[names.index(arm)]}_{k}"
             out[key] = round(statistics.mean(v), 1) if k == "verified" else round(statistics.median(v), 3)
+            if k != "verified":  # work done every few steps shows in the mean, not the median
+                out[f"{key}_mean"] = round(statistics.mean(v), 3)
             if k != "verified" and len(v) >= 2:  # the spread over the arm's steps: first and third quartiles
                 q = statistics.quantiles(v, n=4, method="inclusive")
                 out[f"{key}_quartiles"] = [round(q[0], 3), round(q[2], 3)]
@@ -133,7 +148,7 @@ def main(argv=None, change: str | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     if change is None:
-        ap.add_argument("--change", choices=("frontier", "result", "reader"), required=True)
+        ap.add_argument("--change", choices=("frontier", "result", "refit", "reader"), required=True)
     ap.add_argument("--model", default=str(DEFAULT_TARGET))
     ap.add_argument("--head", default=str(DEFAULT_EAGLE3))
     ap.add_argument("--dtype", default="float32")

@@ -222,6 +222,10 @@ class OnlineAcceptance:
         # the refit's isotonic fits of every row in the host library (`kernels.host_isotonic`, installed by the
         # runtime); None: in Python (the same numbers)
         self.isotonic = None
+        # without a calibration, the refit, its segments and the gate's grids in one call of the host library
+        # (`kernels.host_acceptance_refitter`, installed by the runtime); None: `_fit`, `_segments_table` and
+        # `threshold` with NumPy (the same numbers, to rounding)
+        self.refitter = None
 
     def _rows(self, depths: Tensor | int, greedy: Tensor | bool, shape) -> np.ndarray:
         """Each node's table row (class docstring), flat, for nodes of this shape."""
@@ -281,6 +285,8 @@ class OnlineAcceptance:
         estimate reads a few dozen numbers, where a tensor operation's own overhead would dominate."""
         if self._fit_version >= 0 and self.version - self._fit_version < self.refit_every:
             return self._arrays
+        if self.refitter is not None and self.prior is None:
+            return self._refit_on_host()
         w0 = self.prior_weight
         n_ = self.n.numpy().copy()
         weight = n_ + w0
@@ -300,6 +306,27 @@ class OnlineAcceptance:
         self._arrays = (centres, values, n_, p0)
         self._fit_version = self.version
         return self._arrays
+
+    def _refit_on_host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """`_fit`, `_segments_table` and the gate's grids (`threshold`) in one call of `refitter`."""
+        n_ = self.n.numpy().copy()
+        fit, seg, grid = self.refitter(n_, self.k.numpy(), self.csum.numpy(), self.mid.numpy(), self.p0.numpy(),
+                                       self._edges, self.prior_weight, _GRID_NP)
+        self._arrays = (fit[0], fit[1], n_, fit[2])
+        self._fit_version = v = self.version
+        rows = 2 * self.max_depth
+        self._table = {"version": v, "keys": seg[0], "start": seg[1], "l0": seg[2], "l1": seg[3], "share": seg[4],
+                       "e0": seg[5], "e1": seg[6], "deep": self._deep_rows(), "rows": rows, "host": None}
+        self._grid = {"version": v, **{d + 1: grid[d] for d in range(self.max_depth)}}
+        return self._arrays
+
+    def _deep_rows(self) -> np.ndarray | None:
+        """Rows read off depth 1's fit (the greedy rows below depth 1 without a calibration), or None."""
+        if self.prior is not None or self.max_depth == 1:
+            return None
+        deep = np.zeros(2 * self.max_depth, dtype=bool)
+        deep[1:self.max_depth] = True
+        return deep
 
     def _isotonic_rows(self, y: np.ndarray, w: np.ndarray) -> np.ndarray:
         """`_weighted_isotonic` of each row: on the host library when installed (`isotonic`), else in Python."""
@@ -399,12 +426,8 @@ class OnlineAcceptance:
             step = self.prior.estimate(torch.from_numpy(mid), torch.from_numpy(depth[row])).numpy()
             fitted = np.isin(depth[row], list(fits))
             e0, e1 = np.where(fitted, step, 0.0), np.where(fitted, 0.0, 1.0)
-        deep = None
-        if self.prior is None and self.max_depth > 1:
-            deep = np.zeros(rows, dtype=bool)
-            deep[1:self.max_depth] = True
         self._table = {"version": self._fit_version, "keys": row * 2.0 + a, "start": a, "l0": la, "l1": slope,
-                       "share": share, "e0": e0, "e1": e1, "deep": deep, "rows": rows,
+                       "share": share, "e0": e0, "e1": e1, "deep": self._deep_rows(), "rows": rows,
                        "host": None}  # the host library's copy of the arrays (`kernels.host_estimate_reader`)
         return self._table
 

@@ -35,7 +35,8 @@ from echo_trtllm.core.pack import pack as core_pack
 from echo_trtllm.core.tree import SuperTree
 from echo_trtllm.core.verify import AcceptedPaths
 
-__all__ = ["BACKENDS", "load_library", "backend_for", "host_allocator", "host_estimate_reader", "host_level_replayer",
+__all__ = ["BACKENDS", "load_library", "backend_for", "host_allocator", "host_estimate_reader",
+           "host_acceptance_refitter", "host_level_replayer",
            "host_selector", "host_acceptance_counter", "host_tree_builder", "host_isotonic",
            "host_kalman_stepper", "host_tree_selector", "host_draft_resulter", "host_greedy_acceptor",
            "host_greedy_logits_acceptor",
@@ -100,7 +101,8 @@ def install_host(policy, step_cost=None) -> None:
     """The policy's control plane on the host library where it is built (the runtime's drafted trees are on the
     host): its budget allocation (`host_allocator`), the Super-Tree built from the drafted levels
     (`host_tree_builder`) and its selected sub-tree (`host_tree_selector`) and, for the echo family, its acceptance
-    estimates' read (`host_estimate_reader`) and counts' update (`host_acceptance_counter`), its replay of drafted
+    estimates' read (`host_estimate_reader`), counts' update (`host_acceptance_counter`) and refit
+    (`host_acceptance_refitter`), its replay of drafted
     levels (`host_level_replayer`), its selection (`host_selector`) and the whole drafting result in one call
     (`host_draft_resulter`); with step_cost (a `core.prices.StepCostModel`),
     its two filters' steps (`host_kalman_stepper`)."""
@@ -112,6 +114,7 @@ def install_host(policy, step_cost=None) -> None:
         acceptance.reader = host_estimate_reader()
         acceptance.counter = host_acceptance_counter()
         acceptance.isotonic = host_isotonic()
+        acceptance.refitter = host_acceptance_refitter()
     if hasattr(policy, "level_replayer"):
         policy.level_replayer = host_level_replayer()
     policy.tree_builder = host_tree_builder()
@@ -336,6 +339,34 @@ def _isotonic_host(lib, y: np.ndarray, w: np.ndarray) -> np.ndarray:
     _check(lib, lib.echo_isotonic_rows_host(_vp(y.ctypes.data), _vp(w.ctypes.data), _i32(y.shape[0]),
                                             _i32(y.shape[1]), _vp(out.ctypes.data)))
     return out
+
+
+def host_acceptance_refitter():
+    """The online acceptance refit without a calibration on the host library (`OnlineAcceptance.refitter`: the fit,
+    its compiled segments and the gate's threshold grids in one call, where NumPy takes about a hundred array
+    operations), or None where the library is not built (or predates it). `install_host` installs it."""
+    return _host_entry("echo_acceptance_refit_host", _refit_host)
+
+
+def _refit_host(lib, n: np.ndarray, k: np.ndarray, csum: np.ndarray, mid: np.ndarray, p0: np.ndarray,
+                edges: np.ndarray, prior_weight: float, grid: np.ndarray):
+    """`echo_acceptance_refit_host` on the counts, bins' middles and priors (each (2 max_depth, bins) float64):
+    (fit (3, rows, bins): centres, values, p0; segments (7, rows * 2 bins): keys, start, l0, l1, share, e0, e1;
+    grid estimates (max_depth, grid size)), views of one new buffer. `OnlineAcceptance._fit` and `_segments_table`
+    with NumPy are its oracle (tests/plugins/test_acceptance_host.py)."""
+    rows, bins = n.shape
+    arrays = [np.ascontiguousarray(a, dtype=np.float64) for a in (n, k, csum, mid, p0, edges, grid)]
+    if rows % 2 or any(a.shape != (rows, bins) for a in arrays[:5]) or arrays[5].shape != (bins + 1,):
+        raise ValueError(f"acceptance_refit: n, k, csum, mid and p0 must be (2 max_depth, bins) with edges of "
+                         f"bins + 1, got {[a.shape for a in arrays[:6]]}")
+    cells, segs, depth, g = rows * bins, rows * 2 * bins, rows // 2, arrays[6].size
+    out = np.empty(3 * cells + 7 * segs + depth * g)
+    _check(lib, lib.echo_acceptance_refit_host(
+        *(_vp(a.ctypes.data) for a in arrays[:5]), _i32(depth), _vp(arrays[5].ctypes.data), _i32(bins),
+        ctypes.c_double(prior_weight), _vp(arrays[6].ctypes.data), _i32(g), _vp(out.ctypes.data),
+        _vp(out.ctypes.data + 8 * 3 * cells), _vp(out.ctypes.data + 8 * (3 * cells + 7 * segs))))
+    return (out[:3 * cells].reshape(3, rows, bins), out[3 * cells:3 * cells + 7 * segs].reshape(7, segs),
+            out[3 * cells + 7 * segs:].reshape(depth, g))
 
 
 def host_kalman_stepper():

@@ -718,24 +718,23 @@ int echo_tree_from_levels_host(const int64_t* level_sizes, int32_t num_levels, c
   return abi::ok();
 }
 
-int echo_isotonic_rows_host(const double* y, const double* w, int32_t rows, int32_t cols, double* out) {
-  const char* who = "isotonic_rows";
-  ECHO_REQUIRE(rows >= 0 && cols >= 0, "%s: rows and cols must be >= 0, got %d and %d", who, rows, cols);
-  const size_t cells = static_cast<size_t>(rows) * static_cast<size_t>(cols);
-  ECHO_REQUIRE(cells == 0 || (y && w && out), "%s: a required array is NULL (y, w, out)", who);
-  for (size_t i = 0; i < cells; ++i)
-    ECHO_REQUIRE(w[i] > 0.0, "%s: weights must be > 0, w[%zu] = %g", who, i, w[i]);
+}  // extern "C"
+
+namespace {
+
+// pool adjacent violators over one row (core.acceptance._weighted_isotonic: a block's mean is (m w + m' w') / (w + w'),
+// pooled left to right); the scratch is kept across rows
+struct Pav {
   std::vector<double> means, weights;
   std::vector<int32_t> sizes;
-  for (int32_t r = 0; r < rows; ++r) {
+
+  void fit(const double* y, const double* w, int32_t cols, double* out) {
     means.clear();
     weights.clear();
     sizes.clear();
-    const double* yr = y + static_cast<size_t>(r) * cols;
-    const double* wr = w + static_cast<size_t>(r) * cols;
-    for (int32_t i = 0; i < cols; ++i) {  // pool adjacent violators, as core.acceptance._weighted_isotonic
-      means.push_back(yr[i]);
-      weights.push_back(wr[i]);
+    for (int32_t i = 0; i < cols; ++i) {
+      means.push_back(y[i]);
+      weights.push_back(w[i]);
       sizes.push_back(1);
       while (means.size() > 1 && means[means.size() - 2] > means.back()) {
         const double m1 = means.back(), w1 = weights.back();
@@ -748,10 +747,149 @@ int echo_isotonic_rows_host(const double* y, const double* w, int32_t rows, int3
         sizes.back() += s1;
       }
     }
-    double* o = out + static_cast<size_t>(r) * cols;
     for (size_t j = 0; j < means.size(); ++j)
-      for (int32_t t = 0; t < sizes[j]; ++t) *o++ = means[j];
+      for (int32_t t = 0; t < sizes[j]; ++t) *out++ = means[j];
   }
+};
+
+// OnlineAcceptance._bins: the bin of x clamped to [0, 1]
+inline int32_t bin_of(const double* edges, int32_t num_bins, double x) {
+  const int32_t b = static_cast<int32_t>(std::upper_bound(edges, edges + num_bins + 1, clamp01(x)) - edges) - 1;
+  return std::min(std::max(b, 0), num_bins - 1);
+}
+
+// where x falls on a row's P ascending points (core.acceptance._segments_rows): i = #{xs <= x} clamped to
+// [1, P - 1] and the position u in [xs[i - 1], xs[i]], clamped to [0, 1]
+struct Point {
+  int32_t i;
+  double u;
+  double on(const double* ys) const { return ys[i - 1] + (ys[i] - ys[i - 1]) * u; }  // core.acceptance._lerp
+};
+
+inline Point point_on(const double* xs, int32_t p, double x) {
+  int32_t i = 0;
+  for (int32_t j = 0; j < p; ++j) i += xs[j] <= x;
+  i = std::min(std::max(i, 1), p - 1);
+  const double x0 = xs[i - 1], x1 = xs[i];
+  return {i, clamp01((x - x0) / std::max(x1 - x0, 1e-12))};
+}
+
+// the refit's rows as echo_acceptance_refit_host reads and writes them
+struct Refit {
+  const double *n, *k, *mid, *edges;
+  int32_t depth, bins;
+  double w0;
+  double *centres, *values, *p0;
+
+  // OnlineAcceptance._from_first on row 0's fit: e1(c^(1/d))^d
+  double from_first(double c, double d) const {
+    c = clamp01(c);
+    const double x = std::pow(c, 1.0 / d);
+    const double share = w0 / (n[bin_of(edges, bins, x)] + w0);
+    const Point at = point_on(centres, bins, x);
+    const double e1 = clamp01((at.on(values) - share * at.on(p0)) + share * x);
+    const double ratio = x > 0.0 ? e1 / x : 0.0;
+    return x > 0.0 ? c * std::pow(ratio, d) : std::pow(e1, d);
+  }
+
+  // OnlineAcceptance._fit: centres, priors, isotonic values
+  void fit(const double* csum, const double* p0_in) {
+    const int32_t cells = 2 * depth * bins;
+    std::vector<double> weight(cells), raw(cells);
+    for (int32_t j = 0; j < cells; ++j) {
+      weight[j] = n[j] + w0;
+      centres[j] = n[j] > 1e-9 ? csum[j] / std::max(n[j], 1e-12) : mid[j];
+      p0[j] = p0_in[j];
+    }
+    Pav pav;
+    for (int32_t j = 0; j < bins; ++j) raw[j] = (k[j] + w0 * p0[j]) / weight[j];
+    pav.fit(raw.data(), weight.data(), bins, values);
+    for (int32_t r = 1; r < depth; ++r)  // the greedy rows' priors from depth 1
+      for (int32_t j = 0; j < bins; ++j) p0[r * bins + j] = from_first(mid[r * bins + j], r + 1.0);
+    for (int32_t j = bins; j < cells; ++j) raw[j] = (k[j] + w0 * p0[j]) / weight[j];
+    for (int32_t r = 1; r < 2 * depth; ++r)
+      pav.fit(raw.data() + r * bins, weight.data() + r * bins, bins, values + r * bins);
+  }
+
+  // OnlineAcceptance._segments_table: each row's starts (bin edges and centres, sorted), the linear part and share
+  void segments(double* out) const {
+    const int32_t per_row = 2 * bins, total = 2 * depth * per_row;
+    double *keys = out, *start = out + total, *l0 = out + 2 * total, *l1 = out + 3 * total;
+    double *share = out + 4 * total, *e0 = out + 5 * total, *e1 = out + 6 * total;
+    std::vector<double> starts(per_row);
+    for (int32_t r = 0; r < 2 * depth; ++r) {
+      const double *c = centres + r * bins, *v = values + r * bins, *p = p0 + r * bins;
+      std::copy(edges, edges + bins, starts.begin());
+      std::copy(c, c + bins, starts.begin() + bins);
+      std::sort(starts.begin(), starts.end());
+      for (int32_t s = 0; s < per_row; ++s) {
+        const int32_t g = r * per_row + s;
+        const double a = starts[s], b = s + 1 < per_row ? starts[s + 1] : 1.0;
+        const double sh = w0 / (n[r * bins + bin_of(edges, bins, (a + b) / 2)] + w0);
+        const Point pa = point_on(c, bins, a), pb = point_on(c, bins, b);
+        const double la = pa.on(v) - sh * pa.on(p), lb = pb.on(v) - sh * pb.on(p);
+        keys[g] = r * 2.0 + a;
+        start[g] = a;
+        l0[g] = la;
+        l1[g] = b > a ? (lb - la) / (b - a) : 0.0;
+        share[g] = sh;
+        e0[g] = 0.0;
+        e1[g] = 1.0;
+      }
+    }
+  }
+};
+
+}  // namespace
+
+extern "C" {
+
+int echo_isotonic_rows_host(const double* y, const double* w, int32_t rows, int32_t cols, double* out) {
+  const char* who = "isotonic_rows";
+  ECHO_REQUIRE(rows >= 0 && cols >= 0, "%s: rows and cols must be >= 0, got %d and %d", who, rows, cols);
+  const size_t cells = static_cast<size_t>(rows) * static_cast<size_t>(cols);
+  ECHO_REQUIRE(cells == 0 || (y && w && out), "%s: a required array is NULL (y, w, out)", who);
+  for (size_t i = 0; i < cells; ++i)
+    ECHO_REQUIRE(w[i] > 0.0, "%s: weights must be > 0, w[%zu] = %g", who, i, w[i]);
+  Pav pav;
+  for (int32_t r = 0; r < rows; ++r) {
+    const size_t at = static_cast<size_t>(r) * cols;
+    pav.fit(y + at, w + at, cols, out + at);
+  }
+  return abi::ok();
+}
+
+int echo_acceptance_refit_host(const double* n, const double* k, const double* csum, const double* mid,
+                               const double* p0, int32_t max_depth, const double* edges, int32_t num_bins,
+                               double prior_weight, const double* grid, int32_t num_grid, double* fit,
+                               double* segments, double* grid_out) {
+  const char* who = "acceptance_refit";
+  ECHO_REQUIRE(max_depth >= 1 && num_bins >= 2 && num_grid >= 0,
+               "%s: max_depth must be >= 1, num_bins >= 2 and num_grid >= 0, got %d, %d and %d", who, max_depth,
+               num_bins, num_grid);
+  ECHO_REQUIRE(n && k && csum && mid && p0 && edges && fit && segments,
+               "%s: a required array is NULL (n, k, csum, mid, p0, edges, fit, segments)", who);
+  ECHO_REQUIRE(num_grid == 0 || (grid && grid_out), "%s: grid or grid_out is NULL", who);
+  ECHO_REQUIRE(prior_weight > 0.0, "%s: prior_weight must be > 0, got %g", who, prior_weight);
+  ECHO_REQUIRE(edges[0] == 0.0 && edges[num_bins] == 1.0, "%s: edges must run from 0 to 1, got %g to %g", who,
+               edges[0], edges[num_bins]);
+  for (int32_t j = 0; j < num_bins; ++j)
+    ECHO_REQUIRE(edges[j] < edges[j + 1], "%s: edges must be ascending, edges[%d] = %g >= edges[%d] = %g", who, j,
+                 edges[j], j + 1, edges[j + 1]);
+  const int32_t rows = 2 * max_depth, cells = rows * num_bins;
+  for (int32_t j = 0; j < cells; ++j)
+    ECHO_REQUIRE(n[j] >= 0.0, "%s: counts must be >= 0, n[%d] = %g", who, j, n[j]);
+  Refit refit{n, k, mid, edges, max_depth, num_bins, prior_weight, fit, fit + cells, fit + 2 * cells};
+  refit.fit(csum, p0);
+  refit.segments(segments);
+  const int32_t total = rows * 2 * num_bins;
+  std::vector<uint8_t> deep(static_cast<size_t>(rows), 0);  // the greedy rows below depth 1
+  for (int32_t r = 1; r < max_depth; ++r) deep[r] = 1;
+  const echo_segments table{segments,         segments + total,     segments + 2 * total, segments + 3 * total,
+                            segments + 4 * total, segments + 5 * total, segments + 6 * total, total,
+                            deep.data(),      rows};
+  for (int32_t r = 0; r < max_depth; ++r)
+    for (int32_t g = 0; g < num_grid; ++g) grid_out[r * num_grid + g] = estimate_one(table, grid[g], r);
   return abi::ok();
 }
 

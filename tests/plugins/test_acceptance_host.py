@@ -85,3 +85,65 @@ def test_bad_arrays_are_refused_by_name(host_backend):
     with pytest.raises(kernels.PluginError, match="keys must be ascending"):
         kernels._estimate_host(lib, bad, np.array([0.5]), np.array([0]))
     assert kernels._estimate_host(lib, table, np.zeros(0), np.zeros(0, dtype=np.int32)).shape == (0,)
+
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_refit_in_one_call_is_numpys(host_backend, seed):
+    """`kernels.host_acceptance_refitter` (the fit, its segments and the gate's grids in one call) against
+    `_fit`, `_segments_table` and `threshold` with NumPy on the same counts, step after step of random traffic
+    (greedy and other rows, empty bins, one depth and several), then the estimates read off it."""
+    refitter = kernels.host_acceptance_refitter()
+    assert refitter is not None
+    depth = 1 + seed % 5
+    host, gen = random_online_acceptance(seed, depth, False, 1.0 + seed, 30.0, 1 + seed % 2)
+    numpy_fit, _ = random_online_acceptance(seed, depth, False, 1.0 + seed, 30.0, 1 + seed % 2)
+    # both read their grids through the host library's estimates, as the runtime did before the refit was one call
+    # (NumPy's read differs from it at a few points exactly on a step: test_the_host_library_reads_the_estimates...)
+    host.refitter, host.reader = refitter, kernels.host_estimate_reader()
+    numpy_fit.reader = host.reader
+    for step in range(10):
+        n = int(torch.randint(0, 60, (1,), generator=gen))
+        c = torch.rand(n, generator=gen, dtype=torch.float64) ** (1 + step % 4)
+        args = (torch.randint(1, depth + 3, (n,), generator=gen), c,
+                torch.rand(n, generator=gen, dtype=torch.float64) < c.sqrt(), torch.rand(n, generator=gen) < 0.6)
+        for online in (host, numpy_fit):
+            online.observe(*args)
+        for lam in (0.05, 0.3, 0.7):
+            for d in range(1, depth + 2):
+                assert host.threshold(d, lam) == pytest.approx(numpy_fit.threshold(d, lam), abs=1e-12)
+        assert host._grid["version"] == host._table["version"] == host._fit_version == numpy_fit._fit_version
+        for got, want in zip(host._fit(), numpy_fit._fit()):
+            np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-15)
+        got, want = host._segments_table(), numpy_fit._segments_table()
+        for key in ("keys", "start", "l0", "l1", "share", "e0", "e1"):
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-12, atol=1e-14, err_msg=key)
+        assert (got["deep"] is None) == (want["deep"] is None) == (depth == 1)
+        assert depth == 1 or np.array_equal(got["deep"], want["deep"])
+        for d in range(1, depth + 1):
+            np.testing.assert_allclose(host._grid[d], numpy_fit._grid[d], rtol=1e-12, atol=1e-14)
+        p = torch.rand(200, generator=gen, dtype=torch.float64) ** 3
+        rows, greedy = torch.randint(1, depth + 2, p.shape, generator=gen), torch.rand(p.shape, generator=gen) < 0.5
+        torch.testing.assert_close(host.estimate(p, rows, greedy), numpy_fit.estimate(p, rows, greedy), rtol=0,
+                                   atol=1e-12)
+        host.reader = None  # the host's segments read with NumPy, against the fit read directly
+        _close_or_at_a_step(host.estimate(p, rows, greedy), numpy_fit, p, rows, greedy)
+        host.reader = numpy_fit.reader
+
+
+def test_the_refit_refuses_bad_arrays_by_name(host_backend):
+    refit = kernels.host_acceptance_refitter()
+    online = OnlineAcceptance(2)
+    arrays = [online.n.numpy(), online.k.numpy(), online.csum.numpy(), online.mid.numpy(), online.p0.numpy()]
+    edges, grid = online._edges, np.linspace(0, 1, 5)
+    assert refit(*arrays, edges, 2.0, grid)[2].shape == (2, 5)
+    with pytest.raises(kernels.PluginError, match="prior_weight must be > 0, got 0"):
+        refit(*arrays, edges, 0.0, grid)
+    with pytest.raises(kernels.PluginError, match=r"counts must be >= 0, n\[3\] = -1"):
+        bad = arrays[0].copy()
+        bad.reshape(-1)[3] = -1.0
+        refit(bad, *arrays[1:], edges, 2.0, grid)
+    with pytest.raises(kernels.PluginError, match="edges must be ascending"):
+        refit(*arrays, edges[[0, 2, 1, *range(3, edges.size)]], 2.0, grid)
+    with pytest.raises(ValueError, match="must be \\(2 max_depth, bins\\)"):
+        refit(arrays[0][:3], *arrays[1:], edges, 2.0, grid)

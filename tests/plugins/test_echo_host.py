@@ -82,9 +82,11 @@ def test_the_host_library_decides_what_the_torch_oracle_decides(host_backend, mo
     vocab = 40
     table = tied_table(vocab, batch_size) if tied else markov_draft_fn(vocab, seed=batch_size).table
     reference, host = make_policy(config, cost), make_policy(config, cost)
-    # the estimates read with the same library function on both sides, as the runtime installs it (its own oracle:
-    # test_acceptance_host.py; NumPy's vectorised power rounds c^(1/d) differently in the last bits)
+    # the estimates read and refitted with the same library functions on both sides, as the runtime installs them
+    # (their own oracle: test_acceptance_host.py; NumPy's vectorised power rounds c^(1/d) differently in the last
+    # bits)
     reference.acceptance.reader = host.acceptance.reader = kernels.host_estimate_reader()
+    reference.acceptance.refitter = host.acceptance.refitter = kernels.host_acceptance_refitter()
     counting = Counting(kernels.host_level_replayer() if parts != "select" else kernels.host_selector(),
                         next_frontier=parts != "replay-only")
     if parts == "replay":
@@ -521,7 +523,7 @@ def test_the_one_call_paths_where_they_apply_and_decline(host_backend, case):
     cls = OwnSelect if case == "own_select" else EchoPolicy
     reference, host = cls(config, COST), cls(config, COST)
     kernels.install_host(host)
-    reference.acceptance.reader = host.acceptance.reader
+    reference.acceptance.reader, reference.acceptance.refitter = host.acceptance.reader, host.acceptance.refitter
     drafter = WiderLevels if case == "wider_top_k" else MarkovLevels
     gen = torch.Generator().manual_seed(3)
     kw = {"max_levels": 2} if case == "max_levels" else {}

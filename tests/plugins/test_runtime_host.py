@@ -24,6 +24,7 @@ def _generate(default_pair, prompts, policy, calls=None):
             calls["selector"] = llm.executor.policy.selector
             calls["counter"] = llm.executor.policy.acceptance.counter
             calls["isotonic"] = llm.executor.policy.acceptance.isotonic
+            calls["refitter"] = llm.executor.policy.acceptance.refitter
             calls["tree"] = llm.executor.policy.tree_builder
             calls["selector_tree"] = llm.executor.policy.tree_selector
             calls["resulter"] = llm.executor.policy.draft_resulter
@@ -38,7 +39,8 @@ def _generate(default_pair, prompts, policy, calls=None):
 def test_the_engine_runs_allocation_and_packing_on_the_host_library(host_backend, default_pair, prompts,
                                                                     monkeypatch):
     counted = {"allocate_budget": 0, "pack": 0, "_estimate_host": 0, "_replay_level_host": 0, "_observe_host": 0,
-               "_kalman_step_host": 0, "_tree_select_host": 0, "_draft_result_host": 0}
+               "_kalman_step_host": 0, "_tree_select_host": 0, "_draft_result_host": 0,
+               "_refit_host": 0}
     for name in counted:
         real = getattr(kernels, name)
 
@@ -53,13 +55,16 @@ def test_the_engine_runs_allocation_and_packing_on_the_host_library(host_backend
     assert info["reader"] is not None  # the acceptance estimates read on the host library too
     assert info["replays"] and info["selector"] is not None  # and the drafted levels replayed, the tree selected
     assert info["counter"] is not None and info["isotonic"] is not None  # and the acceptance counted and refitted
+    assert info["refitter"] is not None  # (without a calibration: the fit, its segments and the gate's grids at once)
     assert info["tree"] is not None and info["selector_tree"] is not None  # and the Super-Tree built and cut there
     assert None not in info["stepper"]  # and the step prices learned there
     assert info["resulter"] is not None  # and the tree, selection, selected tree and packing made in one call
     # the one call replaces the allocation's, the selected tree's and the packing's calls where the library selects
-    # (the warm-up's plain steps still pack; a step whose estimates are due a refit takes the separate calls)
-    assert counted["_draft_result_host"] > 0, counted
-    assert all(n > 0 for k, n in counted.items() if k not in ("allocate_budget", "_tree_select_host")), counted
+    # (the warm-up's plain steps still pack; a step whose estimates are due a refit takes the separate calls); the
+    # estimates are read inside the replay's and the result's calls, and the gate's grids come with the refit
+    assert counted["_draft_result_host"] > 0 and counted["_refit_host"] > 0, counted
+    unused = ("allocate_budget", "_tree_select_host", "_estimate_host")
+    assert all(n > 0 for k, n in counted.items() if k not in unused), counted
     monkeypatch.setenv("ECHO_PLUGIN_HOST_LIB", "/nonexistent/libecho_host.so")
     monkeypatch.setattr(kernels, "BUILD_DIR", kernels.BUILD_DIR / "nonexistent")
     kernels.load_library.cache_clear()
@@ -71,6 +76,7 @@ def test_the_engine_runs_allocation_and_packing_on_the_host_library(host_backend
         assert info["reader"] is None  # the estimates read with NumPy
         assert not info["replays"] and info["selector"] is None  # the levels replayed, the tree selected in torch
         assert info["counter"] is None and info["isotonic"] is None and info["tree"] is None
+        assert info["refitter"] is None
         assert info["stepper"] == (None, None) and info["selector_tree"] is None and info["resulter"] is None
         plain = _generate(default_pair, prompts, "ar")
     finally:

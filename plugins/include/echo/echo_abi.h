@@ -204,6 +204,23 @@ int echo_tree_from_levels_host(const int64_t* level_sizes, int32_t num_levels, c
  * (> 0; pool adjacent violators: a block's mean is (m w + m' w') / (w + w'), pooled left to right), into out. */
 int echo_isotonic_rows_host(const double* y, const double* w, int32_t rows, int32_t cols, double* out);
 
+/* ECHO's online acceptance refit without a calibration (echo_trtllm.core.acceptance.OnlineAcceptance: _fit, then
+ * _segments_table, then threshold's estimates on its grid), in one call, host only. R = 2 max_depth rows of num_bins
+ * bins (edges: num_bins + 1 ascending, 0 to 1); n, k, csum (R, num_bins): the decayed counts; mid (R, num_bins):
+ * the bins' middles; p0 (R, num_bins): the prior at them (the draft's own probability); w0 = prior_weight > 0.
+ *
+ * The fit, into fit (3, R, num_bins): centres (csum / n where n > 1e-9, else mid), values (row 0: the isotonic fit
+ * of (k + w0 p0) / (n + w0) with weights n + w0; rows 1 .. max_depth - 1 take the prior read off row 0's fit to the
+ * depth's power, the class docstring's p0_d(c) = e1(c^(1/d))^d at mid; then every other row's isotonic fit as row
+ * 0's) and p0 as used. The segments, into segments (7, R * 2 num_bins): keys, start, l0, l1, share, e0, e1 as
+ * echo_acceptance_estimate_host reads them with deep = rows 1 .. max_depth - 1 (each row's starts: the bin edges
+ * and its centres, sorted). The estimates of the greedy rows 0 .. max_depth - 1 at the num_grid confidences grid,
+ * into grid_out (max_depth, num_grid). */
+int echo_acceptance_refit_host(const double* n, const double* k, const double* csum, const double* mid,
+                               const double* p0, int32_t max_depth, const double* edges, int32_t num_bins,
+                               double prior_weight, const double* grid, int32_t num_grid, double* fit,
+                               double* segments, double* grid_out);
+
 /* The sub-tree of the nodes where mask is 1 (echo_trtllm.core.tree.SuperTree.select) of a Super-Tree of n nodes and
  * b requests (request-major; global_parents: each node's parent as a flat index, -1 for a root, < the node's own):
  * every root and every selected node's parent must be selected; the order is kept. Out, for the m selected nodes
