@@ -18,6 +18,9 @@ Changes:
 - refit: the online acceptance refit, its compiled segments and the gate's threshold grids in one host-library call
   (`kernels.host_acceptance_refitter`) against NumPy (with the host library's estimate reads, as before). The refit
   runs about one step in GATE_REFRESH, so the arms' means (`*_mean`) are the figures to read. Reported as frontier.
+- features: the head's features of the accepted tokens copied from the verification forward's rows into the
+  feature store in one host-library call (`kernels.host_row_copier`) against torch's gather then index_copy_.
+  Reported as frontier, and the commit phase (`StepTimings.commit`, where the copy runs).
 - reader: greedy acceptance with the host library's logits reader (a row's top-1 read only where the accepted paths
   need it) against every verified row's argmax then the tree walk (`scripts/accept_reader_ab.py`). Reported: the
   acceptance phase (`StepTimings.accept`). The runtime's rule for which steps take the reader
@@ -44,6 +47,7 @@ def _phases(report) -> dict[str, float]:
     """The milliseconds a step's arms are compared on."""
     t = report.timings
     return {"control_ms": t.control * 1e3, "draft_ms": t.draft_model * 1e3, "accept_ms": t.accept * 1e3,
+            "commit_ms": t.commit * 1e3,
             "host_ms": (t.total - t.forward - t.draft_model) * 1e3}
 
 
@@ -72,6 +76,15 @@ def _arms(change: str, ex):
             yield lambda new: setattr(ex.policy, "draft_resulter", resulter if new else None)
         finally:
             ex.policy.draft_resulter = resulter
+    elif change == "features":
+        copier = getattr(ex.drafter, "row_copier", None)
+        if copier is None:
+            raise SystemExit("the host library's row copy is not built, or the drafter keeps no features "
+                             "(scripts/setup.sh builds it; an EAGLE-3 head)")
+        try:
+            yield lambda new: setattr(ex.drafter, "row_copier", copier if new else None)
+        finally:
+            ex.drafter.row_copier = copier
     elif change == "refit":
         acceptance = getattr(ex.policy, "acceptance", None)
         refitter = getattr(acceptance, "refitter", None)
@@ -120,7 +133,8 @@ def run(target, head, tok, change: str, method: str, batch_size: int, steps: int
                     arms[arm].setdefault(k, []).append(v)
                 arms[arm]["verified"].append(r.verified_tokens)
     label = {"reader": ("reader", "argmax"), "frontier": ("one_call", "device_loop"),
-             "result": ("one_call", "four_calls"), "refit": ("one_call", "numpy")}[change]
+             "result": ("one_call", "four_calls"), "refit": ("one_call", "numpy"),
+             "features": ("one_call", "torch")}[change]
     out = {"change": change, "method": method, "batch_size": batch_size}
     for arm, d in arms.items():
         for k, v in d.items():
@@ -148,7 +162,7 @@ def main(argv=None, change: str | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     if change is None:
-        ap.add_argument("--change", choices=("frontier", "result", "refit", "reader"), required=True)
+        ap.add_argument("--change", choices=("frontier", "result", "refit", "features", "reader"), required=True)
     ap.add_argument("--model", default=str(DEFAULT_TARGET))
     ap.add_argument("--head", default=str(DEFAULT_EAGLE3))
     ap.add_argument("--dtype", default="float32")

@@ -36,7 +36,7 @@ from echo_trtllm.core.tree import SuperTree
 from echo_trtllm.core.verify import AcceptedPaths
 
 __all__ = ["BACKENDS", "load_library", "backend_for", "host_allocator", "host_estimate_reader",
-           "host_acceptance_refitter", "host_level_replayer",
+           "host_acceptance_refitter", "host_row_copier", "host_level_replayer",
            "host_selector", "host_acceptance_counter", "host_tree_builder", "host_isotonic",
            "host_kalman_stepper", "host_tree_selector", "host_draft_resulter", "host_greedy_acceptor",
            "host_greedy_logits_acceptor",
@@ -367,6 +367,37 @@ def _refit_host(lib, n: np.ndarray, k: np.ndarray, csum: np.ndarray, mid: np.nda
         _vp(out.ctypes.data + 8 * 3 * cells), _vp(out.ctypes.data + 8 * (3 * cells + 7 * segs))))
     return (out[:3 * cells].reshape(3, rows, bins), out[3 * cells:3 * cells + 7 * segs].reshape(7, segs),
             out[3 * cells + 7 * segs:].reshape(depth, g))
+
+
+def host_row_copier():
+    """Rows of one CPU table copied into another by index in one call on the host library (`Eagle3Drafter.row_copier`:
+    the verification forward's rows of the accepted tokens straight into the feature store, where torch gathers them
+    then copies them again), or None where the library is not built (or predates it). The executor installs it where
+    the target runs on the CPU."""
+    return _host_entry("echo_copy_rows_host", _copy_rows_host)
+
+
+def _copy_rows_host(lib, dst: Tensor, dst_index: Tensor, src: Tensor, src_index: Tensor | None = None) -> None:
+    """dst[dst_index[i]] = src[src_index[i]] (src_index None: src[i]) by `echo_copy_rows_host`; dst and src 2-D CPU
+    tensors of one dtype and width, rows contiguous; the indices CPU int64. `dst.index_copy_(0, dst_index,
+    src[src_index])` is its oracle (tests/plugins/test_echo_host.py)."""
+    n = dst_index.numel()
+    if (dst.dim() != 2 or src.dim() != 2 or dst.dtype != src.dtype or dst.shape[1] != src.shape[1]
+            or dst.device.type != "cpu" or src.device.type != "cpu" or dst.stride(1) != 1 or src.stride(1) != 1):
+        raise ValueError(f"copy_rows: dst and src must be 2-D CPU tensors of one dtype and width with contiguous rows, "
+                         f"got {tuple(dst.shape)} {dst.dtype} on {dst.device} and {tuple(src.shape)} {src.dtype} on "
+                         f"{src.device}")
+    indices = [t for t in (dst_index, src_index) if t is not None]
+    if any(t.dtype != torch.long or t.device.type != "cpu" or t.dim() != 1 or not t.is_contiguous() for t in indices):
+        raise ValueError("copy_rows: dst_index and src_index must be 1-D contiguous CPU int64 tensors")
+    if (src_index.numel() if src_index is not None else src.shape[0]) != n:
+        raise ValueError(f"copy_rows: {n} destination rows for "
+                         f"{src_index.numel() if src_index is not None else src.shape[0]} source rows")
+    size = dst.element_size()
+    _check(lib, lib.echo_copy_rows_host(
+        _ptr(dst), ctypes.c_int64(dst.shape[0]), ctypes.c_int64(dst.stride(0) * size), _ptr(dst_index), _ptr(src),
+        ctypes.c_int64(src.shape[0]), ctypes.c_int64(src.stride(0) * size), _ptr(src_index), ctypes.c_int64(n),
+        ctypes.c_int64(dst.shape[1] * size)))
 
 
 def host_kalman_stepper():

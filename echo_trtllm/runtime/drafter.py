@@ -97,13 +97,17 @@ class FeatureStore:
             return range(base + lo, base + hi + 1)
         return [base + t % w for t in range(first, last + 1)]
 
-    def write(self, slots: list[int], starts: list[int], counts: list[int], feats: Tensor, send) -> None:
+    def write(self, slots: list[int], starts: list[int], counts: list[int], feats: Tensor, send,
+              rows: Tensor | None = None, copier=None) -> None:
         """feats (sum(counts), F), request-major: request i's rows are the features of tokens starts[i] ..
         starts[i] + counts[i] - 1 of slot slots[i]; of each, the last `width` are kept. send: host indices to the
-        features' device."""
+        features' device. rows (sum(counts),) on the features' device: the tokens' rows are feats[rows] instead (the
+        verification forward's rows of the accepted tokens). copier (`kernels.host_row_copier`): the rows copied in
+        one call of the host library where both tables are on the CPU, else gathered and copied by torch."""
         total = sum(counts)
-        if total != feats.shape[0]:
-            raise ValueError(f"FeatureStore.write: {feats.shape[0]} feature rows for counts summing to {total}")
+        if total != (feats.shape[0] if rows is None else rows.numel()):
+            raise ValueError(f"FeatureStore.write: {feats.shape[0] if rows is None else rows.numel()} feature rows "
+                             f"for counts summing to {total}")
         if self.rows is None:
             # zeros, not empty memory (a read is bounded by its window, so never reads a row before its write): the
             # pages are touched here, once, not at each step's first write into them, which at 16 rows of the Qwen
@@ -123,10 +127,16 @@ class FeatureStore:
             if src is not None:
                 src.extend(range(offset + skip, offset + n))
             offset += n
-        if src is not None:
-            feats = feats[send(torch.tensor(src, dtype=torch.long))]
-        if dst:
-            self.rows.index_copy_(0, send(torch.tensor(dst, dtype=torch.long)), feats)
+        if src is not None:  # the rows kept, of the tokens' rows
+            kept = send(torch.tensor(src, dtype=torch.long))
+            rows = kept if rows is None else rows[kept]
+        if not dst:
+            return
+        dst = send(torch.tensor(dst, dtype=torch.long))
+        if copier is not None and feats.device.type == "cpu" and self.rows.device.type == "cpu":
+            copier(self.rows, dst, feats, rows)
+        else:
+            self.rows.index_copy_(0, dst, feats if rows is None else feats[rows])
 
     def read(self, spans: list[tuple[int, int, int]], send) -> Tensor:
         """The features of tokens first .. last (inclusive) of each (slot, first, last), concatenated."""
@@ -184,9 +194,10 @@ class Drafter:
         for r, n in level:
             r.draft_ctx += n
 
-    def observe(self, requests: list[Request], starts: list[int], counts: list[int], features: Tensor) -> None:
+    def observe(self, requests: list[Request], starts: list[int], counts: list[int], features: Tensor,
+                rows: Tensor | None = None) -> None:
         """The target processed tokens starts[i] .. starts[i] + counts[i] - 1 of requests[i] with these features
-        (rows, request-major; EAGLE-3 only)."""
+        (rows, request-major; or features[rows], rows given on the features' device; EAGLE-3 only)."""
 
     def pending(self, r: Request) -> int:
         """Tokens of r the draft has not read yet (its root included)."""
@@ -428,6 +439,9 @@ class Eagle3Drafter(Drafter):
         self.capture_layers = tuple(capture_layers)
         self._store: FeatureStore | None = None
         self.max_features = max_features
+        # the store's writes in one call of the host library (`kernels.host_row_copier`, installed by the executor
+        # where the target runs on the CPU); None: torch's gather and index_copy_ (the same rows)
+        self.row_copier = None
 
     @property
     def max_features(self) -> int:
@@ -444,13 +458,15 @@ class Eagle3Drafter(Drafter):
 
     # ---------------------------------------------------------------- features
 
-    def observe(self, requests: list[Request], starts: list[int], counts: list[int], features: Tensor) -> None:
+    def observe(self, requests: list[Request], starts: list[int], counts: list[int], features: Tensor,
+                rows: Tensor | None = None) -> None:
         """Store the target's features of tokens starts[i] .. starts[i] + counts[i] - 1 of requests[i] (features:
-        their rows, request-major). A window that does not continue (a gap left by a failure) restarts at the new
-        tokens; at most max_features are kept, never dropping the ones the head still has to read unless the window
-        is full. The rows are written first: a write that fails leaves every window as it was."""
+        their rows, request-major; or features[rows]). A window that does not continue (a gap left by a failure)
+        restarts at the new tokens; at most max_features are kept, never dropping the ones the head still has to
+        read unless the window is full. The rows are written first: a write that fails leaves every window as it
+        was."""
         self._store.write([r.slot for r in requests], starts, counts, features,
-                          lambda t: self.link.send("feature rows", t))
+                          lambda t: self.link.send("feature rows", t), rows, self.row_copier)
         for r, start, n in zip(requests, starts, counts):
             w = r.features
             if w is not None and w.end == start:

@@ -232,6 +232,8 @@ class Executor:
         self._logits_reader = kernels.host_greedy_logits_acceptor() if self._pack_backend == "host" else None
         self._init_pricing(config, cost_model, gate_samples, fallback, adapt)
         self._init_memory(target, draft, config, max_batch_size, max_seq_len, max_num_tokens)
+        if self._pack_backend == "host" and hasattr(self.drafter, "row_copier"):  # the feature store's writes
+            self.drafter.row_copier = kernels.host_row_copier()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_slots = list(range(max_batch_size))
@@ -701,9 +703,10 @@ class Executor:
         kept = [i for i, k in enumerate(keep) if k]
         if len(kept) < len(keep):  # the rows of the requests that go on
             ids = ids[torch.repeat_interleave(torch.tensor(keep), counts)]
-        rows = features[self.link.send("accepted path", ids)]
+        rows = self.link.send("accepted path", ids)  # the store takes features[rows] (one copy on the CPU)
         starts, counts = ctx.tolist(), counts.tolist()
-        self.drafter.observe([reqs[i] for i in kept], [starts[i] for i in kept], [counts[i] for i in kept], rows)
+        self.drafter.observe([reqs[i] for i in kept], [starts[i] for i in kept], [counts[i] for i in kept], features,
+                             rows)
 
     def _max_pending(self, batch_size: int) -> int | None:
         """Catch-up bound for the draft (drafter module docstring): the longest pending chain per request whose

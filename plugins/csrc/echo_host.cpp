@@ -859,6 +859,29 @@ int echo_isotonic_rows_host(const double* y, const double* w, int32_t rows, int3
   return abi::ok();
 }
 
+int echo_copy_rows_host(void* dst, int64_t dst_rows, int64_t dst_stride, const int64_t* dst_index, const void* src,
+                        int64_t src_rows, int64_t src_stride, const int64_t* src_index, int64_t n, int64_t row_bytes) {
+  const char* who = "copy_rows";
+  ECHO_REQUIRE(n >= 0 && row_bytes >= 1 && dst_stride >= row_bytes && src_stride >= row_bytes,
+               "%s: n must be >= 0, row_bytes >= 1 and the strides >= row_bytes, got %lld, %lld, %lld and %lld", who,
+               static_cast<long long>(n), static_cast<long long>(row_bytes), static_cast<long long>(dst_stride),
+               static_cast<long long>(src_stride));
+  ECHO_REQUIRE(n == 0 || (dst && src && dst_index), "%s: a required array is NULL (dst, src, dst_index)", who);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t d = dst_index[i], s = src_index ? src_index[i] : i;
+    ECHO_REQUIRE(d >= 0 && d < dst_rows, "%s: dst_index[%lld] = %lld is outside [0, %lld)", who,
+                 static_cast<long long>(i), static_cast<long long>(d), static_cast<long long>(dst_rows));
+    ECHO_REQUIRE(s >= 0 && s < src_rows, "%s: src_index[%lld] = %lld is outside [0, %lld)", who,
+                 static_cast<long long>(i), static_cast<long long>(s), static_cast<long long>(src_rows));
+  }
+  char* out = static_cast<char*>(dst);
+  const char* in = static_cast<const char*>(src);
+  for (int64_t i = 0; i < n; ++i)
+    std::memcpy(out + dst_index[i] * dst_stride, in + (src_index ? src_index[i] : i) * src_stride,
+                static_cast<size_t>(row_bytes));
+  return abi::ok();
+}
+
 int echo_acceptance_refit_host(const double* n, const double* k, const double* csum, const double* mid,
                                const double* p0, int32_t max_depth, const double* edges, int32_t num_bins,
                                double prior_weight, const double* grid, int32_t num_grid, double* fit,

@@ -817,3 +817,33 @@ def test_a_probes_floor_leaves_a_step_where_the_rule_takes_drafted_tokens(host_b
             same_result(got, want)
         _learn((plain, floored), want, gen)
     assert took >= 4  # the case needs steps where the rule took drafted tokens
+
+
+def test_the_row_copier_is_index_copy_and_refuses_bad_rows_by_name(host_backend):
+    """`kernels.host_row_copier` against `index_copy_` of the gathered rows (bfloat16 rows of a strided view too),
+    and out-of-range rows, mismatched tables and index dtypes refused by name before anything is copied."""
+    copy = kernels.host_row_copier()
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        src = torch.randn(9, 12, generator=gen).to(dtype)[:, 2:10]  # rows 12 apart, 8 wide
+        dst = torch.zeros(20, 8, dtype=dtype)
+        want = dst.clone()
+        d, s = torch.randperm(20, generator=gen)[:6], torch.randint(0, 9, (6,), generator=gen)
+        copy(dst, d, src, s)
+        want.index_copy_(0, d, src[s])
+        assert torch.equal(dst, want)
+        copy(dst, d, src[:6])  # src rows in order
+        want.index_copy_(0, d[:6], src[:6])
+        assert torch.equal(dst, want)
+    before = dst.clone()
+    with pytest.raises(kernels.PluginError, match=r"dst_index\[1\] = 20 is outside \[0, 20\)"):
+        copy(dst, torch.tensor([0, 20]), src, torch.tensor([0, 1]))
+    with pytest.raises(kernels.PluginError, match=r"src_index\[0\] = -1 is outside \[0, 9\)"):
+        copy(dst, torch.tensor([0, 1]), src, torch.tensor([-1, 1]))
+    assert torch.equal(dst, before)
+    with pytest.raises(ValueError, match="one dtype and width"):
+        copy(dst.float(), torch.tensor([0]), src, torch.tensor([0]))
+    with pytest.raises(ValueError, match="CPU int64"):
+        copy(dst, torch.tensor([0], dtype=torch.int32), src, torch.tensor([0]))
+    with pytest.raises(ValueError, match="2 destination rows for 1 source rows"):
+        copy(dst, torch.tensor([0, 1]), src, torch.tensor([0]))

@@ -198,11 +198,20 @@ def test_a_head_for_another_target_is_refused(fp32_pair):
         LLM(DEFAULT_TARGET, DEFAULT_EAGLE3 / "config.json")
 
 
-def test_the_feature_store_equals_a_list_of_rows_per_request():
+@pytest.mark.parametrize("given_as", ["rows", "indexed", "indexed-host", "rows-host"])
+def test_the_feature_store_equals_a_list_of_rows_per_request(given_as):
     """Three requests' windows in one store (width 16: rings that wrap), written a few rows at a time, some writes
     longer than the width (a prefill chunk), windows restarted after a gap and dropped at random, every read of a
-    request's kept tokens against a plain dict of the rows each was given."""
+    request's kept tokens against a plain dict of the rows each was given. The rows given as a table of their own
+    (rows) or as indices into a shuffled table (indexed: the verification forward's rows of the accepted tokens),
+    copied by torch or by the host library (-host, `kernels.host_row_copier`, as the executor installs it on the
+    CPU)."""
+    from echo_trtllm import kernels
     from echo_trtllm.runtime.drafter import FeatureSpan, FeatureStore
+
+    copier = kernels.host_row_copier() if given_as.endswith("-host") else None
+    if given_as.endswith("-host") and copier is None:
+        pytest.skip("the host library is not built")
 
     gen = torch.Generator().manual_seed(0)
     store = FeatureStore(3, 16)
@@ -229,7 +238,12 @@ def test_the_feature_store_equals_a_list_of_rows_per_request():
             if torch.rand(1, generator=gen) < 0.3:
                 spans[s].drop_before(spans[s].start + int(torch.randint(0, 20, (1,), generator=gen)))
             nxt[s] += n
-        store.write(slots, starts, counts, torch.cat(rows), lambda t: t)
+        table, index = torch.cat(rows), None
+        if given_as.startswith("indexed"):  # the same rows, scattered in a larger table with other rows
+            index = torch.randperm(table.shape[0] + 3, generator=gen)[:table.shape[0]]
+            table, shuffled = torch.randn(table.shape[0] + 3, 4, generator=gen), table
+            table[index] = shuffled
+        store.write(slots, starts, counts, table, lambda t: t, index, copier)
         reads = [(s, spans[s].start, spans[s].end - 1) for s in range(3) if spans[s].end > spans[s].start]
         want = torch.stack([given[s][t] for s, lo, hi in reads for t in range(lo, hi + 1)])
         assert torch.equal(store.read(reads, lambda t: t), want)

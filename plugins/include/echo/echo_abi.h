@@ -204,6 +204,14 @@ int echo_tree_from_levels_host(const int64_t* level_sizes, int32_t num_levels, c
  * (> 0; pool adjacent violators: a block's mean is (m w + m' w') / (w + w'), pooled left to right), into out. */
 int echo_isotonic_rows_host(const double* y, const double* w, int32_t rows, int32_t cols, double* out);
 
+/* Rows copied between two row-major tables on the host: dst row dst_index[i] = src row src_index[i] (src_index
+ * NULL: row i), i < n, each row_bytes bytes, rows dst_stride / src_stride bytes apart (>= row_bytes); indices within
+ * [0, dst_rows) and [0, src_rows). The EAGLE-3 drafter's feature store takes the verification forward's rows of the
+ * accepted tokens with it (echo_trtllm.runtime.drafter.FeatureStore.write; index_copy_ of the gathered rows is its
+ * oracle). */
+int echo_copy_rows_host(void* dst, int64_t dst_rows, int64_t dst_stride, const int64_t* dst_index, const void* src,
+                        int64_t src_rows, int64_t src_stride, const int64_t* src_index, int64_t n, int64_t row_bytes);
+
 /* ECHO's online acceptance refit without a calibration (echo_trtllm.core.acceptance.OnlineAcceptance: _fit, then
  * _segments_table, then threshold's estimates on its grid), in one call, host only. R = 2 max_depth rows of num_bins
  * bins (edges: num_bins + 1 ascending, 0 to 1); n, k, csum (R, num_bins): the decayed counts; mid (R, num_bins):
