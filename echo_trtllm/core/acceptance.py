@@ -223,8 +223,9 @@ class OnlineAcceptance:
         # runtime); None: in Python (the same numbers)
         self.isotonic = None
         # without a calibration, the refit, its segments and the gate's grids in one call of the host library
-        # (`kernels.host_acceptance_refitter`, installed by the runtime); None: `_fit`, `_segments_table` and
-        # `threshold` with NumPy (the same numbers, to rounding)
+        # (`kernels.host_acceptance_refitter`, installed by the runtime with `reader`); None: `_fit`,
+        # `_segments_table` and `threshold` with NumPy (the same fit to rounding; the grids are read as `reader`
+        # reads, which differs from NumPy's read at a grid point exactly on a step)
         self.refitter = None
 
     def _rows(self, depths: Tensor | int, greedy: Tensor | bool, shape) -> np.ndarray:

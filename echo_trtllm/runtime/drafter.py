@@ -133,8 +133,10 @@ class FeatureStore:
         if not dst:
             return
         dst = send(torch.tensor(dst, dtype=torch.long))
-        if copier is not None and feats.device.type == "cpu" and self.rows.device.type == "cpu":
-            copier(self.rows, dst, feats, rows)
+        if (copier is not None and feats.device.type == self.rows.device.type == "cpu" and feats.dim() == 2
+                and feats.dtype == self.rows.dtype and feats.stride(1) == 1
+                and (rows is None or rows.dtype == torch.long)):
+            copier(self.rows, dst, feats, None if rows is None else rows.contiguous())
         else:
             self.rows.index_copy_(0, dst, feats if rows is None else feats[rows])
 

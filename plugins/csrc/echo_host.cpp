@@ -899,9 +899,15 @@ int echo_acceptance_refit_host(const double* n, const double* k, const double* c
   for (int32_t j = 0; j < num_bins; ++j)
     ECHO_REQUIRE(edges[j] < edges[j + 1], "%s: edges must be ascending, edges[%d] = %g >= edges[%d] = %g", who, j,
                  edges[j], j + 1, edges[j + 1]);
+  ECHO_REQUIRE(max_depth <= (1 << 16) && num_bins <= (1 << 10),
+               "%s: max_depth must be <= 65536 and num_bins <= 1024, got %d and %d", who, max_depth, num_bins);
   const int32_t rows = 2 * max_depth, cells = rows * num_bins;
-  for (int32_t j = 0; j < cells; ++j)
-    ECHO_REQUIRE(n[j] >= 0.0, "%s: counts must be >= 0, n[%d] = %g", who, j, n[j]);
+  for (int32_t j = 0; j < cells; ++j) {  // a NaN would reach the segments' sort: refused, as a negative count
+    ECHO_REQUIRE(n[j] >= 0.0 && std::isfinite(n[j]), "%s: counts must be finite and >= 0, n[%d] = %g", who, j, n[j]);
+    ECHO_REQUIRE(std::isfinite(k[j]) && std::isfinite(csum[j]) && std::isfinite(p0[j]) && std::isfinite(mid[j]),
+                 "%s: k, csum, p0 and mid must be finite, got %g, %g, %g and %g at cell %d", who, k[j], csum[j],
+                 p0[j], mid[j], j);
+  }
   Refit refit{n, k, mid, edges, max_depth, num_bins, prior_weight, fit, fit + cells, fit + 2 * cells};
   refit.fit(csum, p0);
   refit.segments(segments);

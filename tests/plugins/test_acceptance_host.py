@@ -100,7 +100,12 @@ def test_the_refit_in_one_call_is_numpys(host_backend, seed):
     numpy_fit, _ = random_online_acceptance(seed, depth, False, 1.0 + seed, 30.0, 1 + seed % 2)
     # both read their grids through the host library's estimates, as the runtime did before the refit was one call
     # (NumPy's read differs from it at a few points exactly on a step: test_the_host_library_reads_the_estimates...)
-    host.refitter, host.reader = refitter, kernels.host_estimate_reader()
+    calls = []  # the host's refits are the library's: counted
+
+    def counted(*args):
+        calls.append(host.version)
+        return refitter(*args)
+    host.refitter, host.reader = counted, kernels.host_estimate_reader()
     numpy_fit.reader = host.reader
     for step in range(10):
         n = int(torch.randint(0, 60, (1,), generator=gen))
@@ -113,6 +118,7 @@ def test_the_refit_in_one_call_is_numpys(host_backend, seed):
             for d in range(1, depth + 2):
                 assert host.threshold(d, lam) == pytest.approx(numpy_fit.threshold(d, lam), abs=1e-12)
         assert host._grid["version"] == host._table["version"] == host._fit_version == numpy_fit._fit_version
+        assert calls and calls[-1] == host._fit_version  # this fit came from the library
         for got, want in zip(host._fit(), numpy_fit._fit()):
             np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-15)
         got, want = host._segments_table(), numpy_fit._segments_table()
@@ -139,10 +145,14 @@ def test_the_refit_refuses_bad_arrays_by_name(host_backend):
     assert refit(*arrays, edges, 2.0, grid)[2].shape == (2, 5)
     with pytest.raises(kernels.PluginError, match="prior_weight must be > 0, got 0"):
         refit(*arrays, edges, 0.0, grid)
-    with pytest.raises(kernels.PluginError, match=r"counts must be >= 0, n\[3\] = -1"):
+    with pytest.raises(kernels.PluginError, match=r"counts must be finite and >= 0, n\[3\] = -1"):
         bad = arrays[0].copy()
         bad.reshape(-1)[3] = -1.0
         refit(bad, *arrays[1:], edges, 2.0, grid)
+    with pytest.raises(kernels.PluginError, match="k, csum, p0 and mid must be finite, got 0, nan"):
+        bad = arrays[2].copy()  # a NaN confidence counted
+        bad.reshape(-1)[4] = np.nan
+        refit(*arrays[:2], bad, *arrays[3:], edges, 2.0, grid)
     with pytest.raises(kernels.PluginError, match="edges must be ascending"):
         refit(*arrays, edges[[0, 2, 1, *range(3, edges.size)]], 2.0, grid)
     with pytest.raises(ValueError, match="must be \\(2 max_depth, bins\\)"):

@@ -15,7 +15,7 @@
 import pytest
 import torch
 
-from echo_trtllm import LLM
+from echo_trtllm import LLM, kernels
 from echo_trtllm.core import POLICY_NAMES, EchoConfig
 from echo_trtllm.models import DEFAULT_EAGLE3, DEFAULT_TARGET
 from echo_trtllm.models.eagle3 import Eagle3Head, load_eagle3
@@ -103,6 +103,8 @@ def test_the_heads_drafts_equal_a_dense_recomputation_every_step(fp32_pair, prom
     ex = Executor(target, head, tok, EchoConfig(policy="chain", num_draft_tokens=4), max_batch_size=4,
                   max_seq_len=256)
     ex.drafter.max_features = max_features
+    # the features stored by the host library where it is built (`kernels.host_row_copier`): what this test reads
+    assert (ex.drafter.row_copier is not None) == (kernels.backend_for("cpu") == "host")
     if max_features < 100:
         ex._draft_prefill = lambda batch_size: False
     records = []  # (tokens, offset, chain so far, probs) per request and level
@@ -206,7 +208,6 @@ def test_the_feature_store_equals_a_list_of_rows_per_request(given_as):
     (rows) or as indices into a shuffled table (indexed: the verification forward's rows of the accepted tokens),
     copied by torch or by the host library (-host, `kernels.host_row_copier`, as the executor installs it on the
     CPU)."""
-    from echo_trtllm import kernels
     from echo_trtllm.runtime.drafter import FeatureSpan, FeatureStore
 
     copier = kernels.host_row_copier() if given_as.endswith("-host") else None
