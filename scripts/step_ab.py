@@ -51,6 +51,21 @@ def _phases(report) -> dict[str, float]:
             "host_ms": (t.total - t.forward - t.draft_model) * 1e3}
 
 
+# the changes whose arms set one attribute (the new path) or None (the old one): where it lives, its name, and what
+# to say where the path is not there
+_SWITCHED = {
+    "result": (lambda ex: ex.policy, "draft_resulter",
+               "the host library's drafting result in one call is not built, or the policy does not select on it "
+               "(scripts/setup.sh builds it; --methods echo)"),
+    "features": (lambda ex: ex.drafter, "row_copier",
+                 "the host library's row copy is not built, or the drafter keeps no features (scripts/setup.sh "
+                 "builds it; an EAGLE-3 head)"),
+    "refit": (lambda ex: getattr(ex.policy, "acceptance", None), "refitter",
+              "the host library's acceptance refit is not built, or the policy has no online acceptance "
+              "(scripts/setup.sh builds it; --methods echo)"),
+}
+
+
 @contextlib.contextmanager
 def _arms(change: str, ex):
     """Yields set_arm(new: bool) for the executor `ex`; restores what it changed."""
@@ -67,34 +82,16 @@ def _arms(change: str, ex):
         finally:
             executor_mod.READER_PLAIN_ROWS = saved
             ex._logits_reader = reader
-    elif change == "result":
-        resulter = getattr(ex.policy, "draft_resulter", None)
-        if resulter is None:
-            raise SystemExit("the host library's drafting result in one call is not built, or the policy does not "
-                             "select on it (scripts/setup.sh builds it; --methods echo)")
+    elif change in _SWITCHED:
+        where, attr, missing = _SWITCHED[change]
+        owner = where(ex)
+        value = getattr(owner, attr, None)
+        if value is None:
+            raise SystemExit(missing)
         try:
-            yield lambda new: setattr(ex.policy, "draft_resulter", resulter if new else None)
+            yield lambda new: setattr(owner, attr, value if new else None)
         finally:
-            ex.policy.draft_resulter = resulter
-    elif change == "features":
-        copier = getattr(ex.drafter, "row_copier", None)
-        if copier is None:
-            raise SystemExit("the host library's row copy is not built, or the drafter keeps no features "
-                             "(scripts/setup.sh builds it; an EAGLE-3 head)")
-        try:
-            yield lambda new: setattr(ex.drafter, "row_copier", copier if new else None)
-        finally:
-            ex.drafter.row_copier = copier
-    elif change == "refit":
-        acceptance = getattr(ex.policy, "acceptance", None)
-        refitter = getattr(acceptance, "refitter", None)
-        if refitter is None:
-            raise SystemExit("the host library's acceptance refit is not built, or the policy has no online "
-                             "acceptance (scripts/setup.sh builds it; --methods echo)")
-        try:
-            yield lambda new: setattr(acceptance, "refitter", refitter if new else None)
-        finally:
-            acceptance.refitter = refitter
+            setattr(owner, attr, value)
     else:
         replayer = getattr(ex.policy, "level_replayer", None)
         if replayer is None or not getattr(replayer, "next_frontier", False):
