@@ -811,8 +811,9 @@ struct Refit {
       pav.fit(raw.data() + r * bins, weight.data() + r * bins, bins, values + r * bins);
   }
 
-  // OnlineAcceptance._segments_table: each row's starts (bin edges and centres, sorted), the linear part and share
-  void segments(double* out) const {
+  // OnlineAcceptance._segments_table: each row's starts (bin edges and centres, sorted), the linear part and share,
+  // written to out (7 arrays of 2 depth x 2 bins) and returned as the table echo_acceptance_estimate_host reads
+  echo_segments segments(double* out, const uint8_t* deep) const {
     const int32_t per_row = 2 * bins, total = 2 * depth * per_row;
     double *keys = out, *start = out + total, *l0 = out + 2 * total, *l1 = out + 3 * total;
     double *share = out + 4 * total, *e0 = out + 5 * total, *e1 = out + 6 * total;
@@ -837,6 +838,7 @@ struct Refit {
         e1[g] = 1.0;
       }
     }
+    return {keys, start, l0, l1, share, e0, e1, total, deep, 2 * depth};
   }
 };
 
@@ -910,13 +912,9 @@ int echo_acceptance_refit_host(const double* n, const double* k, const double* c
   }
   Refit refit{n, k, mid, edges, max_depth, num_bins, prior_weight, fit, fit + cells, fit + 2 * cells};
   refit.fit(csum, p0);
-  refit.segments(segments);
-  const int32_t total = rows * 2 * num_bins;
   std::vector<uint8_t> deep(static_cast<size_t>(rows), 0);  // the greedy rows below depth 1
   for (int32_t r = 1; r < max_depth; ++r) deep[r] = 1;
-  const echo_segments table{segments,         segments + total,     segments + 2 * total, segments + 3 * total,
-                            segments + 4 * total, segments + 5 * total, segments + 6 * total, total,
-                            deep.data(),      rows};
+  const echo_segments table = refit.segments(segments, deep.data());
   for (int32_t r = 0; r < max_depth; ++r)
     for (int32_t g = 0; g < num_grid; ++g) grid_out[r * num_grid + g] = estimate_one(table, grid[g], r);
   return abi::ok();
