@@ -1,13 +1,15 @@
 """The CPU settings a closed batch meets on the engine's own thread, arm against arm: oneDNN's packing hint for the
 prepacked linears (models.packed.PACK_ROWS), glibc's top pad (cpu.TOP_PAD), attention's q, k and v as one packed
-product (models.packed.FUSE_QKV) and the one-pass norm and rotary embedding (models.cpu_kernels.ENABLED), each arm
-in fresh processes, the arms alternating over rounds.
+product (models.packed.FUSE_QKV), the one-pass norm and rotary embedding (models.cpu_kernels.ENABLED) and the rows
+a packed product runs on at least (models.packed.ROW_FLOOR), each arm in fresh processes, the arms alternating over
+rounds.
 
     python scripts/engine_thread_ab.py --model <target> [--arms old:1:0:0 pad:1:1:0 hint:32:1:0 new:32:1:1]
         [--batch-size 16] [--max-tokens 64] [--rounds 3] [--json out.json]
 
-An arm is NAME:PACK_ROWS:PAD:FUSE[:KERNELS] (PAD 1: cpu.TOP_PAD as it is, 0: glibc's top pad; FUSE 1: q, k and v
-fused; KERNELS 1: the one-pass norm and rotary embedding, 0, the default of a four-field arm: the eager code). Each
+An arm is NAME:PACK_ROWS:PAD:FUSE[:KERNELS[:FLOOR]] (PAD 1: cpu.TOP_PAD as it is, 0: glibc's top pad; FUSE 1: q, k
+and v fused; KERNELS 1: the one-pass norm and rotary embedding, 0, the default of a four-field arm: the eager code;
+FLOOR: models.packed.ROW_FLOOR, 1, the default of a four- or five-field arm: every product on its own rows). Each
 process builds the LLM (AR, bfloat16), runs two untimed batches of other prompts, then one timed batch through
 LLM.generate as bench_vllm's closed batches do (greedy HumanEval eval prompts, ignore_eos): the admission (every
 prompt's prefill, with the process's minor page faults during it), the median decode step and the whole batch's
@@ -39,6 +41,7 @@ def child(args) -> dict:
     from echo_trtllm.bench.prompts import load_prompts
 
     packed.PACK_ROWS, packed.FUSE_QKV, cpu_kernels.ENABLED = args.pack_rows, bool(args.fuse), bool(args.kernels)
+    packed.ROW_FLOOR = args.floor
     if not args.pad:
         cpu.TOP_PAD = 0
     torch.set_num_threads(args.threads)
@@ -91,6 +94,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pad", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--fuse", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--kernels", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--floor", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.batch_size < 1 or args.max_tokens < 2 or args.rounds < 1 or args.threads < 1:
         ap.error("--batch-size, --rounds and --threads must be >= 1, --max-tokens >= 2")
@@ -101,20 +105,22 @@ def main(argv=None) -> int:
     for spec in args.arms:
         parts = spec.split(":")
         parts += ["0"] * (len(parts) == 4)  # four fields: an arm as it was before the kernels existed
-        if len(parts) != 5 or not parts[1].isdigit() or int(parts[1]) < 1 or set(parts[2:]) - {"0", "1"}:
-            ap.error(f"--arms takes NAME:PACK_ROWS:PAD:FUSE[:KERNELS] (PACK_ROWS >= 1, PAD, FUSE and KERNELS 0 or 1), "
-                     f"got {spec!r}")
+        parts += ["1"] * (len(parts) == 5)  # five: before the row floor
+        if len(parts) != 6 or not all(p.isdigit() and int(p) >= 1 for p in (parts[1], parts[5])) \
+                or set(parts[2:5]) - {"0", "1"}:
+            ap.error(f"--arms takes NAME:PACK_ROWS:PAD:FUSE[:KERNELS[:FLOOR]] (PACK_ROWS and FLOOR >= 1, PAD, FUSE "
+                     f"and KERNELS 0 or 1), got {spec!r}")
         arms.append(tuple(parts))
     rows = []
     for k in range(args.rounds):
-        for name, pack_rows, pad, fuse, kernels in (arms if k % 2 == 0 else arms[::-1]):
+        for name, pack_rows, pad, fuse, kernels, floor in (arms if k % 2 == 0 else arms[::-1]):
             cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", args.model, "--dtype",
                    args.dtype, "--batch-size", str(args.batch_size), "--max-tokens", str(args.max_tokens),
                    "--threads", str(args.threads), "--pack-rows", pack_rows, "--pad", pad, "--fuse", fuse,
-                   "--kernels", kernels]
+                   "--kernels", kernels, "--floor", floor]
             row = child_result(cmd, cwd=ROOT)
             rows.append({"round": k + 1, "arm": name, "pack_rows": int(pack_rows), "pad": int(pad),
-                         "fuse_qkv": int(fuse), "kernels": int(kernels), **row})
+                         "fuse_qkv": int(fuse), "kernels": int(kernels), "row_floor": int(floor), **row})
             print(json.dumps(rows[-1]), flush=True)
     keys = ("prefill_s", "prefill_faults", "decode_step_ms_median", "tokens_per_s")
     summary = {name: {key: [r[key] for r in rows if r["arm"] == name] for key in keys} for name, *_ in arms}

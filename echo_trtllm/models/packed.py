@@ -18,6 +18,14 @@ products (256 x 1536) streamed at about half the speed of the larger ones (72 us
 six times larger weight). The three modules keep their own weights and forwards (`Attention` calls the fused product
 and falls back to the three where it does not apply).
 
+A product of fewer rows than `ROW_FLOOR` runs on that many, the rest zero rows, and returns its own rows. oneDNN's
+kernel for a packed weight is not fastest at one row: on the 2-core AMD EPYC (AVX512-BF16), Qwen2.5-Coder-1.5B's
+28 layers of linears took 107 ms on one row, 118 on two and 89-95 on three to six (their weights streamed from
+memory, not cache), and its LM head 14.1 ms on one row against 11.4 on four (docs/performance.md, 2026-12-07,
+seventh). A row's products in a padded call are not those of a one-row call in the last bit (nor are they in a
+16-row call: only `LLM(batch_invariant=True)` promises that, and its tiles always give the kernel 16 rows); the
+tests hold the padded product to PyTorch's linear on the same padded rows.
+
 The module's `weight` stays what it was (exports, sharding and FP8 calibration read it), so packed linears cost
 their weights' memory twice. A weight changed in place, replaced, or converted to another dtype after packing is
 seen at the next call: the linear is repacked, or runs PyTorch's own path.
@@ -28,9 +36,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["prepack_linears", "prepack_available", "PACK_ROWS"]
+__all__ = ["prepack_linears", "prepack_available", "PACK_ROWS", "ROW_FLOOR"]
 
 PACK_ROWS = 32  # the batch-size hint oneDNN packs each weight for (module docstring)
+ROW_FLOOR = 4  # a packed product of fewer rows runs on this many, zero rows added (module docstring; 1: never)
 FUSE_QKV = True  # an attention's q, k and v as one packed product (module docstring; False: scripts' control arm)
 
 
@@ -65,7 +74,7 @@ class _PackedForward:
             return nn.functional.linear(x, w, m.bias)
         if w is not self.weight or w._version != self.version:
             self._pack()
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, m.bias, "none", [], "")
+        return _product(x, self.packed, m.bias)
 
 
 class _PackedQKV:
@@ -114,8 +123,19 @@ class _PackedQKV:
         if self.packed is None or len(state) != len(self.state) \
                 or any(a is not b or va != vb for (a, va), (b, vb) in zip(state, self.state)):
             self._pack()
-        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return out.split(self.sizes, dim=-1)
+        return _product(x, self.packed, self.bias).split(self.sizes, dim=-1)
+
+
+def _product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x's rows through the packed weight, on at least ROW_FLOOR rows (module docstring)."""
+    d = x.shape[-1]
+    rows = x.numel() // d if d else 0
+    if rows >= ROW_FLOOR or rows == 0:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    padded = x.new_zeros(ROW_FLOOR, d)
+    padded[:rows] = x.reshape(rows, d)
+    out = torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")[:rows]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _global_hooks() -> bool:

@@ -1,5 +1,8 @@
 """Prepacked bfloat16 linears (models/packed.py) against PyTorch's own linear: the same logits bit for bit, the
-same greedy tokens through the engine, and a weight changed after packing followed."""
+same greedy tokens through the engine, and a weight changed after packing followed. A packed product of fewer rows
+than `ROW_FLOOR` runs on that many (zero rows added): its reference is PyTorch's linear on the same padded rows."""
+
+import functools
 
 import pytest
 import torch
@@ -7,10 +10,27 @@ import torch
 from echo_trtllm import LLM, EchoConfig, SamplingParams
 from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
 from echo_trtllm.models.loader import load_model
+from echo_trtllm.models import packed
 from echo_trtllm.models.packed import _PackedForward, prepack_available, prepack_linears
 from echo_trtllm.runtime.inputs import chain_batch
 
 pytestmark = pytest.mark.skipif(not prepack_available(), reason="oneDNN's bfloat16 kernels are not available here")
+
+
+def _padded_linear(m: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """PyTorch's linear on x's rows, zero rows added up to ROW_FLOOR, x's rows of the result."""
+    rows = x.reshape(-1, x.shape[-1])
+    pad = rows.new_zeros(max(packed.ROW_FLOOR - rows.shape[0], 0), rows.shape[1])
+    out = torch.nn.functional.linear(torch.cat([rows, pad]), m.weight, m.bias)[:rows.shape[0]]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _pytorch_padded(model) -> int:
+    """The reference: every linear of `model` PyTorch's own, on rows padded as the packed products pad them."""
+    for m in model.modules():
+        if type(m) is torch.nn.Linear:
+            m.forward = functools.partial(_padded_linear, m)
+    return 0
 
 
 def _logits(model, ids, tokens=(1, 16, 96)):
@@ -24,16 +44,44 @@ def _logits(model, ids, tokens=(1, 16, 96)):
     return out
 
 
-def test_prepacked_logits_equal_pytorchs_linear_bit_for_bit():
-    # 1, 16 and 96 tokens after a 32-token prefix: packed for one row (PACK_ROWS = 1), 96 tokens parted from
-    # PyTorch's linear in the last bit on the AMX Xeon
+@pytest.mark.parametrize("floor", [1, 4])
+def test_prepacked_logits_equal_pytorchs_linear_bit_for_bit(floor, monkeypatch):
+    # 1, 2, 16 and 96 tokens after a 32-token prefix: packed for one row (PACK_ROWS = 1), 96 tokens parted from
+    # PyTorch's linear in the last bit on the AMX Xeon. Floor 1: every product on its own rows, PyTorch's linear
+    # unpadded the reference; 4, the default: one and two tokens run on four rows, as the reference does
+    monkeypatch.setattr(packed, "ROW_FLOOR", floor)
     model, _ = load_model(DEFAULT_TARGET, dtype="bfloat16", with_tokenizer=False)
+    reference, _ = load_model(DEFAULT_TARGET, dtype="bfloat16", with_tokenizer=False)
+    _pytorch_padded(reference)
     ids = torch.randint(0, model.config.vocab_size, (128,), generator=torch.Generator().manual_seed(0))
-    eager = _logits(model, ids)
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert prepack_linears(model) == linears and prepack_linears(model) == 0  # packed once
-    for a, b in zip(eager, _logits(model, ids)):
+    for a, b in zip(_logits(reference, ids, (1, 2, 16, 96)), _logits(model, ids, (1, 2, 16, 96))):
         assert torch.equal(a, b)
+
+
+def test_a_product_of_fewer_rows_than_the_floor_runs_on_the_floors_rows(monkeypatch):
+    """The packed product of 0-5 rows, 2-D or 3-D, with a bias and without, against PyTorch's linear: on the rows
+    padded to ROW_FLOOR below it, on the rows themselves from it (a Qwen2.5-Coder-1.5B MLP's shape: on the AMD EPYC
+    one row alone and one row among four part in the last bit); and the shapes the kernel is given."""
+    assert packed.ROW_FLOOR == 4
+    torch.manual_seed(0)
+    for bias in (True, False):
+        lin = torch.nn.Linear(1536, 8960, bias=bias, dtype=torch.bfloat16)
+        prepack_linears(lin)
+        for shape in ((1, 1536), (2, 1536), (3, 1536), (4, 1536), (5, 1536), (0, 1536), (1, 1, 1536), (3, 1, 1536),
+                      (2, 3, 1536)):
+            x = torch.randn(*shape, dtype=torch.bfloat16)
+            with torch.inference_mode():
+                got = lin(x)
+            assert got.shape == (*shape[:-1], 8960) and torch.equal(got, _padded_linear(lin, x))
+    seen = []
+    kernel = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: seen.append(tuple(x.shape)) or kernel(x, *a))
+    with torch.inference_mode():
+        lin(torch.randn(1, 1536, dtype=torch.bfloat16))
+        lin(torch.randn(2, 3, 1536, dtype=torch.bfloat16))
+    assert seen == [(4, 1536), (2, 3, 1536)]
 
 
 def test_a_weight_changed_after_packing_is_followed():
@@ -44,6 +92,7 @@ def test_a_weight_changed_after_packing_is_followed():
     with torch.no_grad():
         model.lm_head.weight.mul_(2)  # in place: its version moves
     reference, _ = load_model(DEFAULT_TARGET, dtype="bfloat16", with_tokenizer=False)
+    _pytorch_padded(reference)
     with torch.no_grad():
         reference.lm_head.weight.mul_(2)
     after = _logits(model, ids, (1,))[0]
@@ -54,8 +103,9 @@ def test_a_weight_changed_after_packing_is_followed():
 
 @pytest.mark.parametrize("policy", ["echo", "ar"])
 def test_llm_in_bfloat16_runs_prepacked_and_decodes_as_unpacked(prompts, policy, monkeypatch):
-    """The same LLM with its linears left to PyTorch is the reference: the packed products are bit-identical, so every
-    step, drafted, verified or plain, decodes the same tokens. (ECHO against plain AR is no such reference in
+    """The same LLM with its linears left to PyTorch (on rows padded to ROW_FLOOR, as the packed products run) is the
+    reference: the packed products are bit-identical, so every step, drafted, verified or plain, decodes the same
+    tokens. (ECHO against plain AR is no such reference in
     bfloat16: verifying several rows at once rounds a logit differently from one row, and the embedded target has
     exact bfloat16 ties among its top logits on these prompts.)"""
     import echo_trtllm.api as api
@@ -67,7 +117,7 @@ def test_llm_in_bfloat16_runs_prepacked_and_decodes_as_unpacked(prompts, policy,
             return packed, [o.token_ids for o in llm.generate(prompts[:4], SamplingParams(
                 max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)]
     packed, got = generate()
-    monkeypatch.setattr(api, "prepack_linears", lambda model: 0)
+    monkeypatch.setattr(api, "prepack_linears", _pytorch_padded)
     unpacked, ref = generate()
     assert packed and not unpacked and got == ref
 
@@ -90,6 +140,7 @@ def test_an_attentions_q_k_and_v_run_as_one_packed_product_and_follow_their_weig
     with torch.no_grad():
         attns[0].k_proj.weight.mul_(2)
     reference, _ = load_model(DEFAULT_TARGET, dtype="bfloat16", with_tokenizer=False)
+    _pytorch_padded(reference)
     with torch.no_grad():
         [m for m in reference.modules() if hasattr(m, "q_proj")][0].k_proj.weight.mul_(2)
     after = _logits(model, ids, (1, 16))
@@ -149,6 +200,7 @@ def test_a_projection_replaced_after_packing_is_the_one_that_runs():
             if new.bias is not None:
                 new.bias.copy_(attn.k_proj.bias)
         attn.k_proj = new
+    _pytorch_padded(reference)
     prepack_linears(model)  # packs the new module on its own (the attention is fused already)
     assert isinstance(next(a for a in model.modules() if hasattr(a, "q_proj")).k_proj.__dict__["forward"],
                       _PackedForward)
