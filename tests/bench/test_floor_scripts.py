@@ -118,3 +118,26 @@ def test_the_load_prices_reading_matches_the_prices_it_reads(tmp_path):
     got = script.read_prices(StepPrices(StepCostModel.from_cost_model(CostModel.linear(0.01, 0.002))), 4, 32.0)
     assert got["plain_step_ms"] == pytest.approx(18.0) and got["one_more_token_ms"] == pytest.approx(2.0)
     assert got["attention_ms"] == 0 and got["per_request_ms"] == 0
+
+
+def test_the_row_floor_probe_times_every_row_count_it_is_given(tmp_path):
+    """scripts/row_floor_probe.py on small shapes: one row of the table per row count, in the order given, each with
+    its medians inside its spread, and the packing it read (timings are the machine's: not checked)."""
+    from echo_trtllm.models.packed import PACK_ROWS, ROW_FLOOR, prepack_available
+
+    probe = load_script(SCRIPTS / "row_floor_probe.py")
+    with pytest.raises(SystemExit):
+        probe.main(["--rows", "1,x"])
+    with pytest.raises(SystemExit):
+        probe.main(["--rows", "0,2"])
+    if not prepack_available():
+        pytest.skip("oneDNN's bfloat16 kernels are not available here")
+    out = tmp_path / "probe.json"
+    assert probe.main(["--hidden", "64", "--intermediate", "128", "--kv", "16", "--layers", "2", "--vocab", "256",
+                       "--rows", "1,3,8", "--rounds", "2", "--threads", "1", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["rows"] for r in doc["rows"]] == [1, 3, 8]
+    assert doc["pack_rows"] == PACK_ROWS and doc["row_floor"] == ROW_FLOOR and doc["shapes"]["layers"] == 2
+    for r in doc["rows"]:
+        assert r["layers_spread_ms"][0] <= r["layers_ms"] <= r["layers_spread_ms"][1]
+        assert r["head_spread_ms"][0] <= r["head_ms"] <= r["head_spread_ms"][1]
