@@ -20,9 +20,11 @@ and falls back to the three where it does not apply).
 
 A product of fewer rows than `ROW_FLOOR` runs on that many, the rest zero rows, and returns its own rows. oneDNN's
 kernel for a packed weight is not fastest at one row: on the 2-core AMD EPYC (AVX512-BF16), Qwen2.5-Coder-1.5B's
-28 layers of linears took 107 ms on one row, 118 on two and 89-95 on three to six (their weights streamed from
-memory, not cache), and its LM head 14.1 ms on one row against 11.4 on four (docs/performance.md, 2026-12-07,
-seventh). A row's products in a padded call are not those of a one-row call in the last bit (nor are they in a
+28 layers of linears took 108.8 ms on one row, 119.2 on two and 92.7-97.7 on three to six (their weights streamed
+from memory, not cache), its LM head 16.7 ms on one row and 14.3-16.4 on three to six (scripts/row_floor_probe.py,
+docs/bench/row-floor-probe-qwen-epyc.json); AR's one-row decode step 141.6 ms before, 125.8 after (medians of
+three rounds in fresh processes, docs/performance.md, 2026-12-07, seventh). Four is the least of the fast row
+counts: the fewest zero rows of compute on a CPU whose matrix units would not hide them. A row's products in a padded call are not those of a one-row call in the last bit (nor are they in a
 16-row call: only `LLM(batch_invariant=True)` promises that, and its tiles always give the kernel 16 rows); the
 tests hold the padded product to PyTorch's linear on the same padded rows.
 
