@@ -602,11 +602,11 @@ class EchoPolicy(TreePolicy):
         return slot_of, level, ints[4], nxt
 
     def _host_selection(self, state: DraftState, num_nodes: int):
-        """(the acceptance fit, the step's seconds of verifying 0, 1, ... taken tokens) where the host library selects
-        (`selector`, `draft_result_on_host`) as the rule in `select` would, else None: no prices, a probe's floor,
-        another allocator or decisions of a subclass, or a refit due (the oracle's path reads then)."""
-        floor = state.min_tokens > state.batch_size  # a probe's floor: the rule, then the floor if it took none
-        if (self.cost_model is None or self.selector is None or floor
+        """(the acceptance fit, the step's seconds of verifying 0, 1, ... taken tokens, the floor of taken tokens where
+        the rule takes none: a probe's) where the host library selects (`selector`, `draft_result_on_host`) as the
+        rule in `select` would, else None: no prices, another allocator or decisions of a subclass, or a refit due
+        (the oracle's path reads then)."""
+        if (self.cost_model is None or self.selector is None
                 or self.allocator is not getattr(self.selector, "allocator", None) or not self._own_decisions()):
             return None
         table = self.acceptance.fitted_segments()
@@ -614,7 +614,8 @@ class EchoPolicy(TreePolicy):
             return None
         drafted = self.cost_model.drafting_time(state.frontier_sizes, state.context)
         taken = min(num_nodes, int(state.budget)) - state.batch_size  # the most the allocation takes
-        return table, budget_seconds(max(taken, 0), state.batch_size, self.cost_model, drafted, state.context)
+        floor = max(state.min_tokens - state.batch_size, 0)  # a probe's (`select`: max(k, min_tokens) when k <= B)
+        return table, budget_seconds(max(taken, 0), state.batch_size, self.cost_model, drafted, state.context), floor
 
     def draft_result_on_host(self, levels: list[DraftLevel], state: DraftState,
                              context_lengths: Tensor) -> "DraftResult | None":
@@ -631,9 +632,9 @@ class EchoPolicy(TreePolicy):
         host = self._host_selection(state, sum(lv.num_nodes for lv in levels))
         if host is None:
             return None
-        table, seconds = host
+        table, seconds, floor = host
         out = resulter(levels, state.spine_depth, int(state.budget), self.config.max_nodes_per_request, table,
-                       self.acceptance.max_depth, seconds, context_lengths)
+                       self.acceptance.max_depth, seconds, context_lengths, min_taken=floor)
         if out is None:
             return None
         candidates, state.allocation, selected, packed = out
@@ -645,9 +646,9 @@ class EchoPolicy(TreePolicy):
         if host is not None:
             # the allocation and the budget rule below in one call of the host library
             # (tests/plugins/test_echo_host.py)
-            table, seconds = host
+            table, seconds, floor = host
             state.allocation = self.selector(tree, spine, int(state.budget), self.config.max_nodes_per_request,
-                                             choose=(table, self.acceptance.max_depth, seconds))
+                                             choose=(table, self.acceptance.max_depth, seconds, floor))
             return state.allocation.selected
         alloc = self.allocator(tree, spine, int(state.budget), self.config.max_nodes_per_request)
         if self.cost_model is not None and alloc.order.numel():

@@ -45,7 +45,7 @@ __all__ = ["BACKENDS", "load_library", "backend_for", "host_allocator", "host_es
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("torch", "host", "cuda")
-ABI_VERSION = 1  # plugins/include/echo/echo_abi.h's ECHO_ABI_VERSION: a library of another version is not loaded
+ABI_VERSION = 2  # plugins/include/echo/echo_abi.h's ECHO_ABI_VERSION: a library of another version is not loaded
 BUILD_DIR = Path(__file__).resolve().parents[2] / "plugins" / "build"
 _LIB_NAMES = {"cuda": ("ECHO_PLUGIN_LIB", "libecho_plugin.so"), "host": ("ECHO_PLUGIN_HOST_LIB", "libecho_host.so")}
 
@@ -218,9 +218,10 @@ def host_draft_resulter():
 
 
 def _draft_result_host(lib, levels: list, spine_depth: Tensor, budget: int, max_nodes_per_request: int | None,
-                       table: dict, max_depth: int, seconds: Tensor, context_lengths: Tensor):
+                       table: dict, max_depth: int, seconds: Tensor, context_lengths: Tensor, min_taken: int = 0):
     """`echo_draft_result_host` (echo_abi.h) over drafted levels on the host: (candidates, allocation, selected,
-    packed), or None where the levels are not the drafting loop's own (then the four calls run). Its oracles are
+    packed), or None where the levels are not the drafting loop's own (then the four calls run). min_taken: the
+    selection's floor of taken nodes where the budget rule takes none (a probe's, `allocate_budget`'s choose). Its oracles are
     the four: `_tree_from_levels_host`, `allocate_budget(..., choose=)`, `_tree_select_host` and `pack`
     (tests/plugins/test_echo_host.py)."""
     level_arrays = _level_arrays(levels, "draft_result")
@@ -252,7 +253,7 @@ def _draft_result_host(lib, levels: list, spine_depth: Tensor, budget: int, max_
     _check(lib, lib.echo_draft_result_host(
         _ptr(sizes), _i32(len(levels)), _ptr(req), _ptr(par), _ptr(tok), _ptr(dprob), _ptr(pprob), _ptr(rank),
         _ptr(spine), _i32(budget), _i32(max_nodes_per_request or 0), ctypes.byref(_host_segments(table)[4]),
-        _i32(max_depth), _ptr(seconds), _i32(seconds.numel()), _ptr(ctx), _ptr(tree_ints), _ptr(tree_floats),
+        _i32(max_depth), _ptr(seconds), _i32(seconds.numel()), _i32(min_taken), _ptr(ctx), _ptr(tree_ints), _ptr(tree_floats),
         _ptr(tree_cu), _ptr(tree_greedy), _ptr(selected), _ptr(phase), _ptr(num_nodes), _ptr(order),
         ctypes.byref(order_len), _ptr(sel_ints), _ptr(sel_floats), _ptr(sel_greedy), _ptr(sel_cu), ctypes.byref(m),
         _ptr(positions[0]), _ptr(positions[1]), _ptr(packed_ints), _ptr(offsets), ctypes.c_int64(offsets.numel()),
@@ -722,8 +723,9 @@ def allocate_budget(tree: SuperTree, spine_depth: Tensor, budget: int, max_nodes
     """echo_trtllm.core.budget.allocate_budget, on the chosen backend (equal results). with_order=False: the
     plugin's fused allocation (N <= 16384), which does not produce the taken order: `order` comes back empty and
     the other fields equal the core's. choose (host only): (acceptance fit table, its max depth, seconds (n,) of the
-    step verifying n = 0, 1, ... more tokens): the allocation cut by the budget rule in the same call
-    (`echo_select_host`; `core.cost.choose_budget` then `BudgetAllocation.truncated` is its oracle)."""
+    step verifying n = 0, 1, ... more tokens[, min_taken]): the allocation cut by the budget rule in the same call,
+    where the rule takes no node the first min_taken taken instead (a probe's floor; default 0)
+    (`echo_select_host`; `core.cost.choose_budget`, the floor, then `BudgetAllocation.truncated` is its oracle)."""
     backend = _resolve(backend, tree.path_probs.device)
     if choose is not None and backend != "host":
         raise ValueError(f"choose= runs on the host library only, not on backend {backend!r}")
@@ -746,11 +748,12 @@ def allocate_budget(tree: SuperTree, spine_depth: Tensor, budget: int, max_nodes
     args = [*map(_ptr, ins), _i32(b), _i32(n), _ptr(spine), _i32(budget), _i32(max_nodes_per_request or 0),
             _ptr(selected), _ptr(phase), _ptr(num_nodes), _ptr(order if with_order else None), _ptr(order_len)]
     if choose is not None:
-        table, max_depth, seconds = choose
+        table, max_depth, seconds, *floor = choose
         greedy = tree.on_greedy_path.to(torch.uint8).contiguous()
         seconds = seconds.double().contiguous()
         _check(lib, lib.echo_select_host(*args, _ptr(greedy), ctypes.byref(_host_segments(table)[4]),
-                                         _i32(max_depth), _ptr(seconds), _i32(seconds.numel())))
+                                         _i32(max_depth), _ptr(seconds), _i32(seconds.numel()),
+                                         _i32(floor[0] if floor else 0)))
     elif backend == "host":
         _check(lib, lib.echo_allocate_budget_host(*args))
     else:

@@ -263,7 +263,7 @@ int echo_select_host(const float* path_probs, const int32_t* depths, const int32
                      int32_t batch_size, int32_t num_nodes, const int32_t* spine_depth, int32_t budget,
                      int32_t max_nodes_per_request, uint8_t* selected, int8_t* phase, int32_t* num_nodes_out,
                      int32_t* order, int32_t* order_len, const uint8_t* greedy, const echo_segments* fit,
-                     int32_t max_depth, const double* seconds, int32_t num_seconds) {
+                     int32_t max_depth, const double* seconds, int32_t num_seconds, int32_t min_taken) {
   const char* who = "select";
   ECHO_REQUIRE(order && greedy && fit && seconds, "%s: a required array is NULL (order, greedy, fit, seconds)", who);
   ECHO_REQUIRE(max_depth >= 1 && 2 * max_depth <= fit->num_rows,
@@ -273,6 +273,7 @@ int echo_select_host(const float* path_probs, const int32_t* depths, const int32
   ECHO_REQUIRE(num_seconds >= most + 1,
                "%s: seconds must hold one entry per taken count 0 .. min(num_nodes, budget) - batch_size = %d, got %d",
                who, most, num_seconds);
+  ECHO_REQUIRE(min_taken >= 0, "%s: min_taken must be >= 0 (0: the budget rule alone), got %d", who, min_taken);
   if (int rc = check_segments(*fit, who)) return rc;
   if (int rc = echo_allocate_budget_host(path_probs, depths, parents, cu, batch_size, num_nodes, spine_depth, budget,
                                          max_nodes_per_request, selected, phase, num_nodes_out, order, order_len))
@@ -293,6 +294,8 @@ int echo_select_host(const float* path_probs, const int32_t* depths, const int32
       best = n;
     }
   }
+  // a probe's floor where the rule keeps none (EchoPolicy.select: k = max(k, min_tokens) when k <= B)
+  if (best == 0) best = std::min(min_taken, taken);
   // keep the first `best` taken nodes: the others leave the selection
   for (int32_t n = best; n < taken; ++n) {
     const int32_t i = order[n];
@@ -1120,8 +1123,8 @@ int echo_draft_result_host(const int64_t* level_sizes, int32_t num_levels, const
                            const int64_t* parent_ids, const int64_t* token_ids, const float* draft_probs,
                            const float* path_probs, const int64_t* ranks, const int32_t* spine_depth, int32_t budget,
                            int32_t max_nodes_per_request, const echo_segments* fit, int32_t max_depth,
-                           const double* seconds, int32_t num_seconds, const int32_t* context_lengths,
-                           int64_t* tree_ints, float* tree_floats, int64_t* tree_cu, uint8_t* tree_greedy,
+                           const double* seconds, int32_t num_seconds, int32_t min_taken,
+                           const int32_t* context_lengths, int64_t* tree_ints, float* tree_floats, int64_t* tree_cu, uint8_t* tree_greedy,
                            uint8_t* selected, int8_t* phase, int32_t* num_nodes_out, int32_t* order,
                            int32_t* order_len, int64_t* sel_ints, float* sel_floats, uint8_t* sel_greedy,
                            int64_t* sel_cu, int64_t* num_selected, int64_t* input_ids, int64_t* position_ids,
@@ -1161,7 +1164,7 @@ int echo_draft_result_host(const int64_t* level_sizes, int32_t num_levels, const
   for (int64_t r = 0; r <= b; ++r) cu[static_cast<size_t>(r)] = static_cast<int32_t>(tree_cu[r]);
   if (int rc = echo_select_host(tree_floats + n, depths.data(), parents.data(), cu.data(), b32, n32, spine_depth,
                                 budget, max_nodes_per_request, selected, phase, num_nodes_out, order, order_len,
-                                tree_greedy, fit, max_depth, seconds, num_seconds))
+                                tree_greedy, fit, max_depth, seconds, num_seconds, min_taken))
     return rc;
   // the selected sub-tree (echo_tree_select_host), its rows at stride n as the tree's
   int64_t* s = sel_ints;

@@ -48,7 +48,9 @@ def test_host_test_binary_passes(build_dir):
 
 def test_host_library_reports_no_cuda(build_dir):
     lib = ctypes.CDLL(str(build_dir / "libecho_host.so"))
-    assert lib.echo_abi_version() == 1 and lib.echo_has_cuda() == 0
+    from echo_trtllm.kernels import ABI_VERSION
+
+    assert lib.echo_abi_version() == ABI_VERSION == 2 and lib.echo_has_cuda() == 0
 
 
 def test_cuda_driver_is_built_and_explains_its_usage(build_dir):

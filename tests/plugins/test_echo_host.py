@@ -297,17 +297,19 @@ def _root_and_child(roots: list[int], probs: list[float], tokens: list[int]):
 def test_the_budget_rule_keeps_the_smaller_budget_on_a_tie(host_backend):
     """One request, its root and one child of path probability 0.5 estimated at 0.5 (no evidence yet: the draft's
     own probability); verifying it takes 1.5x the root's seconds: both budgets give 1 token per second, and the
-    rule keeps the smaller (`choose_budget`: the first maximum)."""
+    rule keeps the smaller (`choose_budget`: the first maximum). A floor of taken nodes (a probe's) keeps that many
+    where the rule keeps none, at most what the allocation took, and changes nothing where the rule keeps some."""
     from echo_trtllm.core.acceptance import OnlineAcceptance
     from echo_trtllm.core.tree import SuperTree
 
     tree = SuperTree.from_levels(list(_root_and_child([7], [0.5], [3])))
     online = OnlineAcceptance(2)
     assert float(online.estimate(torch.tensor([0.5]), 1)) == 0.5
-    for seconds, kept in (([1.0, 1.5], 0), ([1.0, 1.4], 1)):
+    for seconds, floor, kept in (([1.0, 1.5], 0, 0), ([1.0, 1.4], 0, 1), ([1.0, 1.5], 1, 1), ([1.0, 1.5], 5, 1),
+                                 ([1.0, 9.0], 1, 1), ([1.0, 1.4], 5, 1)):
         alloc = kernels.allocate_budget(tree, torch.tensor([1]), 2, backend="host",
-                                        choose=(online._segments_table(), 2, torch.tensor(seconds)))
-        assert alloc.order.numel() == kept and alloc.num_nodes.tolist() == [1 + kept]
+                                        choose=(online._segments_table(), 2, torch.tensor(seconds), floor))
+        assert alloc.order.numel() == kept and alloc.num_nodes.tolist() == [1 + kept], (seconds, floor)
         assert alloc.selected.tolist() == [True, bool(kept)] and alloc.phase.tolist() == [0, 1 if kept else -1]
 
 
@@ -315,15 +317,18 @@ def test_the_budget_rule_keeps_the_smaller_budget_on_a_tie(host_backend):
     (2, [1.0], "seconds must hold one entry per taken count 0 .. min\\(num_nodes, budget\\) - batch_size = 1, got 1"),
     (3, [1.0, 1.4], "max_depth must be >= 1 with 2 \\* max_depth <= the fit's rows \\(4\\), got 3"),
     (0, [1.0, 1.4], "max_depth must be >= 1"),
+    (2, [1.0, 1.4, -1], "min_taken must be >= 0 \\(0: the budget rule alone\\), got -1"),
 ])
 def test_bad_selection_arguments_are_refused_by_name(host_backend, max_depth, seconds, message):
     from echo_trtllm.core.acceptance import OnlineAcceptance
     from echo_trtllm.core.tree import SuperTree
 
     tree = SuperTree.from_levels(list(_root_and_child([7], [0.5], [3])))
+    seconds, floor = seconds[:2], [int(x) for x in seconds[2:]]  # a third entry: the floor of taken nodes
     with pytest.raises(kernels.PluginError, match=message):
         kernels.allocate_budget(tree, torch.tensor([1]), 2, backend="host",
-                                choose=(OnlineAcceptance(2)._segments_table(), max_depth, torch.tensor(seconds)))
+                                choose=(OnlineAcceptance(2)._segments_table(), max_depth, torch.tensor(seconds),
+                                        *floor))
     with pytest.raises(ValueError, match="choose= runs on the host library only"):
         kernels.allocate_budget(tree, torch.tensor([1]), 2, backend="torch",
                                 choose=(OnlineAcceptance(2)._segments_table(), 2, torch.tensor(seconds)))
@@ -516,8 +521,8 @@ class OwnSelect(EchoPolicy):
 def test_the_one_call_paths_where_they_apply_and_decline(host_backend, case):
     """The CPU's one-call paths (a level's replay with the next frontier; the drafting result with its packing) as
     the runtime installs them, against the torch loop: with drafting capped below max_depth, with a probe's floor
-    (the result in one call declines: the four calls select), with a subclass's own `select` (declines), and with a
-    drafter that returns more children than the policy expands."""
+    (taken by the result in one call too), with a subclass's own `select` (declines: the four calls select), and
+    with a drafter that returns more children than the policy expands."""
     config, vocab, b = ECHO_CASES[0], 40, 5
     table = markov_draft_fn(vocab, seed=3).table
     cls = OwnSelect if case == "own_select" else EchoPolicy
@@ -538,7 +543,7 @@ def test_the_one_call_paths_where_they_apply_and_decline(host_backend, case):
         same_result(got, want)
         if case == "max_levels":
             assert int(got.candidates.depths.max()) <= 2
-        assert (got.packed is None) == (case in ("probe_floor", "own_select")) or step == 0  # (a first refit)
+        assert (got.packed is None) == (case == "own_select") or step == 0  # (a first refit)
         if got.packed is not None:
             _same_packed(got.packed, kernels.pack(want.selected, ctx, backend="host"), dtypes=True)
         _learn((reference, host), want, gen)

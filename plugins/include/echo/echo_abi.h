@@ -13,7 +13,7 @@
 extern "C" {
 #endif
 
-#define ECHO_ABI_VERSION 1
+#define ECHO_ABI_VERSION 2
 /* The largest N for which echo_allocate_budget_* may be called with order = NULL on the CUDA path (fused). */
 #define ECHO_FUSED_ALLOCATION_MAX_NODES 16384
 enum { ECHO_OK = 0, ECHO_INVALID_ARGUMENT = 1, ECHO_CUDA_ERROR = 2, ECHO_NOT_BUILT_WITH_CUDA = 3 };
@@ -145,7 +145,7 @@ int echo_replay_level_next_host(const int64_t* prev_request_ids, const float* pr
 /* A step's drafting result in one call: the Super-Tree of the drafted levels (echo_tree_from_levels_host, same
  * level arguments; tree_ints (7, N) at stride N: token, parent, depth, rank, source, request, global parent;
  * tree_floats (2, N): draft and path probabilities; tree_cu (B + 1); tree_greedy (N)), its selection
- * (echo_select_host with those arrays; selected, phase (N), num_nodes_out (B), order (N), order_len), the selected
+ * (echo_select_host with those arrays and min_taken; selected, phase (N), num_nodes_out (B), order (N), order_len), the selected
  * sub-tree (echo_tree_select_host with mask = selected; sel_ints, sel_floats at stride N as the tree's, sel_greedy,
  * sel_cu (B + 1), *num_selected = M) and every node of it packed for verification (echo_pack_host with
  * context_lengths (B); packed_ints at stride M after cu: cu_out (B + 1), generation lengths (B), parents (M),
@@ -156,8 +156,8 @@ int echo_draft_result_host(const int64_t* level_sizes, int32_t num_levels, const
                            const int64_t* parent_ids, const int64_t* token_ids, const float* draft_probs,
                            const float* path_probs, const int64_t* ranks, const int32_t* spine_depth, int32_t budget,
                            int32_t max_nodes_per_request, const echo_segments* fit, int32_t max_depth,
-                           const double* seconds, int32_t num_seconds, const int32_t* context_lengths,
-                           int64_t* tree_ints, float* tree_floats, int64_t* tree_cu, uint8_t* tree_greedy,
+                           const double* seconds, int32_t num_seconds, int32_t min_taken,
+                           const int32_t* context_lengths, int64_t* tree_ints, float* tree_floats, int64_t* tree_cu, uint8_t* tree_greedy,
                            uint8_t* selected, int8_t* phase, int32_t* num_nodes_out, int32_t* order,
                            int32_t* order_len, int64_t* sel_ints, float* sel_floats, uint8_t* sel_greedy,
                            int64_t* sel_cu, int64_t* num_selected, int64_t* input_ids, int64_t* position_ids,
@@ -169,13 +169,15 @@ int echo_draft_result_host(const int64_t* level_sizes, int32_t num_levels, const
  * (core.cost.choose_budget): with e_1, e_2, ... the acceptance estimates of the taken nodes on the fit (node i's
  * row: min(max(depth, 1), max_depth) - 1, plus max_depth off the draft's greedy path, greedy[i] == 0), the first n
  * maximising (batch_size + e_1 + ... + e_n) / seconds[n] is kept (seconds[n]: the step's seconds verifying the
- * roots and n more tokens, n = 0 .. min(num_nodes, budget) - batch_size); the taken nodes after it leave the selection (phase -1,
- * their request's count less one) and *order_len = n. */
+ * roots and n more tokens, n = 0 .. min(num_nodes, budget) - batch_size); where that n is 0, the first
+ * min(min_taken, taken) are kept instead (a speculation probe's floor: EchoPolicy.select's max(k, min_tokens) with
+ * min_taken = min_tokens - batch_size; 0: the rule alone); the taken nodes after the n kept leave the selection
+ * (phase -1, their request's count less one) and *order_len = n. */
 int echo_select_host(const float* path_probs, const int32_t* depths, const int32_t* parents, const int32_t* cu,
                      int32_t batch_size, int32_t num_nodes, const int32_t* spine_depth, int32_t budget,
                      int32_t max_nodes_per_request, uint8_t* selected, int8_t* phase, int32_t* num_nodes_out,
                      int32_t* order, int32_t* order_len, const uint8_t* greedy, const echo_segments* fit,
-                     int32_t max_depth, const double* seconds, int32_t num_seconds);
+                     int32_t max_depth, const double* seconds, int32_t num_seconds, int32_t min_taken);
 
 /* ECHO's online acceptance counts (echo_trtllm.core.acceptance.OnlineAcceptance.observe_nodes): one verified
  * tree's nodes (roots, depth 0, skipped), the ones in accepted_ids accepted. Every cell of n, k and csum
