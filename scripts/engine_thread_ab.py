@@ -4,7 +4,7 @@ product (models.packed.FUSE_QKV), the one-pass norm and rotary embedding (models
 a packed product runs on at least (models.packed.ROW_FLOOR), each arm in fresh processes, the arms alternating over
 rounds.
 
-    python scripts/engine_thread_ab.py --model <target> [--arms old:1:0:0 pad:1:1:0 hint:32:1:0 new:32:1:1]
+    python scripts/engine_thread_ab.py --model <target> [--arms old:1:0:0 pad:1:1:0 hint:32:1:0 new:32:1:1:1:4]
         [--batch-size 16] [--max-tokens 64] [--rounds 3] [--json out.json]
 
 An arm is NAME:PACK_ROWS:PAD:FUSE[:KERNELS[:FLOOR]] (PAD 1: cpu.TOP_PAD as it is, 0: glibc's top pad; FUSE 1: q, k
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--arms", nargs="+", default=["old:1:0:0", "pad:1:1:0", "hint:32:1:0", "new:32:1:1"])
+    ap.add_argument("--arms", nargs="+", default=["old:1:0:0", "pad:1:1:0", "hint:32:1:0", "new:32:1:1:1:4"])
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)

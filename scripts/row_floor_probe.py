@@ -76,20 +76,24 @@ def main(argv=None) -> int:
         for r in rows:
             times[r]["layers"].append(_timed(layers, r))
             times[r]["head"].append(_timed(head, r))
-    table = []
+    table, medians = [], {}
     for r in rows:
-        med = {k: statistics.median(v[1:]) for k, v in times[r].items()}
+        med = medians[r] = {k: statistics.median(v[1:]) for k, v in times[r].items()}
         table.append({"rows": r, "layers_ms": round(med["layers"], 2), "head_ms": round(med["head"], 2),
                       "layers_spread_ms": [round(min(times[r]["layers"][1:]), 2), round(max(times[r]["layers"][1:]), 2)],
                       "head_spread_ms": [round(min(times[r]["head"][1:]), 2), round(max(times[r]["head"][1:]), 2)]})
-    one = table[0] if table[0]["rows"] == 1 else None
+    one = medians.get(1)
+
+    def rel(r: int, key: str) -> str:  # the unrounded medians over the one-row one's ("-" without it or at 0)
+        return f"{medians[r][key] / one[key]:.2f}" if one and one[key] > 0 else "-"
+
     print(f"| rows | {args.layers} layers' linears, ms (min-max) | x one row | LM head, ms (min-max) | x one row |")
     print("|---:|---|---:|---|---:|")
     for t in table:
-        rel = (f"{t['layers_ms'] / one['layers_ms']:.2f} | " if one else "- | ")
-        rel_h = f"{t['head_ms'] / one['head_ms']:.2f}" if one else "-"
-        print(f"| {t['rows']} | {t['layers_ms']:.1f} ({t['layers_spread_ms'][0]:.1f}-{t['layers_spread_ms'][1]:.1f}) | "
-              f"{rel}{t['head_ms']:.2f} ({t['head_spread_ms'][0]:.2f}-{t['head_spread_ms'][1]:.2f}) | {rel_h} |")
+        r = t["rows"]
+        print(f"| {r} | {t['layers_ms']:.1f} ({t['layers_spread_ms'][0]:.1f}-{t['layers_spread_ms'][1]:.1f}) | "
+              f"{rel(r, 'layers')} | {t['head_ms']:.2f} ({t['head_spread_ms'][0]:.2f}-{t['head_spread_ms'][1]:.2f}) | "
+              f"{rel(r, 'head')} |")
     if args.json:
         write_report(args.json, "row_floor_probe", argv, rows=table, pack_rows=PACK_ROWS, row_floor=ROW_FLOOR,
                      shapes={"hidden": h, "intermediate": i, "kv": args.kv, "layers": args.layers,

@@ -614,7 +614,8 @@ class EchoPolicy(TreePolicy):
             return None
         drafted = self.cost_model.drafting_time(state.frontier_sizes, state.context)
         taken = min(num_nodes, int(state.budget)) - state.batch_size  # the most the allocation takes
-        floor = max(state.min_tokens - state.batch_size, 0)  # a probe's (`select`: max(k, min_tokens) when k <= B)
+        # a probe's (`select`: max(k, min_tokens) when k <= B), at most what the allocation can take
+        floor = min(max(state.min_tokens - state.batch_size, 0), max(taken, 0))
         return table, budget_seconds(max(taken, 0), state.batch_size, self.cost_model, drafted, state.context), floor
 
     def draft_result_on_host(self, levels: list[DraftLevel], state: DraftState,

@@ -748,6 +748,8 @@ def allocate_budget(tree: SuperTree, spine_depth: Tensor, budget: int, max_nodes
     args = [*map(_ptr, ins), _i32(b), _i32(n), _ptr(spine), _i32(budget), _i32(max_nodes_per_request or 0),
             _ptr(selected), _ptr(phase), _ptr(num_nodes), _ptr(order if with_order else None), _ptr(order_len)]
     if choose is not None:
+        if len(choose) not in (3, 4):
+            raise ValueError(f"choose takes (table, max_depth, seconds[, min_taken]), got {len(choose)} entries")
         table, max_depth, seconds, *floor = choose
         greedy = tree.on_greedy_path.to(torch.uint8).contiguous()
         seconds = seconds.double().contiguous()

@@ -2,7 +2,8 @@
 
 A one-token forward of Qwen2.5-Coder-1.5B in bfloat16 spends 92 % of its time in `torch.nn.functional.linear`,
 which reorders each weight for oneDNN on every call. Packed once at load (`torch.ops.mkldnn._reorder_linear_weight`)
-and run by `torch.ops.mkldnn._linear_pointwise`, the same products give bit-identical logits and the forward
+and run by `torch.ops.mkldnn._linear_pointwise`, the same products (on the same rows) give bit-identical logits and
+the forward
 takes 56 ms instead of 151 at one token, 107 instead of 182 at 16 and 292 instead of 376 at 64 (2-core AMD EPYC
 with AVX512-BF16; docs/vllm.md, run K). float32 linears are left to PyTorch (the eager float32 path stays the
 tests' oracle).
@@ -24,9 +25,11 @@ kernel for a packed weight is not fastest at one row: on the 2-core AMD EPYC (AV
 from memory, not cache), its LM head 16.7 ms on one row and 14.3-16.4 on three to six (scripts/row_floor_probe.py,
 docs/bench/row-floor-probe-qwen-epyc.json); AR's one-row decode step 141.6 ms before, 125.8 after (medians of
 three rounds in fresh processes, docs/performance.md, 2026-12-07, seventh). Four is the least of the fast row
-counts: the fewest zero rows of compute on a CPU whose matrix units would not hide them. A row's products in a padded call are not those of a one-row call in the last bit (nor are they in a
-16-row call: only `LLM(batch_invariant=True)` promises that, and its tiles always give the kernel 16 rows); the
-tests hold the padded product to PyTorch's linear on the same padded rows.
+counts: the fewest zero rows of compute on a CPU whose matrix units would not hide them (measured on that EPYC
+only: `scripts/row_floor_probe.py` reads another CPU's table). A row's products in a padded call are not those of
+a one-row call in the last bit (nor are they in a 16-row call: only `LLM(batch_invariant=True)` promises that, and
+its tiles always give the kernel 16 rows); the tests hold the padded product to PyTorch's linear on the same
+padded rows.
 
 The module's `weight` stays what it was (exports, sharding and FP8 calibration read it), so packed linears cost
 their weights' memory twice. A weight changed in place, replaced, or converted to another dtype after packing is
@@ -34,6 +37,8 @@ seen at the next call: the linear is repacked, or runs PyTorch's own path.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -131,8 +136,8 @@ class _PackedQKV:
 def _product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x's rows through the packed weight, on at least ROW_FLOOR rows (module docstring)."""
     d = x.shape[-1]
-    rows = x.numel() // d if d else 0
-    if rows >= ROW_FLOOR or rows == 0:
+    rows = math.prod(x.shape[:-1])
+    if rows >= ROW_FLOOR or rows == 0 or d == 0:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     padded = x.new_zeros(ROW_FLOOR, d)
     padded[:rows] = x.reshape(rows, d)

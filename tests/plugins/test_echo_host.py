@@ -311,6 +311,17 @@ def test_the_budget_rule_keeps_the_smaller_budget_on_a_tie(host_backend):
                                         choose=(online._segments_table(), 2, torch.tensor(seconds), floor))
         assert alloc.order.numel() == kept and alloc.num_nodes.tolist() == [1 + kept], (seconds, floor)
         assert alloc.selected.tolist() == [True, bool(kept)] and alloc.phase.tolist() == [0, 1 if kept else -1]
+    # two children (path probabilities 0.5 and 0.3, each its own estimate): the floor only where the rule keeps none
+    from echo_trtllm.core.tree import DraftTopK, expand_level, root_level
+
+    root = root_level(torch.tensor([7]))
+    two = SuperTree.from_levels([root, expand_level(root, torch.arange(1), DraftTopK(
+        torch.tensor([[0.5, 0.3]]), torch.tensor([[3, 4]])), 2)])
+    for seconds, floor, kept in (([1.0, 1.4, 9.0], 2, 1), ([1.0, 9.0, 9.5], 0, 0), ([1.0, 9.0, 9.5], 1, 1),
+                                 ([1.0, 9.0, 9.5], 2, 2)):
+        alloc = kernels.allocate_budget(two, torch.tensor([1]), 3, backend="host",
+                                        choose=(online._segments_table(), 2, torch.tensor(seconds), floor))
+        assert alloc.order.numel() == kept and alloc.num_nodes.tolist() == [1 + kept], (seconds, floor)
 
 
 @pytest.mark.parametrize("max_depth, seconds, message", [
@@ -788,8 +799,13 @@ def test_a_probes_floor_verifies_the_allocations_first_drafts_where_the_rule_tak
         if path == "host":
             kernels.install_host(policy)
             assert policy.selector is not None
+            counting = Counting(policy.selector)  # the library must be the one that selects, floor included
+            counting.allocator = getattr(policy.selector, "allocator", None)
+            policy.selector = counting
         got = draft_tree_batched(policy, roots, MarkovLevels(table, roots, policy.max_children), budget,
                                  context=50.0, sync_every_level=True, min_tokens=floor)
+        if path == "host":
+            assert counting.calls == 1, floor
         alloc = allocate_budget(got.candidates, got.state.spine_depth, budget, config.max_nodes_per_request)
         want = alloc.truncated(min(max(floor, batch_size), alloc.total), got.candidates.request_ids).selected
         assert torch.equal(got.mask, want), (floor, budget)
