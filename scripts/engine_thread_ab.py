@@ -79,6 +79,19 @@ def child(args) -> dict:
             "cpu_kernels": cpu_kernels.available()}
 
 
+def parse_arm(spec: str) -> tuple[str, ...]:
+    """An --arms entry as (NAME, PACK_ROWS, PAD, FUSE, KERNELS, FLOOR), the fields a shorter arm leaves out at their
+    defaults (module docstring); ValueError naming what is accepted."""
+    parts = spec.split(":")
+    parts += ["0"] * (len(parts) == 4)  # four fields: an arm as it was before the kernels existed
+    parts += ["1"] * (len(parts) == 5)  # five: before the row floor
+    if len(parts) != 6 or not all(p.isdigit() and int(p) >= 1 for p in (parts[1], parts[5])) \
+            or set(parts[2:5]) - {"0", "1"}:
+        raise ValueError(f"--arms takes NAME:PACK_ROWS:PAD:FUSE[:KERNELS[:FLOOR]] (PACK_ROWS and FLOOR >= 1, PAD, FUSE "
+                         f"and KERNELS 0 or 1), got {spec!r}")
+    return tuple(parts)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
@@ -103,14 +116,10 @@ def main(argv=None) -> int:
         return 0
     arms = []
     for spec in args.arms:
-        parts = spec.split(":")
-        parts += ["0"] * (len(parts) == 4)  # four fields: an arm as it was before the kernels existed
-        parts += ["1"] * (len(parts) == 5)  # five: before the row floor
-        if len(parts) != 6 or not all(p.isdigit() and int(p) >= 1 for p in (parts[1], parts[5])) \
-                or set(parts[2:5]) - {"0", "1"}:
-            ap.error(f"--arms takes NAME:PACK_ROWS:PAD:FUSE[:KERNELS[:FLOOR]] (PACK_ROWS and FLOOR >= 1, PAD, FUSE "
-                     f"and KERNELS 0 or 1), got {spec!r}")
-        arms.append(tuple(parts))
+        try:
+            arms.append(parse_arm(spec))
+        except ValueError as e:
+            ap.error(str(e))
     rows = []
     for k in range(args.rounds):
         for name, pack_rows, pad, fuse, kernels, floor in (arms if k % 2 == 0 else arms[::-1]):

@@ -78,10 +78,10 @@ def main(argv=None) -> int:
             times[r]["head"].append(_timed(head, r))
     table, medians = [], {}
     for r in rows:
-        med = medians[r] = {k: statistics.median(v[1:]) for k, v in times[r].items()}
-        table.append({"rows": r, "layers_ms": round(med["layers"], 2), "head_ms": round(med["head"], 2),
-                      "layers_spread_ms": [round(min(times[r]["layers"][1:]), 2), round(max(times[r]["layers"][1:]), 2)],
-                      "head_spread_ms": [round(min(times[r]["head"][1:]), 2), round(max(times[r]["head"][1:]), 2)]})
+        timed = {k: v[1:] for k, v in times[r].items()}  # the warm-up round left out
+        med = medians[r] = {k: statistics.median(v) for k, v in timed.items()}
+        table.append({"rows": r, **{f"{k}_ms": round(med[k], 2) for k in timed},
+                      **{f"{k}_spread_ms": [round(min(v), 2), round(max(v), 2)] for k, v in timed.items()}})
     one = medians.get(1)
 
     def rel(r: int, key: str) -> str:  # the unrounded medians over the one-row one's ("-" without it or at 0)

@@ -613,10 +613,10 @@ class EchoPolicy(TreePolicy):
         if table is None:
             return None
         drafted = self.cost_model.drafting_time(state.frontier_sizes, state.context)
-        taken = min(num_nodes, int(state.budget)) - state.batch_size  # the most the allocation takes
+        taken = max(min(num_nodes, int(state.budget)) - state.batch_size, 0)  # the most the allocation takes
         # a probe's (`select`: max(k, min_tokens) when k <= B), at most what the allocation can take
-        floor = min(max(state.min_tokens - state.batch_size, 0), max(taken, 0))
-        return table, budget_seconds(max(taken, 0), state.batch_size, self.cost_model, drafted, state.context), floor
+        floor = min(max(state.min_tokens - state.batch_size, 0), taken)
+        return table, budget_seconds(taken, state.batch_size, self.cost_model, drafted, state.context), floor
 
     def draft_result_on_host(self, levels: list[DraftLevel], state: DraftState,
                              context_lengths: Tensor) -> "DraftResult | None":

@@ -221,8 +221,8 @@ def _draft_result_host(lib, levels: list, spine_depth: Tensor, budget: int, max_
                        table: dict, max_depth: int, seconds: Tensor, context_lengths: Tensor, min_taken: int = 0):
     """`echo_draft_result_host` (echo_abi.h) over drafted levels on the host: (candidates, allocation, selected,
     packed), or None where the levels are not the drafting loop's own (then the four calls run). min_taken: the
-    selection's floor of taken nodes where the budget rule takes none (a probe's, `allocate_budget`'s choose). Its oracles are
-    the four: `_tree_from_levels_host`, `allocate_budget(..., choose=)`, `_tree_select_host` and `pack`
+    selection's floor of taken nodes where the budget rule takes none (a probe's, `allocate_budget`'s choose). Its
+    oracles are the four: `_tree_from_levels_host`, `allocate_budget(..., choose=)`, `_tree_select_host` and `pack`
     (tests/plugins/test_echo_host.py)."""
     level_arrays = _level_arrays(levels, "draft_result")
     if level_arrays is None:
@@ -253,8 +253,8 @@ def _draft_result_host(lib, levels: list, spine_depth: Tensor, budget: int, max_
     _check(lib, lib.echo_draft_result_host(
         _ptr(sizes), _i32(len(levels)), _ptr(req), _ptr(par), _ptr(tok), _ptr(dprob), _ptr(pprob), _ptr(rank),
         _ptr(spine), _i32(budget), _i32(max_nodes_per_request or 0), ctypes.byref(_host_segments(table)[4]),
-        _i32(max_depth), _ptr(seconds), _i32(seconds.numel()), _i32(min_taken), _ptr(ctx), _ptr(tree_ints), _ptr(tree_floats),
-        _ptr(tree_cu), _ptr(tree_greedy), _ptr(selected), _ptr(phase), _ptr(num_nodes), _ptr(order),
+        _i32(max_depth), _ptr(seconds), _i32(seconds.numel()), _i32(min_taken), _ptr(ctx), _ptr(tree_ints),
+        _ptr(tree_floats), _ptr(tree_cu), _ptr(tree_greedy), _ptr(selected), _ptr(phase), _ptr(num_nodes), _ptr(order),
         ctypes.byref(order_len), _ptr(sel_ints), _ptr(sel_floats), _ptr(sel_greedy), _ptr(sel_cu), ctypes.byref(m),
         _ptr(positions[0]), _ptr(positions[1]), _ptr(packed_ints), _ptr(offsets), ctypes.c_int64(offsets.numel()),
         _ptr(mask), ctypes.c_int64(mask.numel()), ctypes.byref(n_max)))

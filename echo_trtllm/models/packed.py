@@ -3,9 +3,8 @@
 A one-token forward of Qwen2.5-Coder-1.5B in bfloat16 spends 92 % of its time in `torch.nn.functional.linear`,
 which reorders each weight for oneDNN on every call. Packed once at load (`torch.ops.mkldnn._reorder_linear_weight`)
 and run by `torch.ops.mkldnn._linear_pointwise`, the same products (on the same rows) give bit-identical logits and
-the forward
-takes 56 ms instead of 151 at one token, 107 instead of 182 at 16 and 292 instead of 376 at 64 (2-core AMD EPYC
-with AVX512-BF16; docs/vllm.md, run K). float32 linears are left to PyTorch (the eager float32 path stays the
+the forward takes 56 ms instead of 151 at one token, 107 instead of 182 at 16 and 292 instead of 376 at 64 (2-core
+AMD EPYC with AVX512-BF16; docs/vllm.md, run K). float32 linears are left to PyTorch (the eager float32 path stays the
 tests' oracle).
 
 oneDNN lays the packed weight out for a batch-size hint (`PACK_ROWS`). Packed for one row, a 1,499-token prefill's

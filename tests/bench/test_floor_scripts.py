@@ -141,3 +141,15 @@ def test_the_row_floor_probe_times_every_row_count_it_is_given(tmp_path):
     for r in doc["rows"]:
         assert r["layers_spread_ms"][0] <= r["layers_ms"] <= r["layers_spread_ms"][1]
         assert r["head_spread_ms"][0] <= r["head_ms"] <= r["head_spread_ms"][1]
+
+
+def test_an_engine_thread_arm_fills_the_fields_it_leaves_out():
+    """scripts/engine_thread_ab.py's arms: four fields take the eager kernels and no row floor, five no row floor; a
+    zero or non-numeric hint or floor, a flag other than 0 or 1, or another field count is refused by name."""
+    ab = load_script(SCRIPTS / "engine_thread_ab.py")
+    assert ab.parse_arm("old:1:0:0") == ("old", "1", "0", "0", "0", "1")
+    assert ab.parse_arm("k:32:1:1:1") == ("k", "32", "1", "1", "1", "1")
+    assert ab.parse_arm("new:32:1:1:1:4") == ("new", "32", "1", "1", "1", "4")
+    for bad in ("x:32:1:1:1:0", "x:0:1:1", "x:a:1:1", "x:32:2:1", "x:32:1:1:1:4:9", "x:32:1", "x:32:1:1:1:z"):
+        with pytest.raises(ValueError, match="--arms takes NAME:PACK_ROWS:PAD:FUSE\\[:KERNELS\\[:FLOOR\\]\\]"):
+            ab.parse_arm(bad)

@@ -77,7 +77,8 @@ def test_a_product_of_fewer_rows_than_the_floor_runs_on_the_floors_rows(monkeypa
             assert got.shape == (*shape[:-1], 8960) and torch.equal(got, _padded_linear(lin, x))
     seen = []
     kernel = torch.ops.mkldnn._linear_pointwise
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: seen.append(tuple(x.shape)) or kernel(x, *a))
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda x, *a: seen.append(tuple(x.shape)) or kernel(x, *a))
     with torch.inference_mode():
         lin(torch.randn(1, 1536, dtype=torch.bfloat16))
         lin(torch.randn(2, 3, 1536, dtype=torch.bfloat16))
