@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import statistics
-import sys
 import time
 
 import torch
@@ -251,7 +249,6 @@ def main(argv=None) -> int:
                                                                           "lm_head_argmax": lm_head_argmax(),
                                                                           "store_copy": store_copy(),
                                                                           "draft_topk": draft_topk()}),
-                  "command": "python scripts/control_split.py " + " ".join(sys.argv[1:] if argv is None else argv),
                   "threads": args.threads}
     for row in result["control_split"]:
         print(f"B={row['batch_size']}: step {row['step_ms']} ms, control {row['control_ms']} ms")
@@ -265,9 +262,10 @@ def main(argv=None) -> int:
             print(f"draft top-k, vocabulary {row['vocab']}, {row['rows']} rows: softmax {row['softmax_ms']} ms, "
                   f"torch.topk {row['torch_topk_ms']} ms, row_topk {row['row_topk_ms']} ms, "
                   f"same values {row['same_values']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    if args.json:  # beside the machine (its CPU and flags), the date and the command
+        from echo_trtllm.bench.run import write_report
+
+        write_report(args.json, "control_split", argv, **result)
     return 0
 
 

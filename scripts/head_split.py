@@ -1,0 +1,271 @@
+"""Where a speculative step's draft phase goes, read inside the engine: ECHO with an EAGLE-3 head, every step
+speculative, B requests in a closed batch stepped directly (the executor's own `step`), and each recorded step's
+draft phase (`StepTimings.draft_model`) split into
+
+- root: the head's first forward of the step (the pending chains with the target's features, through its fc), the
+  first to run after the target's forward has streamed the target's weights through the caches;
+- levels: its forwards of the tree's deeper levels (each frontier node reading its parent's head output);
+- top-k: the draft vocabulary's probabilities and top-k of each forward's rows;
+- bookkeeping: the rest of the phase (the features read for the root, the levels' input tensors, the rows kept).
+
+With `--arms bf16,int8` a second engine on the same target runs an int8 weight-only copy of the head, measured
+only, not used by the engine: its products of at most `INT8_ROWS` rows (a one-row step's forwards) read int8
+weights with per-output-channel scales (PyTorch's CPU kernel `torch._weight_int8pack_mm`, half the bytes of
+bfloat16), wider ones the packed bfloat16 weights as before; its acceptance is read beside its time. The arms
+alternate within each round (the order reversed every other round), each on its own engine and head.
+
+    python scripts/head_split.py --model <target> --head <its EAGLE-3 head> [--dtype bfloat16] [--batch-size 1]
+        [--steps 40] [--rounds 3] [--arms bf16,int8] [--threads 2] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+INT8_ROWS = 4  # the int8 arm's products of at most this many rows read the int8 weights (a one-row step's)
+ARMS = ("bf16", "int8")
+WARM_STEPS = 4  # steps after the prefill and before any is recorded
+PARTS = ("root_ms", "levels_ms", "top_k_ms", "bookkeeping_ms")
+
+
+def int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight, per-output-channel scales in the weight's dtype): symmetric, each row's largest magnitude at
+    127."""
+    w = weight.detach().float()
+    scale = w.abs().amax(1).clamp(min=1e-8) / 127
+    return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale.to(weight.dtype)
+
+
+def int8_product(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x (..., in) through the int8 weight (out, in) and its scales: (..., out)."""
+    y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).contiguous(), w8, scale)
+    return y.reshape(*x.shape[:-1], w8.shape[0])
+
+
+class Int8Linear:
+    """A linear's forward through int8 weights for products of at most INT8_ROWS rows (bias added after), its
+    previous forward for wider ones or another dtype."""
+
+    def __init__(self, module: nn.Linear, counts: list[int]) -> None:
+        self.inner = module.forward
+        self.w8, self.scale = int8_weight(module.weight)
+        self.bias, self.counts = module.bias, counts
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(x.shape[-1], 1)
+        if not 0 < rows <= INT8_ROWS or x.dtype != self.scale.dtype:
+            return self.inner(x)
+        self.counts[0] += 1
+        y = int8_product(x, self.w8, self.scale)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8QKV:
+    """An attention's fused q, k and v product (models/packed.py) through one stacked int8 weight where Int8Linear
+    would take it; the packed product otherwise."""
+
+    def __init__(self, attn: nn.Module, counts: list[int]) -> None:
+        self.inner = attn._fused_qkv
+        self.modules = self.inner.modules  # what prepack_linears reads of a fused product
+        mods = (attn.q_proj, attn.k_proj, attn.v_proj)
+        self.w8, self.scale = int8_weight(torch.cat([m.weight for m in mods]))
+        self.bias = None if mods[0].bias is None else torch.cat([m.bias.detach() for m in mods])
+        self.sizes, self.counts = [m.out_features for m in mods], counts
+
+    def __call__(self, x: torch.Tensor, q: nn.Module, k: nn.Module, v: nn.Module):
+        rows = x.numel() // max(x.shape[-1], 1)
+        if not 0 < rows <= INT8_ROWS or x.dtype != self.scale.dtype:
+            return self.inner(x, q, k, v)
+        self.counts[0] += 1
+        y = int8_product(x, self.w8, self.scale)
+        return (y if self.bias is None else y + self.bias).split(self.sizes, dim=-1)
+
+
+def make_int8(head: nn.Module) -> list[int]:
+    """Give the (already packed) head's linears and fused q/k/v their int8 forwards; returns the counter of int8
+    products run."""
+    counts = [0]
+    for m in list(head.modules()):
+        if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16:
+            m.forward = Int8Linear(m, counts)
+        if "_fused_qkv" in m.__dict__:
+            m._fused_qkv = Int8QKV(m, counts)
+    return counts
+
+
+class DraftSplit:
+    """Timers on one drafter's forwards and top-k, told apart by the drafting call they run in (module
+    docstring)."""
+
+    def __init__(self, drafter) -> None:
+        self.where = None
+        self.reset()
+        for name in ("expand_roots", "expand_level"):
+            setattr(drafter, name, self._marked(getattr(drafter, name), "root" if name == "expand_roots" else "levels"))
+        drafter._forward = self._timed(drafter._forward, None)
+        drafter._top_k = self._timed(drafter._top_k, "top_k")
+
+    def reset(self) -> None:
+        self.seconds = {"root": 0.0, "levels": 0.0, "top_k": 0.0}
+        self.forwards = 0
+
+    def _marked(self, fn, where: str):
+        def call(*args, **kwargs):
+            self.where = where
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.where = None
+        return call
+
+    def _timed(self, fn, part: str | None):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                key = part or self.where
+                if key is not None:
+                    self.seconds[key] += time.perf_counter() - t0
+                    self.forwards += part is None
+        return call
+
+
+def run_round(llm, split: DraftSplit, prompts: list[str], batch_size: int, steps: int) -> list[dict]:
+    """One closed batch of `batch_size` greedy requests: the recorded speculative steps' splits (ms)."""
+    from echo_trtllm.runtime.request import SamplingParams
+
+    ex = llm.executor
+    room = ex.max_seq_len - ex.policy.max_tree_nodes
+    reqs = []
+    for i in range(batch_size):
+        prompt = prompts[i % len(prompts)]
+        budget = room - len(ex.tokenizer.encode(prompt))
+        if budget < 8 * (steps + WARM_STEPS):
+            raise SystemExit(f"prompt {i % len(prompts)} leaves {budget} tokens of max_seq_len {ex.max_seq_len}; "
+                             f"raise --max-seq-len")
+        reqs.append(ex.make_request(prompt, SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True)))
+    for r in reqs:
+        ex.submit(r)
+    rows = []
+    try:
+        ex.step()  # admission, prefill and the first decode step
+        for k in range(WARM_STEPS + steps):
+            split.reset()
+            t0 = time.perf_counter()
+            report = ex.step()
+            wall = time.perf_counter() - t0
+            if k < WARM_STEPS or not report.speculated or report.batch_size != batch_size:
+                continue
+            ms = {k2: v * 1e3 for k2, v in split.seconds.items()}
+            draft = report.timings.draft_model * 1e3
+            rows.append({"step_ms": wall * 1e3, "draft_ms": draft, "root_ms": ms["root"], "levels_ms": ms["levels"],
+                         "top_k_ms": ms["top_k"], "bookkeeping_ms": draft - ms["root"] - ms["levels"] - ms["top_k"],
+                         "forwards": split.forwards, "emitted": report.emitted_tokens,
+                         "verified": report.verified_tokens})
+    finally:
+        for r in reqs:
+            ex.abort(r)
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Medians over a round's steps (ms a step), with the head's share of the step (the draft phase over the step's
+    wall time, as `scripts/phase_criteria.py` reads it: means) and tokens a second."""
+    if not rows:
+        return {"steps": 0}
+    out = {"steps": len(rows)}
+    for key in ("step_ms", "draft_ms", *PARTS):
+        out[key] = round(statistics.median(r[key] for r in rows), 3)
+    forwards = sum(r["forwards"] for r in rows)
+    levels = sum(max(r["forwards"] - 1, 0) for r in rows)
+    out["forwards_per_step"] = round(forwards / len(rows), 3)
+    out["root_ms_per_forward"] = round(statistics.mean(r["root_ms"] for r in rows), 3)
+    out["level_ms_per_forward"] = round(sum(r["levels_ms"] for r in rows) / levels, 3) if levels else None
+    out["emitted_per_step"] = round(statistics.mean(r["emitted"] for r in rows), 3)
+    out["verified_per_step"] = round(statistics.mean(r["verified"] for r in rows), 3)
+    out["head_share"] = round(sum(r["draft_ms"] for r in rows) / sum(r["step_ms"] for r in rows), 4)
+    out["tokens_per_s"] = round(sum(r["emitted"] for r in rows) * 1e3 / sum(r["step_ms"] for r in rows), 3)
+    return out
+
+
+def combine(rounds: list[dict]) -> dict:
+    """Each number's median over the rounds with its (min, max)."""
+    keys = [k for k in rounds[0] if k != "steps" and all(r.get(k) is not None for r in rounds)]
+    return {k: {"median": round(statistics.median(r[k] for r in rounds), 4),
+                "min": min(r[k] for r in rounds), "max": max(r[k] for r in rounds)} for k in keys}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--head", required=True, help="the target's EAGLE-3 head")
+    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--arms", default="bf16", help=f"comma-separated, from {', '.join(ARMS)}")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-seq-len", type=int, default=2048)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    arms = args.arms.split(",")
+    if not arms or any(a not in ARMS for a in arms) or len(set(arms)) < len(arms):
+        ap.error(f"--arms takes distinct entries from {', '.join(ARMS)}, got {args.arms!r}")
+    if "int8" in arms and args.dtype != "bfloat16":
+        ap.error("--arms int8 measures a bfloat16 head's products (--dtype bfloat16)")
+    for name in ("batch_size", "steps", "rounds", "threads"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+
+    from echo_trtllm.bench.prompts import load_prompts
+    from echo_trtllm.bench.run import make_engine, write_report
+    from echo_trtllm.core.config import EchoConfig
+    from echo_trtllm.models.eagle3 import load_eagle3
+    from echo_trtllm.models.loader import load_model
+
+    torch.set_num_threads(args.threads)
+    target, tok = load_model(args.model, dtype=args.dtype)
+    engines, counters = {}, {}
+    for arm in arms:  # each arm its own head: the int8 arm's forwards are its own
+        head = load_eagle3(args.head, target)
+        llm = make_engine(target, head, tok, EchoConfig(), args.batch_size, args.max_seq_len, fallback="off")
+        llm.shutdown()  # stepped on this thread
+        counters[arm] = make_int8(head) if arm == "int8" else None
+        engines[arm] = (llm, DraftSplit(llm.executor.drafter))
+    prompts = load_prompts("humaneval", "eval")
+    rounds = {arm: [] for arm in arms}
+    for rnd in range(args.rounds):
+        for arm in (arms if rnd % 2 == 0 else arms[::-1]):
+            llm, split = engines[arm]
+            start = rnd * args.batch_size  # each round its own prompts, the same for every arm
+            summary = summarize(run_round(llm, split, prompts[start:] + prompts[:start], args.batch_size, args.steps))
+            rounds[arm].append(summary)
+            print(f"round {rnd + 1} {arm}: " + ", ".join(f"{k} {v}" for k, v in summary.items()), flush=True)
+    out = {"batch_size": args.batch_size, "steps": args.steps, "dtype": args.dtype, "threads": args.threads,
+           "int8_rows": INT8_ROWS,
+           "arms": {arm: {"rounds": rounds[arm], "combined": combine([r for r in rounds[arm] if r["steps"]])
+                          if any(r["steps"] for r in rounds[arm]) else {},
+                          "int8_products": counters[arm][0] if counters[arm] is not None else None}
+                    for arm in arms}}
+    for arm in arms:
+        c = out["arms"][arm]["combined"]
+        if c:
+            print(f"{arm}: " + ", ".join(f"{k} {v['median']} ({v['min']}-{v['max']})" for k, v in c.items()))
+    if args.json:
+        write_report(args.json, "head_split", argv, **out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
