@@ -26,6 +26,8 @@ from echo_trtllm.models.eagle3 import Eagle3Head
 from echo_trtllm.models.llama import CausalLM
 from echo_trtllm.models.invariant import is_batch_invariant, make_batch_invariant
 from echo_trtllm.models.packed import prepack_linears
+from echo_trtllm.models.weight_int8 import SCHEMES as QUANT_SCHEMES
+from echo_trtllm.models.weight_int8 import apply_draft_quantization, is_w8a16
 from echo_trtllm.models.loader import DTYPE_CHOICES, Tokenizer, check_model_path, check_same_vocabulary, load_model
 from echo_trtllm.runtime.calibrate import LOAD_REPEATS, Calibration, measure_cost_model
 from echo_trtllm.runtime.clock import Clock
@@ -86,7 +88,7 @@ def default_max_batch_size(config: EchoConfig, shares_budget: bool, tree_room: i
 
 
 def _check_options(*, max_batch_size, tensor_parallel_size, max_seq_len, max_num_tokens, iter_stats_max_iterations,
-                   cost_model, fallback, adapt, batch_invariant, tokenizer, device) -> None:
+                   cost_model, fallback, adapt, batch_invariant, tokenizer, device, draft_quantization) -> None:
     """LLM's scalar arguments, each refused by name before anything loads."""
     _positive_int("max_batch_size", max_batch_size, allow_none=True)
     _positive_int("tensor_parallel_size", tensor_parallel_size)
@@ -112,6 +114,16 @@ def _check_options(*, max_batch_size, tensor_parallel_size, max_seq_len, max_num
             raise ValueError(f"device must be a torch device string such as 'cpu' or 'cuda:0', got {device!r}") from None
         if dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
             raise ValueError(f"device {device!r}: no such CUDA device here ({torch.cuda.device_count()} visible)")
+    if draft_quantization is not None:
+        if draft_quantization not in QUANT_SCHEMES:
+            raise ValueError(f"draft_quantization must be None or one of {', '.join(map(repr, QUANT_SCHEMES))}, got "
+                             f"{draft_quantization!r}")
+        if tensor_parallel_size > 1:
+            raise ValueError(f"draft_quantization={draft_quantization!r} runs on one device: tensor_parallel_size "
+                             f"must be 1")
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"draft_quantization={draft_quantization!r} runs the CPU's int8 kernel: device must be "
+                             f"'cpu', got {device!r}")
 
 
 def _resolve_sources(model, draft_model, engine_dir, dtype, speculative_config, calibration):
@@ -189,6 +201,12 @@ class LLM:
     fixed order), so greedy and seeded output is the same alone, in any batch and under any policy, in bfloat16 as
     in float32; it costs speed (docs/performance.md). One device only. A loaded model passed in is switched in place
     and stays so (`batch_invariant` then reads True for every LLM built on it).
+
+    draft_quantization: None, or "w8a16" (TensorRT-LLM's name: int8 weights, 16-bit activations): the draft's
+    products of one to four rows (a one-row step's draft forwards) read an int8 copy of its weights, one scale per
+    output channel, half the bytes (models/weight_int8.py); wider ones the bfloat16 weights as before. Needs a
+    bfloat16 draft on the CPU, one device. Only proposals change: verification decides every emitted token. A loaded
+    draft passed in is switched in place and stays so (`draft_quantization` reads "w8a16" for every LLM built on it).
     """
 
     def __init__(
@@ -212,17 +230,23 @@ class LLM:
         tensor_parallel_size: int = 1,
         adapt: bool = True,
         batch_invariant: bool = False,
+        draft_quantization: str | None = None,
     ) -> None:
         _check_options(max_batch_size=max_batch_size, tensor_parallel_size=tensor_parallel_size,
                        max_seq_len=max_seq_len, max_num_tokens=max_num_tokens,
                        iter_stats_max_iterations=iter_stats_max_iterations, cost_model=cost_model, fallback=fallback,
-                       adapt=adapt, batch_invariant=batch_invariant, tokenizer=tokenizer, device=device)
+                       adapt=adapt, batch_invariant=batch_invariant, tokenizer=tokenizer, device=device,
+                       draft_quantization=draft_quantization)
         self.batch_invariant = batch_invariant
         fallback = None if fallback == "auto" else fallback
         model, draft_model, dtype, config, calibration = _resolve_sources(
             model, draft_model, engine_dir, dtype, speculative_config, calibration)
         self.calibration = calibration
         policy = policy_class(config)
+        if draft_quantization is not None and not policy.needs_draft_model:
+            raise ValueError(f"draft_quantization={draft_quantization!r} quantises the draft; policy "
+                             f"{config.policy!r} runs none")
+        self._draft_quantization = draft_quantization
         gate_samples = calibration.gate_samples() if calibration is not None and policy.shares_budget else None
         # a calibration for another max_depth is refused here, before loading
         tree_room = make_policy(config, None, gate_samples).max_tree_nodes
@@ -263,6 +287,9 @@ class LLM:
         for model in (target, draft):  # bfloat16 linears run oneDNN's prepacked kernels (models/packed.py)
             if model is not None:
                 prepack_linears(model)
+        if draft is not None:  # the draft's few-row products on int8 copies (models/weight_int8.py)
+            apply_draft_quantization(draft, self._draft_quantization)
+        self.draft_quantization = "w8a16" if draft is not None and is_w8a16(draft) else None
         if self.batch_invariant:  # the target's logits; the draft only proposes (verification decides the tokens)
             make_batch_invariant(target)
         self.batch_invariant = is_batch_invariant(target)  # a model switched earlier, in place, stays so

@@ -8,14 +8,14 @@ draft phase (`StepTimings.draft_model`) split into
 - top-k: the draft vocabulary's probabilities and top-k of each forward's rows;
 - bookkeeping: the rest of the phase (the features read for the root, the levels' input tensors, the rows kept).
 
-With `--arms bf16,int8` a second engine on the same target runs an int8 weight-only copy of the head, measured
-only, not used by the engine: its products of at most `INT8_ROWS` rows (a one-row step's forwards) read int8
-weights with per-output-channel scales (PyTorch's CPU kernel `torch._weight_int8pack_mm`, half the bytes of
-bfloat16), wider ones the packed bfloat16 weights as before; its acceptance is read beside its time. The arms
-alternate within each round (the order reversed every other round), each on its own engine and head.
+With `--arms bf16,w8a16` a second engine on the same target runs its own copy of the head with
+`LLM(draft_quantization="w8a16")` (models/weight_int8.py: products of at most four rows, a one-row step's draft
+forwards, read int8 weights with per-output-channel scales, half the bytes of bfloat16; wider ones the packed
+bfloat16 weights as before); its acceptance is read beside its time. The arms alternate within each round (the
+order reversed every other round), each on its own engine and head.
 
     python scripts/head_split.py --model <target> --head <its EAGLE-3 head> [--dtype bfloat16] [--batch-size 1]
-        [--steps 40] [--rounds 3] [--arms bf16,int8] [--threads 2] [--json OUT]
+        [--steps 40] [--rounds 3] [--arms bf16,w8a16] [--threads 2] [--json OUT]
 """
 
 from __future__ import annotations
@@ -27,80 +27,13 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-INT8_ROWS = 4  # the int8 arm's products of at most this many rows read the int8 weights (a one-row step's)
-ARMS = ("bf16", "int8")
+ARMS = ("bf16", "w8a16")  # the head as loaded; the head with LLM(draft_quantization="w8a16")
 WARM_STEPS = 4  # steps after the prefill and before any is recorded
 PARTS = ("root_ms", "levels_ms", "top_k_ms", "bookkeeping_ms")
-
-
-def int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 weight, per-output-channel scales in the weight's dtype): symmetric, each row's largest magnitude at
-    127."""
-    w = weight.detach().float()
-    scale = w.abs().amax(1).clamp(min=1e-8) / 127
-    return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale.to(weight.dtype)
-
-
-def int8_product(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x (..., in) through the int8 weight (out, in) and its scales: (..., out)."""
-    y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).contiguous(), w8, scale)
-    return y.reshape(*x.shape[:-1], w8.shape[0])
-
-
-class Int8Linear:
-    """A linear's forward through int8 weights for products of at most INT8_ROWS rows (bias added after), its
-    previous forward for wider ones or another dtype."""
-
-    def __init__(self, module: nn.Linear, counts: list[int]) -> None:
-        self.inner = module.forward
-        self.w8, self.scale = int8_weight(module.weight)
-        self.bias, self.counts = module.bias, counts
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // max(x.shape[-1], 1)
-        if not 0 < rows <= INT8_ROWS or x.dtype != self.scale.dtype:
-            return self.inner(x)
-        self.counts[0] += 1
-        y = int8_product(x, self.w8, self.scale)
-        return y if self.bias is None else y + self.bias
-
-
-class Int8QKV:
-    """An attention's fused q, k and v product (models/packed.py) through one stacked int8 weight where Int8Linear
-    would take it; the packed product otherwise."""
-
-    def __init__(self, attn: nn.Module, counts: list[int]) -> None:
-        self.inner = attn._fused_qkv
-        self.modules = self.inner.modules  # what prepack_linears reads of a fused product
-        mods = (attn.q_proj, attn.k_proj, attn.v_proj)
-        self.w8, self.scale = int8_weight(torch.cat([m.weight for m in mods]))
-        self.bias = None if mods[0].bias is None else torch.cat([m.bias.detach() for m in mods])
-        self.sizes, self.counts = [m.out_features for m in mods], counts
-
-    def __call__(self, x: torch.Tensor, q: nn.Module, k: nn.Module, v: nn.Module):
-        rows = x.numel() // max(x.shape[-1], 1)
-        if not 0 < rows <= INT8_ROWS or x.dtype != self.scale.dtype:
-            return self.inner(x, q, k, v)
-        self.counts[0] += 1
-        y = int8_product(x, self.w8, self.scale)
-        return (y if self.bias is None else y + self.bias).split(self.sizes, dim=-1)
-
-
-def make_int8(head: nn.Module) -> list[int]:
-    """Give the (already packed) head's linears and fused q/k/v their int8 forwards; returns the counter of int8
-    products run."""
-    counts = [0]
-    for m in list(head.modules()):
-        if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16:
-            m.forward = Int8Linear(m, counts)
-        if "_fused_qkv" in m.__dict__:
-            m._fused_qkv = Int8QKV(m, counts)
-    return counts
 
 
 class DraftSplit:
@@ -222,8 +155,8 @@ def main(argv=None) -> int:
     arms = args.arms.split(",")
     if not arms or any(a not in ARMS for a in arms) or len(set(arms)) < len(arms):
         ap.error(f"--arms takes distinct entries from {', '.join(ARMS)}, got {args.arms!r}")
-    if "int8" in arms and args.dtype != "bfloat16":
-        ap.error("--arms int8 measures a bfloat16 head's products (--dtype bfloat16)")
+    if "w8a16" in arms and args.dtype != "bfloat16":
+        ap.error("--arms w8a16 quantises a bfloat16 head's linears (--dtype bfloat16)")
     for name in ("batch_size", "steps", "rounds", "threads"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -236,12 +169,12 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     target, tok = load_model(args.model, dtype=args.dtype)
-    engines, counters = {}, {}
-    for arm in arms:  # each arm its own head: the int8 arm's forwards are its own
+    engines = {}
+    for arm in arms:  # each arm its own head: LLM(draft_quantization=...) switches the loaded head in place
         head = load_eagle3(args.head, target)
-        llm = make_engine(target, head, tok, EchoConfig(), args.batch_size, args.max_seq_len, fallback="off")
+        llm = make_engine(target, head, tok, EchoConfig(), args.batch_size, args.max_seq_len, fallback="off",
+                          draft_quantization=None if arm == "bf16" else arm)
         llm.shutdown()  # stepped on this thread
-        counters[arm] = make_int8(head) if arm == "int8" else None
         engines[arm] = (llm, DraftSplit(llm.executor.drafter))
     prompts = load_prompts("humaneval", "eval")
     rounds = {arm: [] for arm in arms}
@@ -253,10 +186,9 @@ def main(argv=None) -> int:
             rounds[arm].append(summary)
             print(f"round {rnd + 1} {arm}: " + ", ".join(f"{k} {v}" for k, v in summary.items()), flush=True)
     out = {"batch_size": args.batch_size, "steps": args.steps, "dtype": args.dtype, "threads": args.threads,
-           "int8_rows": INT8_ROWS,
            "arms": {arm: {"rounds": rounds[arm], "combined": combine([r for r in rounds[arm] if r["steps"]])
                           if any(r["steps"] for r in rounds[arm]) else {},
-                          "int8_products": counters[arm][0] if counters[arm] is not None else None}
+                          "draft_quantization": engines[arm][0].draft_quantization}
                     for arm in arms}}
     for arm in arms:
         c = out["arms"][arm]["combined"]

@@ -394,13 +394,15 @@ def hf_assisted_cell(hf_target, hf_draft, tokenizer, prompts: list[str], max_tok
 
 
 def make_engine(target, draft, tokenizer, config: EchoConfig, batch_size: int, max_seq_len: int,
-                calibration=None, cost_model="auto", fallback: str = "auto") -> LLM:
-    """One method's engine through the public API, on already loaded models (fallback: a FALLBACK_MODES mode)."""
+                calibration=None, cost_model="auto", fallback: str = "auto", draft_quantization=None) -> LLM:
+    """One method's engine through the public API, on already loaded models (fallback: a FALLBACK_MODES mode;
+    draft_quantization: LLM's, which switches the loaded draft in place)."""
     room = batch_size * make_policy(config).max_tree_nodes  # a step of full trees for every request
     return LLM(target, draft if POLICIES[config.policy].needs_draft_model else None, tokenizer=tokenizer,
                speculative_config=config, max_batch_size=batch_size, max_seq_len=max_seq_len,
                max_num_tokens=max(2048, room), calibration=calibration, cost_model=cost_model,
-               iter_stats_max_iterations=1 << 20, fallback=FALLBACK_MODES[fallback])
+               iter_stats_max_iterations=1 << 20, fallback=FALLBACK_MODES[fallback],
+               draft_quantization=draft_quantization)
 
 
 def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibration=None, cost_model="auto",

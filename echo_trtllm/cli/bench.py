@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hf-assisted", type=lambda t: [x for x in t.split(",") if x], default=[],
                     help="at B=1, T=0 also run HF transformers generate(): plain and assisted by the same draft with "
                          "these num_assistant_tokens, e.g. heuristic,4,8")
-    options.add_runtime_options(ap, batch=False)
+    options.add_runtime_options(ap, batch=False, quantize=True)
     options.add_speculation_options(ap, policy=False)
     options.add_sampling_options(ap, temperature=False)
     options.add_calibration_options(ap)
@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
     from echo_trtllm.models.draft import draft_kind, load_draft
     from echo_trtllm.models.loader import load_model
+    from echo_trtllm.models.weight_int8 import apply_draft_quantization
     from echo_trtllm.runtime.calibrate import Calibration
 
     try:
@@ -117,7 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     target, tok = load_model(args.model or DEFAULT_TARGET, dtype=args.dtype, device=device)
     draft = load_draft(args.draft_model or DEFAULT_DRAFT, target, dtype=args.dtype, device=device)
-    print(f"loaded target + draft in {time.perf_counter() - t0:.0f} s ({target.dtype} / {draft.dtype})", flush=True)
+    try:  # every method's engine runs this one draft: quantised here, before its prices are measured
+        apply_draft_quantization(draft, args.draft_quantization)
+    except ValueError as e:
+        return options.fail(PROG, e)
+    print(f"loaded target + draft in {time.perf_counter() - t0:.0f} s ({target.dtype} / {draft.dtype}"
+          f"{', draft ' + args.draft_quantization if args.draft_quantization else ''})", flush=True)
     calibration, cost_model = _prices(args, cfg, target, draft, tok, calibration, calibration_prompts, in_process)
     if args.profile_phases:
         try:
@@ -189,6 +195,7 @@ def _meta(args, argv, cfg, target, draft, prompts, calibration_prompts, in_proce
               "none (no cost model)" if args.no_cost_model else "none (cost curve measured at load)")
     return {"machine": machine_info(), "date": time.strftime("%Y-%m-%d"), "command": command_line(argv),
             "dtype": {"target": str(target.dtype), "draft": str(draft.dtype)}, "draft_kind": draft_kind(draft),
+            "draft_quantization": args.draft_quantization,
             "calibration_source": source, "waves": cfg.waves, "ar_both_ends": cfg.ar_both_ends,
             "prompts": {"set": args.prompt_set, "split": args.prompt_split, "eval": len(prompts),
                         "calibration": len(calibration_prompts) if in_process else 0,
@@ -236,6 +243,7 @@ def _profile(args, argv, cfg, target, draft, tok, prompts, calibration, cost_mod
                        "command": command_line(argv), "steps": args.profile_steps, "warm_steps": WARM_STEPS,
                        "rounds": cfg.rounds,
                        "dtype": {"target": str(target.dtype), "draft": str(draft.dtype)},
+                       "draft_quantization": args.draft_quantization,
                        "cost_model": json.loads(cost_model.to_json()) if hasattr(cost_model, "to_json") else None},
                       f, indent=2)
     if args.markdown:

@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("--prompt", action="append", help="prompt text (repeat for a batch); default: a short verse")
     options.add_model_options(ap)
-    options.add_runtime_options(ap, parallel=True, invariant=True)
+    options.add_runtime_options(ap, parallel=True, invariant=True, quantize=True)
     options.add_speculation_options(ap)
     options.add_sampling_options(ap)
     options.add_calibration_options(ap)

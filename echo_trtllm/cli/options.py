@@ -107,7 +107,7 @@ def add_max_seq_len_option(g) -> None:
 
 
 def add_runtime_options(ap: argparse.ArgumentParser, batch: bool = True, parallel: bool = False,
-                        invariant: bool = False) -> None:
+                        invariant: bool = False, quantize: bool = False) -> None:
     g = ap.add_argument_group("runtime")
     if parallel:
         add_tp_size_option(g, "for the target and a separate draft model; an EAGLE-3 head runs whole on rank 0 "
@@ -122,6 +122,10 @@ def add_runtime_options(ap: argparse.ArgumentParser, batch: bool = True, paralle
         g.add_argument("--batch-invariant", action="store_true",
                        help="every request's output the same bits alone, in any batch and under any policy, bfloat16 "
                             "included (slower; docs/performance.md)")
+    if quantize:
+        g.add_argument("--draft-quantization", choices=["w8a16"], default=None,
+                       help="w8a16: the draft's products of one to four rows read int8 weights (half the bytes; a "
+                            "bfloat16 draft on the CPU; LLM(draft_quantization=...), docs/performance.md)")
 
 
 def add_speculation_options(ap: argparse.ArgumentParser, policy: bool = True) -> None:
@@ -235,7 +239,8 @@ def make_llm(args: argparse.Namespace, config: EchoConfig, max_batch_size: int, 
                   cost_model=None if getattr(args, "no_cost_model", False) else "auto",
                   fallback=FALLBACK_MODES[fallback_modes(getattr(args, "fallback", "auto"))[0]],
                   tensor_parallel_size=getattr(args, "tp_size", 1),
-                  batch_invariant=getattr(args, "batch_invariant", False), **kwargs)
+                  batch_invariant=getattr(args, "batch_invariant", False),
+                  draft_quantization=getattr(args, "draft_quantization", None), **kwargs)
     if engine:
         return LLM(engine_dir=engine, **common)
     return LLM(args.model, args.draft_model, **common)

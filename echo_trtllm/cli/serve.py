@@ -20,7 +20,7 @@ PROG = "echo-trtllm serve"
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     options.add_model_options(ap)
-    options.add_runtime_options(ap, batch=False, parallel=True, invariant=True)
+    options.add_runtime_options(ap, batch=False, parallel=True, invariant=True, quantize=True)
     options.add_max_batch_size_option(ap)
     options.add_speculation_options(ap)
     options.add_calibration_options(ap)

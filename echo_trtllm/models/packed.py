@@ -42,7 +42,7 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["prepack_linears", "prepack_available", "PACK_ROWS", "ROW_FLOOR"]
+__all__ = ["prepack_linears", "prepack_available", "PackedWrapper", "PACK_ROWS", "ROW_FLOOR"]
 
 PACK_ROWS = 32  # the batch-size hint oneDNN packs each weight for (module docstring)
 ROW_FLOOR = 4  # a packed product of fewer rows runs on this many, zero rows added (module docstring; 1: never)
@@ -81,6 +81,13 @@ class _PackedForward:
         if w is not self.weight or w._version != self.version:
             self._pack()
         return _product(x, self.packed, m.bias)
+
+
+class PackedWrapper:
+    """A linear's forward around its packed one (`inner`, a `_PackedForward`), kept as it is when the model is packed
+    again (models/weight_int8.py: a draft's int8 copy for few-row products)."""
+
+    inner: _PackedForward
 
 
 class _PackedQKV:
@@ -190,7 +197,7 @@ def prepack_linears(model: nn.Module) -> int:
             if isinstance(fwd, TiledForward) and not isinstance(fwd.inner, _PackedForward):
                 fwd.inner = _PackedForward(m)
                 n += 1
-            elif not isinstance(fwd, (_PackedForward, TiledForward)):
+            elif not isinstance(fwd, (_PackedForward, TiledForward, PackedWrapper)):
                 m.forward = _PackedForward(m, lazy=id(m) in fused)
                 n += 1
     return n

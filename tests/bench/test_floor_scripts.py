@@ -160,45 +160,6 @@ def head_split():
     return load_script(SCRIPTS / "head_split.py")
 
 
-def test_the_int8_arm_is_the_dequantised_weights_product_at_few_rows_and_the_packed_one_above(head_split):
-    """The int8 weight and scales against the weight (each row's largest magnitude at 127, every entry within half
-    a step); the int8 product against float32 arithmetic on the dequantised weight; a linear's int8 forward takes
-    products of 1..INT8_ROWS rows only (counted) and hands wider ones, and zero rows, to its previous forward; the
-    fused q/k/v's int8 product splits as the three linears' outputs."""
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(96, 40, bias=True).to(torch.bfloat16)
-    w8, scale = head_split.int8_weight(lin.weight)
-    w = lin.weight.float()
-    assert w8.dtype == torch.int8 and scale.dtype == torch.bfloat16
-    assert torch.equal(w8.abs().amax(1), torch.full((40,), 127, dtype=torch.int8))
-    step = w.abs().amax(1, keepdim=True) / 127
-    assert ((w8.float() * step - w).abs() <= step / 2 + 1e-6).all()
-    deq = w8.float() * scale.float()[:, None]
-    counts = [0]
-    fwd = head_split.Int8Linear(lin, counts)
-    for rows in range(1, head_split.INT8_ROWS + 1):
-        x = torch.randn(rows, 96, dtype=torch.bfloat16)
-        ref = x.float() @ deq.T + lin.bias.float()
-        assert torch.allclose(fwd(x).float(), ref, atol=0.02, rtol=0.02)
-    assert counts == [head_split.INT8_ROWS]
-    wide = torch.randn(head_split.INT8_ROWS + 1, 96, dtype=torch.bfloat16)
-    assert torch.equal(fwd(wide), lin(wide)) and counts == [head_split.INT8_ROWS]  # the previous forward, as is
-    assert fwd(wide[:0]).shape == (0, 40) and counts == [head_split.INT8_ROWS]
-    x3 = torch.randn(1, 2, 96, dtype=torch.bfloat16)  # (batch, tokens, features): rows counted over the leading dims
-    assert fwd(x3).shape == (1, 2, 40) and counts == [head_split.INT8_ROWS + 1]
-
-    attn = torch.nn.Module()
-    attn.q_proj, attn.k_proj, attn.v_proj = (torch.nn.Linear(96, n, bias=False).to(torch.bfloat16) for n in (48, 16, 16))
-    attn._fused_qkv = lambda x, q, k, v: None  # the packed product's stand-in: what Int8QKV hands wider products to
-    attn._fused_qkv.modules = (attn.q_proj, attn.k_proj, attn.v_proj)
-    qkv = head_split.Int8QKV(attn, counts)
-    x = torch.randn(2, 96, dtype=torch.bfloat16)
-    for got, m in zip(qkv(x, attn.q_proj, attn.k_proj, attn.v_proj), (attn.q_proj, attn.k_proj, attn.v_proj)):
-        assert got.shape == (2, m.out_features)
-        assert torch.allclose(got.float(), m(x).float(), atol=0.05, rtol=0.05)
-    assert qkv(wide, attn.q_proj, attn.k_proj, attn.v_proj) is None
-
-
 def test_the_head_split_summary_by_hand(head_split):
     rows = [{"step_ms": 100.0, "draft_ms": 6.0, "root_ms": 3.0, "levels_ms": 2.0, "top_k_ms": 0.4,
              "bookkeeping_ms": 0.6, "forwards": 2, "emitted": 2, "verified": 5},
@@ -214,21 +175,21 @@ def test_the_head_split_summary_by_hand(head_split):
 
 
 def test_the_head_split_runs_both_arms_on_the_embedded_pair(head_split, tmp_path):
-    """The parts of the draft phase are each within it, the int8 arm ran int8 products, the report says the
-    machine; refused arms are named."""
+    """The parts of the draft phase are each within it, the w8a16 arm's engine runs the quantised head, the report
+    says the machine; refused arms are named."""
     out = tmp_path / "split.json"
-    assert head_split.main(["--model", str(DEFAULT_TARGET), "--head", str(DEFAULT_EAGLE3), "--arms", "bf16,int8",
+    assert head_split.main(["--model", str(DEFAULT_TARGET), "--head", str(DEFAULT_EAGLE3), "--arms", "bf16,w8a16",
                             "--batch-size", "1", "--steps", "4", "--rounds", "2", "--threads", "1",
                             "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert "cpu_flags" in doc["machine"] and doc["command"].startswith("python scripts/head_split.py")
-    assert doc["arms"]["bf16"]["int8_products"] is None and doc["arms"]["int8"]["int8_products"] > 0
-    for arm in ("bf16", "int8"):
+    assert doc["arms"]["bf16"]["draft_quantization"] is None and doc["arms"]["w8a16"]["draft_quantization"] == "w8a16"
+    for arm in ("bf16", "w8a16"):
         for r in doc["arms"][arm]["rounds"]:
             if r["steps"]:
                 assert r["bookkeeping_ms"] >= -1e-6 and r["root_ms"] > 0 and r["forwards_per_step"] >= 1
                 assert r["root_ms"] + r["levels_ms"] + r["top_k_ms"] <= r["draft_ms"] + 1e-6
-    for bad in (["--arms", "fp8"], ["--arms", "bf16,bf16"], ["--arms", "int8", "--dtype", "float32"],
+    for bad in (["--arms", "fp8"], ["--arms", "bf16,bf16"], ["--arms", "w8a16", "--dtype", "float32"],
                 ["--steps", "0"]):
         with pytest.raises(SystemExit):
             head_split.main(["--model", str(DEFAULT_TARGET), "--head", str(DEFAULT_EAGLE3), *bad])

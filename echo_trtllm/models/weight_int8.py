@@ -1,0 +1,154 @@
+"""A draft's few-row products through int8 weights (`LLM(draft_quantization="w8a16")`: weight-only int8, 16-bit
+activations, TensorRT-LLM's W8A16).
+
+A one-row speculative step runs the draft's forwards on a handful of rows each (an EAGLE-3 head's first forward of
+the step reads the pending chain, one to three tokens; its levels the frontier's few nodes), where the products
+stream the weights from memory and their bytes set the time. The step's first head forward comes right after the
+target's, which has streamed the target's weights through the caches: on the 2-core AMD EPYC (AVX512-BF16) it took
+3.5-3.9 ms of a tiny head's 8-10 ms a step, and with int8 weights 2.5-2.7 ms in every round, with the tokens
+accepted a step unchanged (docs/performance.md, 2026-12-07, eighth; scripts/head_split.py).
+
+`quantize_w8a16(model)` gives each of a draft's prepacked bfloat16 linears (models/packed.py), and each fused q/k/v
+product, an int8 copy of its weight with one scale per output channel (symmetric: a row's largest magnitude maps to
+127). A product of 1 to `INT8_ROWS` rows then runs PyTorch's CPU kernel `torch._weight_int8pack_mm` on the int8
+copy (its bias, if any, added after); a wider product (a batch's levels, a prefill) runs the packed bfloat16 weight
+as before, so the draft's numbers at a few rows are those of the rounded weights and at many rows those of the
+weights themselves. Only the draft proposes tokens: verification by the target decides every emitted token, so the
+output is what plain decoding gives (the tests hold it to AR in batch-invariant mode); the int8 weights change only
+which drafts are proposed.
+
+The module's weight is kept (exports and sharding read it): the int8 copy costs half the bfloat16 bytes again. A
+weight changed in place or replaced is quantised again at the next few-row call. The draft is switched in place and
+stays so (an engine built later on the same loaded draft runs it too; `is_w8a16` reads it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .packed import PackedWrapper, _PackedForward, _PackedQKV, prepack_linears
+
+__all__ = ["INT8_ROWS", "SCHEMES", "quantize_w8a16", "is_w8a16", "int8_weight", "apply_draft_quantization"]
+
+INT8_ROWS = 4  # products of 1 .. INT8_ROWS rows read the int8 copy (module docstring)
+SCHEMES = ("w8a16",)  # LLM(draft_quantization=...): int8 weights, bfloat16 activations
+
+
+def int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight (out, in), per-output-channel scales (out,) in the weight's dtype): symmetric, each row's
+    largest magnitude at 127 (an all-zero row keeps a tiny positive scale)."""
+    w = weight.detach().float()
+    scale = w.abs().amax(1).clamp(min=1e-8) / 127
+    return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale.to(weight.dtype)
+
+
+def _few_rows(x: torch.Tensor) -> bool:
+    """x's product runs on the int8 copy: 1 .. INT8_ROWS rows of bfloat16, no gradient wanted."""
+    d = x.shape[-1] if x.ndim else 0
+    rows = x.numel() // d if d else 0
+    return 0 < rows <= INT8_ROWS and x.dtype == torch.bfloat16 and x.device.type == "cpu" \
+        and not (torch.is_grad_enabled() and x.requires_grad)
+
+
+def _product(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).contiguous(), w8, scale)
+    y = y.reshape(*x.shape[:-1], w8.shape[0])
+    return y if bias is None else y + bias
+
+
+class Int8Forward(PackedWrapper):
+    """A packed linear's forward with an int8 copy for few-row products (module docstring). `inner` is the forward
+    it wraps (models/packed.py packs it again there when it repacks)."""
+
+    def __init__(self, module: nn.Linear) -> None:
+        self.module = module
+        self.inner = module.__dict__["forward"]
+        self.weight = self.version = None
+        self._quantize()
+
+    def _quantize(self) -> None:
+        w = self.module.weight
+        self.weight, self.version = w, w._version
+        self.w8, self.scale = int8_weight(w)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        w = m.weight
+        if not _few_rows(x) or w.dtype != torch.bfloat16 or w.device.type != "cpu" \
+                or (w.requires_grad and torch.is_grad_enabled()):
+            return self.inner(x)
+        if w is not self.weight or w._version != self.version:
+            self._quantize()
+        return _product(x, self.w8, self.scale, m.bias)
+
+
+class Int8QKV:
+    """An attention's fused q, k and v product (models/packed.py `_PackedQKV`) with one stacked int8 copy for
+    few-row products; where the fused product does not apply now (a module replaced, wrapped or hooked) it answers
+    as the fused product does (None: the attention runs its three modules)."""
+
+    def __init__(self, fused) -> None:
+        self.inner = fused
+        self.modules = fused.modules  # what prepack_linears reads of a fused product
+        self.state = None
+        self._quantize()
+
+    def _state(self) -> list:
+        return [(t, t._version) for m in self.modules for t in (m.weight, m.bias) if t is not None]
+
+    def _quantize(self) -> None:
+        self.state = self._state()
+        self.w8, self.scale = int8_weight(torch.cat([m.weight for m in self.modules]))
+        biases = [m.bias for m in self.modules]
+        self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        self.sizes = [m.out_features for m in self.modules]
+
+    def __call__(self, x: torch.Tensor, q: nn.Module, k: nn.Module, v: nn.Module):
+        if not _few_rows(x) or not self.inner._applies((q, k, v)):
+            return self.inner(x, q, k, v)
+        state = self._state()
+        if len(state) != len(self.state) or any(a is not b or va != vb for (a, va), (b, vb) in zip(state, self.state)):
+            self._quantize()
+        return _product(x, self.w8, self.scale, self.bias).split(self.sizes, dim=-1)
+
+
+def quantize_w8a16(model: nn.Module) -> int:
+    """Give `model`'s prepacked bfloat16 linears and fused q/k/v products their int8 copies (module docstring), in
+    place; returns how many were given one now (a second call gives none again). Packs the model first
+    (`prepack_linears`, which does nothing where it already is)."""
+    prepack_linears(model)
+    n = 0
+    fused = set()
+    for m in model.modules():
+        f = m.__dict__.get("_fused_qkv")
+        if f is not None:
+            fused.update(id(x) for x in f.modules)
+            if isinstance(f, _PackedQKV):
+                m._fused_qkv = Int8QKV(f)
+                n += 1
+    for m in model.modules():
+        if type(m) is nn.Linear and id(m) not in fused and isinstance(m.__dict__.get("forward"), _PackedForward):
+            m.forward = Int8Forward(m)
+            n += 1
+    return n
+
+
+def is_w8a16(model: nn.Module) -> bool:
+    """`model` runs its few-row products on int8 copies (quantize_w8a16 was applied to it)."""
+    return any(isinstance(m.__dict__.get("forward"), Int8Forward) or isinstance(m.__dict__.get("_fused_qkv"), Int8QKV)
+               for m in model.modules())
+
+
+def apply_draft_quantization(draft: nn.Module, scheme: str | None) -> None:
+    """LLM(draft_quantization=scheme) on a loaded draft (None: nothing). ValueError naming the argument where the
+    draft has no bfloat16 linear on the CPU to quantise."""
+    if scheme is None:
+        return
+    if scheme not in SCHEMES:
+        raise ValueError(f"draft_quantization must be None or one of {', '.join(map(repr, SCHEMES))}, got {scheme!r}")
+    if quantize_w8a16(draft) == 0 and not is_w8a16(draft):
+        dtype = getattr(draft, "dtype", None)
+        raise ValueError(f"draft_quantization={scheme!r} quantises a draft's bfloat16 linears on the CPU (oneDNN's "
+                         f"packed kernels); this draft has none (dtype {dtype}): load it with dtype='bfloat16' on "
+                         f"the CPU, or leave draft_quantization=None")

@@ -1,0 +1,181 @@
+"""A draft's few-row products through int8 weights (models/weight_int8.py, `LLM(draft_quantization="w8a16")`):
+the int8 product against float32 arithmetic on the dequantised weights, wider products unchanged (the packed
+bfloat16 product bit for bit), weights changed in place followed, the engine's output held to plain decoding, and
+every bad use refused by name."""
+
+import pytest
+import torch
+
+from echo_trtllm import LLM, EchoConfig, SamplingParams
+from echo_trtllm.cli import main as cli_main
+from echo_trtllm.models import DEFAULT_EAGLE3, DEFAULT_TARGET
+from echo_trtllm.models.eagle3 import load_eagle3
+from echo_trtllm.models.loader import load_model
+from echo_trtllm.models.packed import prepack_available, prepack_linears
+from echo_trtllm.models import weight_int8
+from echo_trtllm.models.weight_int8 import (INT8_ROWS, Int8Forward, Int8QKV, int8_weight, is_w8a16,
+                                            quantize_w8a16)
+
+pytestmark = pytest.mark.skipif(not prepack_available(), reason="oneDNN's bfloat16 kernels are not available here")
+
+
+@pytest.fixture
+def int8_calls(monkeypatch):
+    """Counts the int8 kernel's calls (each still runs the kernel)."""
+    calls = [0]
+    kernel = torch._weight_int8pack_mm
+
+    def counted(*args):
+        calls[0] += 1
+        return kernel(*args)
+
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", counted)
+    return calls
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """float32 arithmetic on the dequantised weight: x (..., in) @ (int8 * scale).T + bias."""
+    w8, scale = int8_weight(weight)
+    y = x.float() @ (w8.float() * scale.float()[:, None]).T
+    return y if bias is None else y + bias.float()
+
+
+def _linear(n_in, n_out, bias=True, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Linear(n_in, n_out, bias=bias).to(torch.bfloat16)
+
+
+def test_the_int8_weight_is_the_weight_rounded_per_output_channel():
+    w = _linear(96, 40).weight
+    w8, scale = int8_weight(w)
+    assert w8.dtype == torch.int8 and scale.dtype == torch.bfloat16 and w8.shape == w.shape
+    assert torch.equal(w8.abs().amax(1), torch.full((40,), 127, dtype=torch.int8))  # each row's largest at 127
+    step = w.float().abs().amax(1, keepdim=True) / 127
+    assert ((w8.float() * step - w.float()).abs() <= step / 2 + 1e-6).all()  # every entry within half a step
+    zero = torch.zeros(3, 8, dtype=torch.bfloat16)  # an all-zero row stays zero, its scale positive
+    z8, zs = int8_weight(zero)
+    assert not z8.any() and (zs > 0).all()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_few_row_products_are_the_dequantised_weights_and_wider_ones_unchanged(bias, int8_calls):
+    """1 .. INT8_ROWS rows (2-D and 3-D): the int8 kernel, equal to float32 arithmetic on the dequantised weight
+    within bfloat16's rounding of the output; INT8_ROWS + 1 rows and zero rows: the packed bfloat16 product, bit
+    for bit as an unquantised copy of the same linear gives it."""
+    lin, plain = _linear(96, 40, bias), _linear(96, 40, bias)
+    module = torch.nn.Module()
+    module.proj = lin
+    assert prepack_linears(plain) == 1 and quantize_w8a16(module) == 1
+    assert isinstance(lin.__dict__["forward"], Int8Forward) and is_w8a16(module) and not is_w8a16(plain)
+    with torch.inference_mode():
+        for shape in [(1, 96), (2, 96), (INT8_ROWS, 96), (1, 3, 96)]:
+            x = torch.randn(*shape, dtype=torch.bfloat16)
+            before = int8_calls[0]
+            got = lin(x)
+            assert int8_calls[0] == before + 1 and got.shape == (*shape[:-1], 40) and got.dtype == torch.bfloat16
+            ref = _reference(x, lin.weight, lin.bias)
+            assert torch.allclose(got.float(), ref, atol=2e-3, rtol=1e-2), (got.float() - ref).abs().max()
+            # and it is not the bfloat16 weight's product: the rounding to int8 is seen
+            assert not torch.equal(got, plain(x))
+        for x in (torch.randn(INT8_ROWS + 1, 96, dtype=torch.bfloat16), torch.randn(0, 96, dtype=torch.bfloat16),
+                  torch.randn(2, 3, 96, dtype=torch.bfloat16)):
+            before = int8_calls[0]
+            assert torch.equal(lin(x), plain(x)) and int8_calls[0] == before
+
+
+def test_a_weight_changed_in_place_is_quantised_again():
+    lin = _linear(64, 32)
+    module = torch.nn.Module()
+    module.proj = lin
+    quantize_w8a16(module)
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.mul_(-2.0)
+        got = lin(x)
+    assert torch.allclose(got.float(), _reference(x, lin.weight, lin.bias), atol=2e-3, rtol=1e-2)
+    lin.weight = torch.nn.Parameter(torch.randn(32, 64, dtype=torch.bfloat16) * 0.1)  # replaced
+    with torch.no_grad():
+        assert torch.allclose(lin(x).float(), _reference(x, lin.weight, lin.bias), atol=2e-3, rtol=1e-2)
+
+
+def test_a_heads_fused_q_k_and_v_run_one_stacked_int8_product(int8_calls):
+    """The embedded EAGLE-3 head in bfloat16: its attention's q, k and v come from one int8 product whose three
+    parts are float32 arithmetic on each projection's dequantised rows (stacked, each row keeps its own scale);
+    quantising again gives nothing new, packing again keeps the int8 forwards (an engine built later on the same
+    head)."""
+    target, _ = load_model(DEFAULT_TARGET, dtype="bfloat16", with_tokenizer=False)
+    head = load_eagle3(DEFAULT_EAGLE3, target)
+    n = quantize_w8a16(head)
+    attn = head.midlayer.self_attn
+    assert isinstance(attn.__dict__["_fused_qkv"], Int8QKV)
+    linears = [m for m in head.modules() if type(m) is torch.nn.Linear]
+    assert n == len(linears) - 3 + 1  # every linear but q, k and v, and the fused product
+    assert quantize_w8a16(head) == 0 and prepack_linears(head) == 0 and is_w8a16(head)
+    assert all(isinstance(m.__dict__["forward"], Int8Forward) for m in linears
+               if m not in (attn.q_proj, attn.k_proj, attn.v_proj))
+    x = torch.randn(3, attn.q_proj.in_features, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        q, k, v = attn._fused_qkv(x, attn.q_proj, attn.k_proj, attn.v_proj)
+    assert int8_calls[0] == 1
+    for got, m in zip((q, k, v), (attn.q_proj, attn.k_proj, attn.v_proj)):
+        assert torch.allclose(got.float(), _reference(x, m.weight, m.bias), atol=2e-3, rtol=1e-2)
+    wide = torch.randn(INT8_ROWS + 1, attn.q_proj.in_features, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        parts = attn._fused_qkv(wide, attn.q_proj, attn.k_proj, attn.v_proj)
+    assert int8_calls[0] == 1 and [p.shape[-1] for p in parts] == [m.out_features for m in (attn.q_proj, attn.k_proj,
+                                                                                             attn.v_proj)]
+    attn.q_proj.register_forward_hook(lambda *a: None)  # hooked: the fused product declines, as the packed one does
+    assert attn._fused_qkv(x, attn.q_proj, attn.k_proj, attn.v_proj) is None
+
+
+def test_echo_with_an_int8_head_decodes_as_plain_decoding(int8_calls):
+    """Batch-invariant engines (bfloat16's output then the same under any policy): ECHO with the int8 head, every
+    step speculative, emits AR's tokens; the head's int8 products ran; a second engine on the same loaded head
+    reads it as quantised."""
+    prompts = ["def fibonacci(n):", "The capital of France is", "import numpy as np\n"]
+    sp = SamplingParams(max_tokens=24, temperature=0.0)
+    echo = LLM(dtype="bfloat16", draft_quantization="w8a16", batch_invariant=True, fallback=False)
+    try:
+        assert echo.draft_quantization == "w8a16"
+        before = int8_calls[0]
+        got = [o.outputs[0].token_ids for o in echo.generate(prompts, sp)]
+        assert int8_calls[0] > before
+        again = LLM(echo.target, echo.draft, tokenizer=echo.tokenizer, dtype="bfloat16", batch_invariant=True)
+        assert again.draft_quantization == "w8a16"
+        again.shutdown()
+        ar = LLM(echo.target, None, tokenizer=echo.tokenizer, dtype="bfloat16", batch_invariant=True,
+                 speculative_config=EchoConfig(policy="ar"))
+        want = [o.outputs[0].token_ids for o in ar.generate(prompts, sp)]
+        ar.shutdown()
+    finally:
+        echo.shutdown()
+    assert got == want
+    plain = LLM(dtype="bfloat16")
+    try:
+        assert plain.draft_quantization is None
+    finally:
+        plain.shutdown()
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(draft_quantization="int4"), "draft_quantization must be None or one of 'w8a16'"),
+    (dict(draft_quantization=True), "draft_quantization must be None or one of 'w8a16'"),
+    (dict(draft_quantization="w8a16", speculative_config=EchoConfig(policy="ar")), "policy 'ar' runs none"),
+    (dict(draft_quantization="w8a16", tensor_parallel_size=2), "tensor_parallel_size must be 1"),
+    (dict(draft_quantization="w8a16", dtype="float32"), "this draft has none (dtype torch.float32)"),
+])
+def test_bad_draft_quantization_is_refused_by_name(kwargs, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        LLM(**kwargs)
+
+
+def test_the_cli_takes_draft_quantization_and_refuses_other_schemes(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["generate", "--prompt", "x", "--draft-quantization", "int4"])
+    assert "--draft-quantization" in capsys.readouterr().err
+    assert cli_main(["generate", "--prompt", "def f(x):", "--max-tokens", "4", "--dtype", "bfloat16",
+                     "--draft-quantization", "w8a16"]) == 0
+
+
+def test_the_scheme_names_are_the_llms():
+    assert weight_int8.SCHEMES == ("w8a16",)
