@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[finish_reason={o.finish_reason} tokens={len(o.token_ids)} steps={o.stats.steps} "
               f"mean_accepted_tokens={o.stats.mean_accepted_tokens:.2f}]")
     kind = "none" if llm.draft is None else draft_kind(llm.draft)  # the bench JSON's draft_kind, or no draft
-    print(f"policy={config.policy} draft={kind} dtype={llm.dtype['target']}/{llm.dtype['draft']} "
+    quant = f" draft_quantization={llm.draft_quantization}" if llm.draft_quantization else ""
+    print(f"policy={config.policy} draft={kind}{quant} dtype={llm.dtype['target']}/{llm.dtype['draft']} "
           f"requests={len(outputs)} tokens={tokens} steps={steps} mean_accepted_tokens={tokens / max(steps, 1):.2f} "
           f"time={elapsed:.2f}s tokens/s={tokens / elapsed:.1f}")
     if spec is not None and "speculative_steps" in spec:

@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     dtypes = llm.dtype["target"] + (f", draft {llm.dtype['draft']}" if llm.dtype["draft"] else "") + \
+        (f" {llm.draft_quantization}" if llm.draft_quantization else "") + \
         (", batch-invariant" if llm.batch_invariant else "")
     print(f"{PROG}: listening on http://{shown}:{port} (model {name!r}, dtype {dtypes})", flush=True)
     userver = uvicorn_server(server, args.host, port, args.drain_timeout, args.log_level)

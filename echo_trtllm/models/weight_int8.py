@@ -11,7 +11,8 @@ accepted a step unchanged (docs/performance.md, 2026-12-07, eighth; scripts/head
 `quantize_w8a16(model)` gives each of a draft's prepacked bfloat16 linears (models/packed.py), and each fused q/k/v
 product, an int8 copy of its weight with one scale per output channel (symmetric: a row's largest magnitude maps to
 127). A product of 1 to `INT8_ROWS` rows then runs PyTorch's CPU kernel `torch._weight_int8pack_mm` on the int8
-copy (its bias, if any, added after); a wider product (a batch's levels, a prefill) runs the packed bfloat16 weight
+copy (its bias, if any, added after; a linear whose input width is not a multiple of `IN_FEATURES_MULTIPLE` keeps
+its bfloat16 product: the kernel has no tail for it); a wider product (a batch's levels, a prefill) runs the packed bfloat16 weight
 as before, so the draft's numbers at a few rows are those of the rounded weights and at many rows those of the
 weights themselves. Only the draft proposes tokens: verification by the target decides every emitted token, so the
 output is what plain decoding gives (the tests hold it to AR in batch-invariant mode); the int8 weights change only
@@ -29,9 +30,13 @@ from torch import nn
 
 from .packed import PackedWrapper, _PackedForward, _PackedQKV, prepack_linears
 
-__all__ = ["INT8_ROWS", "SCHEMES", "quantize_w8a16", "is_w8a16", "int8_weight", "apply_draft_quantization"]
+__all__ = ["INT8_ROWS", "IN_FEATURES_MULTIPLE", "SCHEMES", "quantize_w8a16", "is_w8a16", "int8_weight", "apply_draft_quantization"]
 
 INT8_ROWS = 4  # products of 1 .. INT8_ROWS rows read the int8 copy (module docstring)
+# the kernel reads the input features in blocks of this many, without a tail: with another width (Qwen's 8,960 and
+# 1,536 are multiples; the embedded draft's 344 is not) its results are wrong or it crashes, so such a linear keeps
+# its bfloat16 product
+IN_FEATURES_MULTIPLE = 16
 SCHEMES = ("w8a16",)  # LLM(draft_quantization=...): int8 weights, bfloat16 activations
 
 
@@ -41,6 +46,11 @@ def int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = weight.detach().float()
     scale = w.abs().amax(1).clamp(min=1e-8) / 127
     return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale.to(weight.dtype)
+
+
+def _kernel_takes(weight: torch.Tensor) -> bool:
+    """The int8 kernel computes a product with this (out, in) weight correctly (IN_FEATURES_MULTIPLE)."""
+    return weight.ndim == 2 and weight.shape[1] > 0 and weight.shape[1] % IN_FEATURES_MULTIPLE == 0
 
 
 def _few_rows(x: torch.Tensor) -> bool:
@@ -70,7 +80,7 @@ class Int8Forward(PackedWrapper):
     def _quantize(self) -> None:
         w = self.module.weight
         self.weight, self.version = w, w._version
-        self.w8, self.scale = int8_weight(w)
+        self.w8, self.scale = int8_weight(w) if _kernel_takes(w) else (None, None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = self.module
@@ -80,6 +90,8 @@ class Int8Forward(PackedWrapper):
             return self.inner(x)
         if w is not self.weight or w._version != self.version:
             self._quantize()
+        if self.w8 is None:  # replaced by a weight the kernel cannot take
+            return self.inner(x)
         return _product(x, self.w8, self.scale, m.bias)
 
 
@@ -99,7 +111,8 @@ class Int8QKV:
 
     def _quantize(self) -> None:
         self.state = self._state()
-        self.w8, self.scale = int8_weight(torch.cat([m.weight for m in self.modules]))
+        w = torch.cat([m.weight for m in self.modules])
+        self.w8, self.scale = int8_weight(w) if _kernel_takes(w) else (None, None)
         biases = [m.bias for m in self.modules]
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
         self.sizes = [m.out_features for m in self.modules]
@@ -110,6 +123,8 @@ class Int8QKV:
         state = self._state()
         if len(state) != len(self.state) or any(a is not b or va != vb for (a, va), (b, vb) in zip(state, self.state)):
             self._quantize()
+        if self.w8 is None:  # replaced by weights the kernel cannot take
+            return self.inner(x, q, k, v)
         return _product(x, self.w8, self.scale, self.bias).split(self.sizes, dim=-1)
 
 
@@ -124,11 +139,12 @@ def quantize_w8a16(model: nn.Module) -> int:
         f = m.__dict__.get("_fused_qkv")
         if f is not None:
             fused.update(id(x) for x in f.modules)
-            if isinstance(f, _PackedQKV):
+            if isinstance(f, _PackedQKV) and _kernel_takes(f.modules[0].weight):
                 m._fused_qkv = Int8QKV(f)
                 n += 1
     for m in model.modules():
-        if type(m) is nn.Linear and id(m) not in fused and isinstance(m.__dict__.get("forward"), _PackedForward):
+        if type(m) is nn.Linear and id(m) not in fused and isinstance(m.__dict__.get("forward"), _PackedForward) \
+                and _kernel_takes(m.weight):
             m.forward = Int8Forward(m)
             n += 1
     return n
@@ -150,5 +166,6 @@ def apply_draft_quantization(draft: nn.Module, scheme: str | None) -> None:
     if quantize_w8a16(draft) == 0 and not is_w8a16(draft):
         dtype = getattr(draft, "dtype", None)
         raise ValueError(f"draft_quantization={scheme!r} quantises a draft's bfloat16 linears on the CPU (oneDNN's "
-                         f"packed kernels); this draft has none (dtype {dtype}): load it with dtype='bfloat16' on "
-                         f"the CPU, or leave draft_quantization=None")
+                         f"packed kernels) whose input widths are multiples of {IN_FEATURES_MULTIPLE}; this draft has "
+                         f"none (dtype {dtype}): load it with dtype='bfloat16' on the CPU, or leave "
+                         f"draft_quantization=None")

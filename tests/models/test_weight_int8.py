@@ -83,6 +83,28 @@ def test_few_row_products_are_the_dequantised_weights_and_wider_ones_unchanged(b
             assert torch.equal(lin(x), plain(x)) and int8_calls[0] == before
 
 
+def test_a_linear_the_kernel_cannot_take_keeps_its_bfloat16_product(int8_calls):
+    """The int8 kernel reads input features in blocks of 16 with no tail (its products at 344 inputs are wrong, at
+    100 it crashes): such a linear is not given an int8 copy, and one replaced by such a weight falls back."""
+    odd, even = _linear(344, 128), _linear(128, 344)
+    module = torch.nn.Module()
+    module.odd, module.even = odd, even
+    assert quantize_w8a16(module) == 1
+    assert not isinstance(odd.__dict__["forward"], Int8Forward) and isinstance(even.__dict__["forward"], Int8Forward)
+    x = torch.randn(2, 344, dtype=torch.bfloat16)
+    plain = _linear(344, 128)
+    prepack_linears(plain)
+    even.weight = torch.nn.Parameter(torch.randn(344, 120, dtype=torch.bfloat16))  # now 120 inputs
+    with torch.inference_mode():
+        assert torch.equal(odd(x), plain(x)) and int8_calls[0] == 0
+        y = even(torch.randn(2, 120, dtype=torch.bfloat16))
+    assert y.shape == (2, 344) and int8_calls[0] == 0
+    only_odd = torch.nn.Module()
+    only_odd.proj = _linear(344, 8)
+    with pytest.raises(ValueError, match="input widths are multiples of 16; this draft has none"):
+        weight_int8.apply_draft_quantization(only_odd, "w8a16")
+
+
 def test_a_weight_changed_in_place_is_quantised_again():
     lin = _linear(64, 32)
     module = torch.nn.Module()
@@ -175,7 +197,27 @@ def test_the_cli_takes_draft_quantization_and_refuses_other_schemes(capsys):
     assert "--draft-quantization" in capsys.readouterr().err
     assert cli_main(["generate", "--prompt", "def f(x):", "--max-tokens", "4", "--dtype", "bfloat16",
                      "--draft-quantization", "w8a16"]) == 0
+    assert "draft_quantization=w8a16 dtype=bfloat16/bfloat16" in capsys.readouterr().out
+    assert cli_main(["generate", "--prompt", "x", "--max-tokens", "2", "--dtype", "float32",
+                     "--draft-quantization", "w8a16"]) != 0  # refused by name, not a traceback
+    assert "draft_quantization='w8a16'" in capsys.readouterr().err
 
 
 def test_the_scheme_names_are_the_llms():
     assert weight_int8.SCHEMES == ("w8a16",)
+
+
+def test_bench_quantises_its_one_draft_or_refuses_by_name(capsys, tmp_path):
+    """`bench --draft-quantization w8a16` runs every method on the quantised draft and records it; a float32 draft
+    is refused by name."""
+    assert cli_main(["bench", "--dtype", "float32", "--draft-quantization", "w8a16", "--methods", "echo",
+                     "--batch-sizes", "1", "--max-tokens", "2", "--rounds", "1", "--warmup-rounds", "0"]) != 0
+    assert "draft_quantization='w8a16'" in capsys.readouterr().err
+    out = tmp_path / "bench.json"
+    assert cli_main(["bench", "--dtype", "bfloat16", "--draft-quantization", "w8a16", "--methods", "ar,echo",
+                     "--batch-sizes", "1", "--max-tokens", "4", "--rounds", "1", "--warmup-rounds", "0",
+                     "--json", str(out)]) == 0
+    import json
+
+    doc = json.loads(out.read_text())
+    assert doc["draft_quantization"] == "w8a16" and {r["method"] for r in doc["results"]} >= {"ar", "echo"}
