@@ -76,20 +76,10 @@ class DraftSplit:
 
 def run_round(llm, split: DraftSplit, prompts: list[str], batch_size: int, steps: int) -> list[dict]:
     """One closed batch of `batch_size` greedy requests: the recorded speculative steps' splits (ms)."""
-    from echo_trtllm.runtime.request import SamplingParams
+    from echo_trtllm.bench.phases import submit_closed_batch
 
     ex = llm.executor
-    room = ex.max_seq_len - ex.policy.max_tree_nodes
-    reqs = []
-    for i in range(batch_size):
-        prompt = prompts[i % len(prompts)]
-        budget = room - len(ex.tokenizer.encode(prompt))
-        if budget < 8 * (steps + WARM_STEPS):
-            raise SystemExit(f"prompt {i % len(prompts)} leaves {budget} tokens of max_seq_len {ex.max_seq_len}; "
-                             f"raise --max-seq-len")
-        reqs.append(ex.make_request(prompt, SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True)))
-    for r in reqs:
-        ex.submit(r)
+    reqs = submit_closed_batch(ex, prompts, batch_size, steps, WARM_STEPS)
     rows = []
     try:
         ex.step()  # admission, prefill and the first decode step

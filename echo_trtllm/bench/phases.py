@@ -41,7 +41,8 @@ from ..models.fp8 import Fp8Linear
 from ..models.llama import MLP, Attention, CausalLM, DecoderLayer, RMSNorm
 from ..runtime.request import SamplingParams
 
-__all__ = ["LAYER_KINDS", "STEP_PHASES", "WARM_STEPS", "LayerTimer", "combine_rounds", "profile_steps", "phase_table"]
+__all__ = ["LAYER_KINDS", "STEP_PHASES", "WARM_STEPS", "LayerTimer", "combine_rounds", "profile_steps", "phase_table",
+           "submit_closed_batch"]
 
 # the target forward's parts, in the order the tables show them
 LAYER_KINDS = ("linears", "lm_head", "attention", "norms", "activation", "embedding", "residual", "model code")
@@ -112,9 +113,10 @@ def _phases(timings, wall: float) -> dict[str, float]:
             "forward": t.forward, "accept": t.accept, "finish": t.finish, "commit": t.commit, "rest": wall - t.total}
 
 
-def _steps(executor, prompts: list[str], batch_size: int, steps: int, warm: int, timer: LayerTimer | None):
-    """Closed batch stepped directly: ([(report, layer seconds or None, the draft's forwards, the step call's wall
-    seconds) of each recorded full-batch step], the first step's prefill {tokens, seconds, layers})."""
+def submit_closed_batch(executor, prompts: list[str], batch_size: int, steps: int, warm: int) -> list:
+    """Submit `batch_size` greedy requests (prompts taken in turn) whose max_tokens keeps each in the batch for the
+    first step, `warm` and `steps` more (room for 8 tokens a step); returns them (abort them after). ValueError
+    naming the prompt whose context is too short."""
     limit = executor.max_seq_len
     tok = executor.tokenizer
     reqs = []
@@ -127,6 +129,13 @@ def _steps(executor, prompts: list[str], batch_size: int, steps: int, warm: int,
         reqs.append(executor.make_request(prompt, SamplingParams(max_tokens=room, temperature=0.0, ignore_eos=True)))
     for r in reqs:
         executor.submit(r)
+    return reqs
+
+
+def _steps(executor, prompts: list[str], batch_size: int, steps: int, warm: int, timer: LayerTimer | None):
+    """Closed batch stepped directly: ([(report, layer seconds or None, the draft's forwards, the step call's wall
+    seconds) of each recorded full-batch step], the first step's prefill {tokens, seconds, layers})."""
+    reqs = submit_closed_batch(executor, prompts, batch_size, steps, warm)
     out = []
     try:
         if timer is not None:

@@ -132,11 +132,14 @@ class _PackedQKV:
                     or any(not isinstance(m.__dict__.get("forward"), _PackedForward) for m in (q, k, v)):
                 self.packed = None  # replaced or wrapped for good: do not keep a third copy of the weights
             return None
-        state = self._state()
-        if self.packed is None or len(state) != len(self.state) \
-                or any(a is not b or va != vb for (a, va), (b, vb) in zip(state, self.state)):
+        if self.packed is None or stale(self.state, self._state()):
             self._pack()
         return _product(x, self.packed, self.bias).split(self.sizes, dim=-1)
+
+
+def stale(old: list, new: list) -> bool:
+    """Two [(tensor, its version)] readings differ: a tensor replaced or changed in place since `old`."""
+    return len(old) != len(new) or any(a is not b or va != vb for (a, va), (b, vb) in zip(old, new))
 
 
 def _product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

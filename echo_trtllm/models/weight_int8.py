@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .packed import PackedWrapper, _PackedForward, _PackedQKV, prepack_linears
+from .packed import PackedWrapper, _PackedForward, _PackedQKV, prepack_linears, stale
 
 __all__ = ["INT8_ROWS", "IN_FEATURES_MULTIPLE", "SCHEMES", "quantize_w8a16", "is_w8a16", "int8_weight", "apply_draft_quantization"]
 
@@ -106,11 +106,8 @@ class Int8QKV:
         self.state = None
         self._quantize()
 
-    def _state(self) -> list:
-        return [(t, t._version) for m in self.modules for t in (m.weight, m.bias) if t is not None]
-
     def _quantize(self) -> None:
-        self.state = self._state()
+        self.state = self.inner._state()  # the three modules' weights and biases with their versions
         w = torch.cat([m.weight for m in self.modules])
         self.w8, self.scale = int8_weight(w) if _kernel_takes(w) else (None, None)
         biases = [m.bias for m in self.modules]
@@ -120,8 +117,7 @@ class Int8QKV:
     def __call__(self, x: torch.Tensor, q: nn.Module, k: nn.Module, v: nn.Module):
         if not _few_rows(x) or not self.inner._applies((q, k, v)):
             return self.inner(x, q, k, v)
-        state = self._state()
-        if len(state) != len(self.state) or any(a is not b or va != vb for (a, va), (b, vb) in zip(state, self.state)):
+        if stale(self.state, self.inner._state()):
             self._quantize()
         if self.w8 is None:  # replaced by weights the kernel cannot take
             return self.inner(x, q, k, v)
