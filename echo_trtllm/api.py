@@ -26,8 +26,7 @@ from echo_trtllm.models.eagle3 import Eagle3Head
 from echo_trtllm.models.llama import CausalLM
 from echo_trtllm.models.invariant import is_batch_invariant, make_batch_invariant
 from echo_trtllm.models.packed import prepack_linears
-from echo_trtllm.models.weight_int8 import SCHEMES as QUANT_SCHEMES
-from echo_trtllm.models.weight_int8 import apply_draft_quantization, is_w8a16
+from echo_trtllm.models.weight_int8 import apply_draft_quantization, check_draft_quantization, is_w8a16
 from echo_trtllm.models.loader import DTYPE_CHOICES, Tokenizer, check_model_path, check_same_vocabulary, load_model
 from echo_trtllm.runtime.calibrate import LOAD_REPEATS, Calibration, measure_cost_model
 from echo_trtllm.runtime.clock import Clock
@@ -114,16 +113,9 @@ def _check_options(*, max_batch_size, tensor_parallel_size, max_seq_len, max_num
             raise ValueError(f"device must be a torch device string such as 'cpu' or 'cuda:0', got {device!r}") from None
         if dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
             raise ValueError(f"device {device!r}: no such CUDA device here ({torch.cuda.device_count()} visible)")
-    if draft_quantization is not None:
-        if draft_quantization not in QUANT_SCHEMES:
-            raise ValueError(f"draft_quantization must be None or one of {', '.join(map(repr, QUANT_SCHEMES))}, got "
-                             f"{draft_quantization!r}")
-        if tensor_parallel_size > 1:
-            raise ValueError(f"draft_quantization={draft_quantization!r} runs on one device: tensor_parallel_size "
-                             f"must be 1")
-        if device is not None and torch.device(device).type != "cpu":
-            raise ValueError(f"draft_quantization={draft_quantization!r} runs the CPU's int8 kernel: device must be "
-                             f"'cpu', got {device!r}")
+    check_draft_quantization(draft_quantization, device, None)
+    if draft_quantization is not None and tensor_parallel_size > 1:
+        raise ValueError(f"draft_quantization={draft_quantization!r} runs on one device: tensor_parallel_size must be 1")
 
 
 def _resolve_sources(model, draft_model, engine_dir, dtype, speculative_config, calibration):
@@ -255,6 +247,7 @@ class LLM:
         check_limits(config, max_batch_size, has_draft=draft_model is not None or not policy.needs_draft_model)
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        check_draft_quantization(draft_quantization, device, dtype)  # the device and dtype resolved, nothing loaded
         self._tp_group = None
         if draft_model is not None and not policy.needs_draft_model:
             draft_model = None
@@ -287,8 +280,15 @@ class LLM:
         for model in (target, draft):  # bfloat16 linears run oneDNN's prepacked kernels (models/packed.py)
             if model is not None:
                 prepack_linears(model)
-        if draft is not None:  # the draft's few-row products on int8 copies (models/weight_int8.py)
-            apply_draft_quantization(draft, self._draft_quantization)
+        if is_w8a16(target):  # a draft quantised by another LLM, now a target: its tokens would not be its own
+            raise ValueError("model: its few-row products run int8 copies (it was given draft_quantization='w8a16' "
+                             "as a draft); load it again to use it as a target")
+        if draft is not None and self._draft_quantization is not None:
+            shared = {id(p) for p in target.parameters()} & {id(p) for p in draft.parameters()}
+            if shared:
+                raise ValueError(f"draft_quantization={self._draft_quantization!r}: the draft shares {len(shared)} "
+                                 f"weights with the target, whose products would run int8 too; give a separate draft")
+            apply_draft_quantization(draft, self._draft_quantization)  # few-row products on int8 copies
         self.draft_quantization = "w8a16" if draft is not None and is_w8a16(draft) else None
         if self.batch_invariant:  # the target's logits; the draft only proposes (verification decides the tokens)
             make_batch_invariant(target)

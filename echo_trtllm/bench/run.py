@@ -398,11 +398,12 @@ def make_engine(target, draft, tokenizer, config: EchoConfig, batch_size: int, m
     """One method's engine through the public API, on already loaded models (fallback: a FALLBACK_MODES mode;
     draft_quantization: LLM's, which switches the loaded draft in place)."""
     room = batch_size * make_policy(config).max_tree_nodes  # a step of full trees for every request
-    return LLM(target, draft if POLICIES[config.policy].needs_draft_model else None, tokenizer=tokenizer,
+    drafts = POLICIES[config.policy].needs_draft_model
+    return LLM(target, draft if drafts else None, tokenizer=tokenizer,
                speculative_config=config, max_batch_size=batch_size, max_seq_len=max_seq_len,
                max_num_tokens=max(2048, room), calibration=calibration, cost_model=cost_model,
                iter_stats_max_iterations=1 << 20, fallback=FALLBACK_MODES[fallback],
-               draft_quantization=draft_quantization)
+               draft_quantization=draft_quantization if drafts else None)
 
 
 def bench(target, draft, tokenizer, prompts: list[str], cfg: BenchConfig, calibration=None, cost_model="auto",

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
     from echo_trtllm.models.draft import draft_kind, load_draft
     from echo_trtllm.models.loader import load_model
-    from echo_trtllm.models.weight_int8 import apply_draft_quantization
+    from echo_trtllm.models.weight_int8 import apply_draft_quantization, check_draft_quantization
     from echo_trtllm.runtime.calibrate import Calibration
 
     try:
@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--profile-steps must be >= 1, got {args.profile_steps}")
         if args.no_cost_model and args.calibration:
             raise ValueError("--no-cost-model runs without the calibration's cost curve: do not give --calibration")
+        check_draft_quantization(args.draft_quantization, args.device or "cpu", args.dtype)
     except options.USAGE_ERRORS as e:
         return options.fail(PROG, e)
     device = args.device or "cpu"

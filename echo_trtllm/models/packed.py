@@ -197,7 +197,7 @@ def prepack_linears(model: nn.Module) -> int:
     for m in model.modules():
         if _cpu_bf16_linear(m):
             fwd = m.__dict__.get("forward")
-            if isinstance(fwd, TiledForward) and not isinstance(fwd.inner, _PackedForward):
+            if isinstance(fwd, TiledForward) and not isinstance(fwd.inner, (_PackedForward, PackedWrapper)):
                 fwd.inner = _PackedForward(m)
                 n += 1
             elif not isinstance(fwd, (_PackedForward, TiledForward, PackedWrapper)):

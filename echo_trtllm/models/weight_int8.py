@@ -30,22 +30,25 @@ from torch import nn
 
 from .packed import PackedWrapper, _PackedForward, _PackedQKV, prepack_linears, stale
 
-__all__ = ["INT8_ROWS", "IN_FEATURES_MULTIPLE", "SCHEMES", "quantize_w8a16", "is_w8a16", "int8_weight", "apply_draft_quantization"]
+__all__ = ["INT8_ROWS", "IN_FEATURES_MULTIPLE", "SCHEMES", "quantize_w8a16", "is_w8a16", "int8_weight", "apply_draft_quantization",
+           "check_draft_quantization"]
 
 INT8_ROWS = 4  # products of 1 .. INT8_ROWS rows read the int8 copy (module docstring)
 # the kernel reads the input features in blocks of this many, without a tail: with another width (Qwen's 8,960 and
 # 1,536 are multiples; the embedded draft's 344 is not) its results are wrong or it crashes, so such a linear keeps
 # its bfloat16 product
 IN_FEATURES_MULTIPLE = 16
+ALIGN = 64  # bytes: an input not starting at such an address is copied first (PyTorch's allocations are)
 SCHEMES = ("w8a16",)  # LLM(draft_quantization=...): int8 weights, bfloat16 activations
 
 
 def int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 weight (out, in), per-output-channel scales (out,) in the weight's dtype): symmetric, each row's
-    largest magnitude at 127 (an all-zero row keeps a tiny positive scale)."""
+    largest magnitude at about 127 (an all-zero row keeps a tiny positive scale). The scale is rounded to the
+    weight's dtype first and the weight divided by the rounded one: the kernel multiplies by the rounded scale."""
     w = weight.detach().float()
-    scale = w.abs().amax(1).clamp(min=1e-8) / 127
-    return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale.to(weight.dtype)
+    scale = (w.abs().amax(1).clamp(min=1e-8) / 127).to(weight.dtype)
+    return (w / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8), scale
 
 
 def _kernel_takes(weight: torch.Tensor) -> bool:
@@ -62,7 +65,10 @@ def _few_rows(x: torch.Tensor) -> bool:
 
 
 def _product(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).contiguous(), w8, scale)
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    if rows.data_ptr() % ALIGN:  # a view at an odd offset: the kernel's vector loads want aligned rows
+        rows = rows.clone()
+    y = torch._weight_int8pack_mm(rows, w8, scale)
     y = y.reshape(*x.shape[:-1], w8.shape[0])
     return y if bias is None else y + bias
 
@@ -112,10 +118,11 @@ class Int8QKV:
         self.w8, self.scale = int8_weight(w) if _kernel_takes(w) else (None, None)
         biases = [m.bias for m in self.modules]
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-        self.sizes = [m.out_features for m in self.modules]
+        self.sizes = [m.weight.shape[0] for m in self.modules]
 
     def __call__(self, x: torch.Tensor, q: nn.Module, k: nn.Module, v: nn.Module):
-        if not _few_rows(x) or not self.inner._applies((q, k, v)):
+        if not _few_rows(x) or not self.inner._applies((q, k, v)) \
+                or torch.is_grad_enabled() and any(m.weight.requires_grad for m in (q, k, v)):
             return self.inner(x, q, k, v)
         if stale(self.state, self.inner._state()):
             self._quantize()
@@ -135,7 +142,7 @@ def quantize_w8a16(model: nn.Module) -> int:
         f = m.__dict__.get("_fused_qkv")
         if f is not None:
             fused.update(id(x) for x in f.modules)
-            if isinstance(f, _PackedQKV) and _kernel_takes(f.modules[0].weight):
+            if isinstance(f, _PackedQKV) and f.packed is not None and _kernel_takes(f.modules[0].weight):
                 m._fused_qkv = Int8QKV(f)
                 n += 1
     for m in model.modules():
@@ -150,6 +157,27 @@ def is_w8a16(model: nn.Module) -> bool:
     """`model` runs its few-row products on int8 copies (quantize_w8a16 was applied to it)."""
     return any(isinstance(m.__dict__.get("forward"), Int8Forward) or isinstance(m.__dict__.get("_fused_qkv"), Int8QKV)
                for m in model.modules())
+
+
+def check_draft_quantization(scheme, device: str | torch.device | None, dtype: str | None) -> None:
+    """What LLM(draft_quantization=scheme) needs, checked before anything loads (ValueError naming the argument):
+    a known scheme, the CPU (`device`, resolved), oneDNN's bfloat16 kernels there, a bfloat16 draft (`dtype`: the
+    LLM's, "auto" resolving to bfloat16 only on such a CPU)."""
+    from .packed import prepack_available
+
+    if scheme is None:
+        return
+    if scheme not in SCHEMES:
+        raise ValueError(f"draft_quantization must be None or one of {', '.join(map(repr, SCHEMES))}, got {scheme!r}")
+    if device is not None and torch.device(device).type != "cpu":
+        raise ValueError(f"draft_quantization={scheme!r} runs the CPU's int8 kernel: device must be 'cpu', got "
+                         f"{str(device)!r}")
+    if not prepack_available():
+        raise ValueError(f"draft_quantization={scheme!r} wraps oneDNN's packed bfloat16 products, which this CPU "
+                         f"lacks (bfloat16 matrix instructions: AVX512-BF16 or AMX-BF16)")
+    if dtype in ("float32", "float16"):
+        raise ValueError(f"draft_quantization={scheme!r} quantises a bfloat16 draft: dtype must be 'bfloat16' or "
+                         f"'auto', got {dtype!r}")
 
 
 def apply_draft_quantization(draft: nn.Module, scheme: str | None) -> None:

@@ -185,10 +185,15 @@ def test_the_head_split_runs_both_arms_on_the_embedded_pair(head_split, tmp_path
     assert "cpu_flags" in doc["machine"] and doc["command"].startswith("python scripts/head_split.py")
     assert doc["arms"]["bf16"]["draft_quantization"] is None and doc["arms"]["w8a16"]["draft_quantization"] == "w8a16"
     for arm in ("bf16", "w8a16"):
-        for r in doc["arms"][arm]["rounds"]:
-            if r["steps"]:
-                assert r["bookkeeping_ms"] >= -1e-6 and r["root_ms"] > 0 and r["forwards_per_step"] >= 1
-                assert r["root_ms"] + r["levels_ms"] + r["top_k_ms"] <= r["draft_ms"] + 1e-6
+        rounds = [r for r in doc["arms"][arm]["rounds"] if r["steps"]]
+        assert rounds  # every step is speculative (fallback off): a round records its steps
+        for r in rounds:
+            assert r["root_ms"] > 0 and r["forwards_per_step"] >= 1
+            # each part is within the draft phase step by step, so its median is within the phase's median (the
+            # medians of the parts need not add up)
+            for part in ("root_ms", "levels_ms", "top_k_ms"):
+                assert r[part] <= r["draft_ms"] + 1e-6
+            assert r["bookkeeping_ms"] >= -1e-6
     for bad in (["--arms", "fp8"], ["--arms", "bf16,bf16"], ["--arms", "w8a16", "--dtype", "float32"],
                 ["--steps", "0"]):
         with pytest.raises(SystemExit):
@@ -204,5 +209,6 @@ def test_the_control_split_report_says_the_machine(tmp_path):
                         "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["control_split"][0]["batch_size"] == 2 and "cpu_flags" in doc["machine"]
+    shown = str(out).replace(str(Path.home()), "~")  # a report names no one's home directory
     assert doc["command"] == "python scripts/control_split.py --split-only --batch-sizes 2 --steps 2 --threads 1 " \
-                             f"--json {out}"
+                             f"--json {shown}"
