@@ -89,9 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     from echo_trtllm.bench.prompts import load_prompts
     from echo_trtllm.bench.run import BenchConfig, bench, load_hf_pair, markdown_table, plot, profile_table
     from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
-    from echo_trtllm.models.draft import draft_kind, load_draft
-    from echo_trtllm.models.loader import load_model
-    from echo_trtllm.models.weight_int8 import apply_draft_quantization, check_draft_quantization
+    from echo_trtllm.models.draft import draft_kind
+    from echo_trtllm.models.weight_int8 import check_draft_quantization
     from echo_trtllm.runtime.calibrate import Calibration
 
     try:
@@ -115,16 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         check_draft_quantization(args.draft_quantization, args.device or "cpu", args.dtype)
     except options.USAGE_ERRORS as e:
         return options.fail(PROG, e)
-    device = args.device or "cpu"
-    t0 = time.perf_counter()
-    target, tok = load_model(args.model or DEFAULT_TARGET, dtype=args.dtype, device=device)
-    draft = load_draft(args.draft_model or DEFAULT_DRAFT, target, dtype=args.dtype, device=device)
-    try:  # every method's engine runs this one draft: quantised here, before its prices are measured
-        apply_draft_quantization(draft, args.draft_quantization)
+    try:
+        target, tok, draft = _load(args)
     except ValueError as e:
         return options.fail(PROG, e)
-    print(f"loaded target + draft in {time.perf_counter() - t0:.0f} s ({target.dtype} / {draft.dtype}"
-          f"{', draft ' + args.draft_quantization if args.draft_quantization else ''})", flush=True)
     calibration, cost_model = _prices(args, cfg, target, draft, tok, calibration, calibration_prompts, in_process)
     if args.profile_phases:
         try:
@@ -185,6 +178,24 @@ def _prices(args, cfg, target, draft, tok, calibration, calibration_prompts, in_
               ", ".join(f"{t}:{s * 1e3:.1f}ms" for t, s in zip(cost_model.verify_tokens, cost_model.verify_seconds)),
               flush=True)
     return calibration, cost_model
+
+
+def _load(args):
+    """(target, tokenizer, draft) of the model flags; the draft quantised as --draft-quantization says: every
+    method's engine runs this one draft, quantised here before its prices are measured."""
+    from echo_trtllm.models import DEFAULT_DRAFT, DEFAULT_TARGET
+    from echo_trtllm.models.draft import load_draft
+    from echo_trtllm.models.loader import load_model
+    from echo_trtllm.models.weight_int8 import apply_draft_quantization
+
+    device = args.device or "cpu"
+    t0 = time.perf_counter()
+    target, tok = load_model(args.model or DEFAULT_TARGET, dtype=args.dtype, device=device)
+    draft = load_draft(args.draft_model or DEFAULT_DRAFT, target, dtype=args.dtype, device=device)
+    apply_draft_quantization(draft, args.draft_quantization)
+    print(f"loaded target + draft in {time.perf_counter() - t0:.0f} s ({target.dtype} / {draft.dtype}"
+          f"{', draft ' + args.draft_quantization if args.draft_quantization else ''})", flush=True)
+    return target, tok, draft
 
 
 def _meta(args, argv, cfg, target, draft, prompts, calibration_prompts, in_process, calibration, cost_model) -> dict:
