@@ -6,7 +6,11 @@ draft phase (`StepTimings.draft_model`) split into
   first to run after the target's forward has streamed the target's weights through the caches;
 - levels: its forwards of the tree's deeper levels (each frontier node reading its parent's head output);
 - top-k: the draft vocabulary's probabilities and top-k of each forward's rows;
-- bookkeeping: the rest of the phase (the features read for the root, the levels' input tensors, the rows kept).
+- bookkeeping: the rest of the phase (the features read for the root, the levels' input tensors, the rows kept);
+
+and the head's forwards (root and levels) further into their products (the packed bfloat16 and the int8 kernels'
+calls), the attention kernel, and the rest of the forward (norms, rotary tables, the KV write, masks, the Python
+around each operation).
 
 With `--arms bf16,w8a16` a second engine on the same target runs its own copy of the head with
 `LLM(draft_quantization="w8a16")` (models/weight_int8.py: products of at most four rows, a one-row step's draft
@@ -21,6 +25,7 @@ order reversed every other round), each on its own engine and head.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -33,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 ARMS = ("bf16", "w8a16")  # the head as loaded; the head with LLM(draft_quantization="w8a16")
 WARM_STEPS = 4  # steps after the prefill and before any is recorded
-PARTS = ("root_ms", "levels_ms", "top_k_ms", "bookkeeping_ms")
+PARTS = ("root_ms", "levels_ms", "top_k_ms", "bookkeeping_ms", "products_ms", "attention_ms", "forward_rest_ms")
 
 
 class DraftSplit:
@@ -42,6 +47,7 @@ class DraftSplit:
 
     def __init__(self, drafter) -> None:
         self.where = None
+        self.in_forward = False
         self.reset()
         for name in ("expand_roots", "expand_level"):
             setattr(drafter, name, self._marked(getattr(drafter, name), "root" if name == "expand_roots" else "levels"))
@@ -49,8 +55,20 @@ class DraftSplit:
         drafter._top_k = self._timed(drafter._top_k, "top_k")
 
     def reset(self) -> None:
-        self.seconds = {"root": 0.0, "levels": 0.0, "top_k": 0.0}
+        self.seconds = {"root": 0.0, "levels": 0.0, "top_k": 0.0, "products": 0.0, "attention": 0.0}
         self.forwards = 0
+
+    def kernel(self, fn, part: str):
+        """fn timed into `part` while a head forward of a drafting call runs (the target's calls are not)."""
+        def call(*args, **kwargs):
+            if not self.in_forward:
+                return fn(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - t0
+        return call
 
     def _marked(self, fn, where: str):
         def call(*args, **kwargs):
@@ -64,14 +82,38 @@ class DraftSplit:
     def _timed(self, fn, part: str | None):
         def call(*args, **kwargs):
             t0 = time.perf_counter()
+            self.in_forward = part is None and self.where is not None
             try:
                 return fn(*args, **kwargs)
             finally:
+                self.in_forward = False
                 key = part or self.where
                 if key is not None:
                     self.seconds[key] += time.perf_counter() - t0
                     self.forwards += part is None
         return call
+
+
+@contextlib.contextmanager
+def kernel_timers(splits: list[DraftSplit]):
+    """The packed bfloat16 and int8 products and the attention kernel timed for every split (while its head
+    forwards run); restored after."""
+    import torch.nn.functional as F
+
+    from echo_trtllm.models import packed, weight_int8
+
+    saved = [(packed, "_product", packed._product), (weight_int8, "_product", weight_int8._product),
+             (F, "scaled_dot_product_attention", F.scaled_dot_product_attention)]
+    for owner, name, fn in saved:
+        part = "attention" if name == "scaled_dot_product_attention" else "products"
+        for split in splits:
+            fn = split.kernel(fn, part)
+        setattr(owner, name, fn)
+    try:
+        yield
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
 
 
 def run_round(llm, split: DraftSplit, prompts: list[str], batch_size: int, steps: int) -> list[dict]:
@@ -94,6 +136,8 @@ def run_round(llm, split: DraftSplit, prompts: list[str], batch_size: int, steps
             draft = report.timings.draft_model * 1e3
             rows.append({"step_ms": wall * 1e3, "draft_ms": draft, "root_ms": ms["root"], "levels_ms": ms["levels"],
                          "top_k_ms": ms["top_k"], "bookkeeping_ms": draft - ms["root"] - ms["levels"] - ms["top_k"],
+                         "products_ms": ms["products"], "attention_ms": ms["attention"],
+                         "forward_rest_ms": ms["root"] + ms["levels"] - ms["products"] - ms["attention"],
                          "forwards": split.forwards, "emitted": report.emitted_tokens,
                          "verified": report.verified_tokens})
     finally:
@@ -127,6 +171,18 @@ def combine(rounds: list[dict]) -> dict:
     keys = [k for k in rounds[0] if k != "steps" and all(r.get(k) is not None for r in rounds)]
     return {k: {"median": round(statistics.median(r[k] for r in rounds), 4),
                 "min": min(r[k] for r in rounds), "max": max(r[k] for r in rounds)} for k in keys}
+
+
+def _rounds(args, arms: list[str], engines: dict, prompts: list[str], rounds: dict) -> None:
+    """The arms alternating within each round (the order reversed every other round), each round's prompts its
+    own and the same for every arm; each arm's round summaries appended to rounds[arm]."""
+    for rnd in range(args.rounds):
+        for arm in (arms if rnd % 2 == 0 else arms[::-1]):
+            llm, split = engines[arm]
+            start = rnd * args.batch_size  # each round its own prompts, the same for every arm
+            summary = summarize(run_round(llm, split, prompts[start:] + prompts[:start], args.batch_size, args.steps))
+            rounds[arm].append(summary)
+            print(f"round {rnd + 1} {arm}: " + ", ".join(f"{k} {v}" for k, v in summary.items()), flush=True)
 
 
 def main(argv=None) -> int:
@@ -168,13 +224,8 @@ def main(argv=None) -> int:
         engines[arm] = (llm, DraftSplit(llm.executor.drafter))
     prompts = load_prompts("humaneval", "eval")
     rounds = {arm: [] for arm in arms}
-    for rnd in range(args.rounds):
-        for arm in (arms if rnd % 2 == 0 else arms[::-1]):
-            llm, split = engines[arm]
-            start = rnd * args.batch_size  # each round its own prompts, the same for every arm
-            summary = summarize(run_round(llm, split, prompts[start:] + prompts[:start], args.batch_size, args.steps))
-            rounds[arm].append(summary)
-            print(f"round {rnd + 1} {arm}: " + ", ".join(f"{k} {v}" for k, v in summary.items()), flush=True)
+    with kernel_timers([split for _, split in engines.values()]):
+        _rounds(args, arms, engines, prompts, rounds)
     out = {"batch_size": args.batch_size, "steps": args.steps, "dtype": args.dtype, "threads": args.threads,
            "arms": {arm: {"rounds": rounds[arm], "combined": combine([r for r in rounds[arm] if r["steps"]])
                           if any(r["steps"] for r in rounds[arm]) else {},

@@ -162,11 +162,14 @@ def head_split():
 
 def test_the_head_split_summary_by_hand(head_split):
     rows = [{"step_ms": 100.0, "draft_ms": 6.0, "root_ms": 3.0, "levels_ms": 2.0, "top_k_ms": 0.4,
-             "bookkeeping_ms": 0.6, "forwards": 2, "emitted": 2, "verified": 5},
+             "bookkeeping_ms": 0.6, "products_ms": 3.0, "attention_ms": 0.5, "forward_rest_ms": 1.5, "forwards": 2,
+             "emitted": 2, "verified": 5},
             {"step_ms": 140.0, "draft_ms": 9.0, "root_ms": 4.0, "levels_ms": 4.0, "top_k_ms": 0.5,
-             "bookkeeping_ms": 0.5, "forwards": 3, "emitted": 1, "verified": 6}]
+             "bookkeeping_ms": 0.5, "products_ms": 5.0, "attention_ms": 0.7, "forward_rest_ms": 2.3, "forwards": 3,
+             "emitted": 1, "verified": 6}]
     s = head_split.summarize(rows)
     assert s["step_ms"] == 120.0 and s["root_ms"] == 3.5 and s["forwards_per_step"] == 2.5
+    assert s["products_ms"] == 4.0 and s["forward_rest_ms"] == 1.9
     assert s["root_ms_per_forward"] == 3.5 and s["level_ms_per_forward"] == 2.0  # 6 ms over 3 level forwards
     assert s["head_share"] == round(15 / 240, 4) and s["tokens_per_s"] == 12.5
     assert head_split.summarize([]) == {"steps": 0}
@@ -191,8 +194,9 @@ def test_the_head_split_runs_both_arms_on_the_embedded_pair(head_split, tmp_path
             assert r["root_ms"] > 0 and r["forwards_per_step"] >= 1
             # each part is within the draft phase step by step, so its median is within the phase's median (the
             # medians of the parts need not add up)
-            for part in ("root_ms", "levels_ms", "top_k_ms"):
+            for part in ("root_ms", "levels_ms", "top_k_ms", "products_ms", "attention_ms", "forward_rest_ms"):
                 assert r[part] <= r["draft_ms"] + 1e-6
+            assert r["products_ms"] > 0 and r["attention_ms"] > 0 and r["forward_rest_ms"] > 0
             assert r["bookkeeping_ms"] >= -1e-6
     for bad in (["--arms", "fp8"], ["--arms", "bf16,bf16"], ["--arms", "w8a16", "--dtype", "float32"],
                 ["--steps", "0"]):
