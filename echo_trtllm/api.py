@@ -115,7 +115,8 @@ def _check_options(*, max_batch_size, tensor_parallel_size, max_seq_len, max_num
             raise ValueError(f"device {device!r}: no such CUDA device here ({torch.cuda.device_count()} visible)")
     check_draft_quantization(draft_quantization, device, None)
     if draft_quantization is not None and tensor_parallel_size > 1:
-        raise ValueError(f"draft_quantization={draft_quantization!r} runs on one device: tensor_parallel_size must be 1")
+        raise ValueError(f"draft_quantization={draft_quantization!r} runs on one device: tensor_parallel_size "
+                         f"must be 1")
 
 
 def _resolve_sources(model, draft_model, engine_dir, dtype, speculative_config, calibration):

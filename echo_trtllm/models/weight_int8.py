@@ -5,18 +5,19 @@ A one-row speculative step runs the draft's forwards on a handful of rows each (
 the step reads the pending chain, one to three tokens; its levels the frontier's few nodes), where the products
 stream the weights from memory and their bytes set the time. The step's first head forward comes right after the
 target's, which has streamed the target's weights through the caches: on the 2-core AMD EPYC (AVX512-BF16) it took
-3.5-3.9 ms of a tiny head's 8-10 ms a step, and with int8 weights 2.5-2.7 ms in every round, with the tokens
-accepted a step unchanged (docs/performance.md, 2026-12-07, eighth; scripts/head_split.py).
+3.0-3.9 ms of a tiny head's 7-11 ms draft phase a step, and 2.3-2.8 ms with int8 weights, shorter in every round of
+the paired readings, with the tokens emitted a step the same (docs/performance.md, 2026-12-07, eighth;
+scripts/head_split.py).
 
 `quantize_w8a16(model)` gives each of a draft's prepacked bfloat16 linears (models/packed.py), and each fused q/k/v
 product, an int8 copy of its weight with one scale per output channel (symmetric: a row's largest magnitude maps to
 127). A product of 1 to `INT8_ROWS` rows then runs PyTorch's CPU kernel `torch._weight_int8pack_mm` on the int8
 copy (its bias, if any, added after; a linear whose input width is not a multiple of `IN_FEATURES_MULTIPLE` keeps
-its bfloat16 product: the kernel has no tail for it); a wider product (a batch's levels, a prefill) runs the packed bfloat16 weight
-as before, so the draft's numbers at a few rows are those of the rounded weights and at many rows those of the
-weights themselves. Only the draft proposes tokens: verification by the target decides every emitted token, so the
-output is what plain decoding gives (the tests hold it to AR in batch-invariant mode); the int8 weights change only
-which drafts are proposed.
+its bfloat16 product: the kernel has no tail for it); a wider product (a batch's levels, a prefill) runs the packed
+bfloat16 weight as before, so the draft's numbers at a few rows are those of the rounded weights and at many rows
+those of the weights themselves. Only the draft proposes tokens: verification by the target decides every emitted
+token, so the output is what plain decoding gives (the tests hold it to AR in batch-invariant mode); the int8 weights
+change only which drafts are proposed.
 
 The module's weight is kept (exports and sharding read it): the int8 copy costs half the bfloat16 bytes again. A
 weight changed in place or replaced is quantised again at the next few-row call. The draft is switched in place and
@@ -30,8 +31,8 @@ from torch import nn
 
 from .packed import PackedWrapper, _PackedForward, _PackedQKV, prepack_linears, stale
 
-__all__ = ["INT8_ROWS", "IN_FEATURES_MULTIPLE", "SCHEMES", "quantize_w8a16", "is_w8a16", "int8_weight", "apply_draft_quantization",
-           "check_draft_quantization"]
+__all__ = ["INT8_ROWS", "IN_FEATURES_MULTIPLE", "SCHEMES", "quantize_w8a16", "is_w8a16", "int8_weight",
+           "apply_draft_quantization", "check_draft_quantization"]
 
 INT8_ROWS = 4  # products of 1 .. INT8_ROWS rows read the int8 copy (module docstring)
 # the kernel reads the input features in blocks of this many, without a tail: with another width (Qwen's 8,960 and
@@ -154,9 +155,16 @@ def quantize_w8a16(model: nn.Module) -> int:
 
 
 def is_w8a16(model: nn.Module) -> bool:
-    """`model` runs its few-row products on int8 copies (quantize_w8a16 was applied to it)."""
-    return any(isinstance(m.__dict__.get("forward"), Int8Forward) or isinstance(m.__dict__.get("_fused_qkv"), Int8QKV)
-               for m in model.modules())
+    """`model` runs some of its few-row products on int8 copies: quantize_w8a16 was applied to it and a quantised
+    linear still has bfloat16 weights on the CPU (a model converted to another dtype or device since runs none)."""
+    def live(w: torch.Tensor) -> bool:
+        return w.dtype == torch.bfloat16 and w.device.type == "cpu"
+
+    for m in model.modules():
+        f, qkv = m.__dict__.get("forward"), m.__dict__.get("_fused_qkv")
+        if isinstance(f, Int8Forward) and live(m.weight) or isinstance(qkv, Int8QKV) and live(qkv.modules[0].weight):
+            return True
+    return False
 
 
 def check_draft_quantization(scheme, device: str | torch.device | None, dtype: str | None) -> None:

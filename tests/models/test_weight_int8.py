@@ -141,6 +141,10 @@ def test_a_heads_fused_q_k_and_v_run_one_stacked_int8_product(int8_calls):
     linears = [m for m in head.modules() if type(m) is torch.nn.Linear]
     assert n == len(linears) - 3 + 1  # every linear but q, k and v, and the fused product
     assert quantize_w8a16(head) == 0 and prepack_linears(head) == 0 and is_w8a16(head)
+    assert not is_w8a16(load_eagle3(DEFAULT_EAGLE3, target).float())  # never quantised
+    converted = load_eagle3(DEFAULT_EAGLE3, target)
+    quantize_w8a16(converted)
+    assert not is_w8a16(converted.float())  # converted since: no int8 product runs
     assert all(isinstance(m.__dict__["forward"], Int8Forward) for m in linears
                if m not in (attn.q_proj, attn.k_proj, attn.v_proj))
     x = torch.randn(3, attn.q_proj.in_features, dtype=torch.bfloat16)
