@@ -45,6 +45,15 @@ def _linear(n_in, n_out, bias=True, seed=0):
     return torch.nn.Linear(n_in, n_out, bias=bias).to(torch.bfloat16)
 
 
+def _quantised_linear(n_in, n_out, bias=True):
+    """A bfloat16 linear given its int8 copy (inside a module, as a draft's linears are)."""
+    lin = _linear(n_in, n_out, bias)
+    module = torch.nn.Module()
+    module.proj = lin
+    assert quantize_w8a16(module) == 1
+    return lin
+
+
 def test_the_int8_weight_is_the_weight_rounded_per_output_channel():
     w = _linear(96, 40).weight
     w8, scale = int8_weight(w)
@@ -113,10 +122,7 @@ def test_a_linear_the_kernel_cannot_take_keeps_its_bfloat16_product(int8_calls):
 
 
 def test_a_weight_changed_in_place_is_quantised_again(int8_calls):
-    lin = _linear(64, 32)
-    module = torch.nn.Module()
-    module.proj = lin
-    quantize_w8a16(module)
+    lin = _quantised_linear(64, 32)
     x = torch.randn(1, 64, dtype=torch.bfloat16)
     with torch.no_grad():
         lin.weight.mul_(-2.0)
@@ -232,10 +238,7 @@ def test_the_clis_choices_are_the_llms_schemes():
 
 def test_an_input_at_an_odd_offset_is_copied_before_the_kernel(int8_calls):
     """A row view one element into a larger tensor (not 64-byte aligned) gives the same product as a fresh copy."""
-    lin = _linear(64, 32)
-    module = torch.nn.Module()
-    module.proj = lin
-    quantize_w8a16(module)
+    lin = _quantised_linear(64, 32)
     big = torch.randn(2, 65, dtype=torch.bfloat16)
     view = big[:1, 1:]  # contiguous, at an offset of 2 bytes
     assert view.is_contiguous() and view.data_ptr() % 64
