@@ -181,6 +181,11 @@ def _biases_match(mods) -> bool:
     return {None if m.bias is None else m.bias.dtype for m in mods} in ({None}, {torch.bfloat16})
 
 
+def fused_projections(model: nn.Module) -> set[int]:
+    """ids of the q, k and v linears whose attention runs them as one fused product (`_fused_qkv`)."""
+    return {id(x) for m in model.modules() if "_fused_qkv" in m.__dict__ for x in m._fused_qkv.modules}
+
+
 def prepack_linears(model: nn.Module) -> int:
     """Prepack every bfloat16 `nn.Linear` of `model` on the CPU (module docstring); returns how many were given a packed
     forward now (a fused attention's q, k and v count, their own forwards packing only if called). Does nothing where
@@ -193,7 +198,7 @@ def prepack_linears(model: nn.Module) -> int:
     for m in model.modules():
         if _fusable_qkv(m):
             m._fused_qkv = _PackedQKV(m.q_proj, m.k_proj, m.v_proj)
-    fused = {id(x) for m in model.modules() if "_fused_qkv" in m.__dict__ for x in m._fused_qkv.modules}
+    fused = fused_projections(model)
     for m in model.modules():
         if _cpu_bf16_linear(m):
             fwd = m.__dict__.get("forward")

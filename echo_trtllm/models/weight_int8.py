@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .packed import PackedWrapper, _PackedForward, _PackedQKV, prepack_linears, stale
+from .packed import PackedWrapper, _PackedForward, _PackedQKV, fused_projections, prepack_linears, stale
 
 __all__ = ["INT8_ROWS", "IN_FEATURES_MULTIPLE", "SCHEMES", "quantize_w8a16", "is_w8a16", "int8_weight",
            "apply_draft_quantization", "check_draft_quantization"]
@@ -138,14 +138,12 @@ def quantize_w8a16(model: nn.Module) -> int:
     (`prepack_linears`, which does nothing where it already is)."""
     prepack_linears(model)
     n = 0
-    fused = set()
+    fused = fused_projections(model)
     for m in model.modules():
         f = m.__dict__.get("_fused_qkv")
-        if f is not None:
-            fused.update(id(x) for x in f.modules)
-            if isinstance(f, _PackedQKV) and f.packed is not None and _kernel_takes(f.modules[0].weight):
-                m._fused_qkv = Int8QKV(f)
-                n += 1
+        if isinstance(f, _PackedQKV) and f.packed is not None and _kernel_takes(f.modules[0].weight):
+            m._fused_qkv = Int8QKV(f)
+            n += 1
     for m in model.modules():
         if type(m) is nn.Linear and id(m) not in fused and isinstance(m.__dict__.get("forward"), _PackedForward) \
                 and _kernel_takes(m.weight):
@@ -167,6 +165,11 @@ def is_w8a16(model: nn.Module) -> bool:
     return False
 
 
+def _check_scheme(scheme) -> None:
+    if scheme not in SCHEMES:
+        raise ValueError(f"draft_quantization must be None or one of {', '.join(map(repr, SCHEMES))}, got {scheme!r}")
+
+
 def check_draft_quantization(scheme, device: str | torch.device | None, dtype: str | None) -> None:
     """What LLM(draft_quantization=scheme) needs, checked before anything loads (ValueError naming the argument):
     a known scheme, the CPU (`device`, resolved), oneDNN's bfloat16 kernels there, a bfloat16 draft (`dtype`: the
@@ -175,8 +178,7 @@ def check_draft_quantization(scheme, device: str | torch.device | None, dtype: s
 
     if scheme is None:
         return
-    if scheme not in SCHEMES:
-        raise ValueError(f"draft_quantization must be None or one of {', '.join(map(repr, SCHEMES))}, got {scheme!r}")
+    _check_scheme(scheme)
     if device is not None and torch.device(device).type != "cpu":
         raise ValueError(f"draft_quantization={scheme!r} runs the CPU's int8 kernel: device must be 'cpu', got "
                          f"{str(device)!r}")
@@ -193,8 +195,7 @@ def apply_draft_quantization(draft: nn.Module, scheme: str | None) -> None:
     draft has no bfloat16 linear on the CPU to quantise."""
     if scheme is None:
         return
-    if scheme not in SCHEMES:
-        raise ValueError(f"draft_quantization must be None or one of {', '.join(map(repr, SCHEMES))}, got {scheme!r}")
+    _check_scheme(scheme)
     if quantize_w8a16(draft) == 0 and not is_w8a16(draft):
         dtype = getattr(draft, "dtype", None)
         raise ValueError(f"draft_quantization={scheme!r} quantises a draft's bfloat16 linears on the CPU (oneDNN's "
