@@ -1125,12 +1125,11 @@ int echo_draft_result_host(const int64_t* level_sizes, int32_t num_levels, const
                            int32_t max_nodes_per_request, const echo_segments* fit, int32_t max_depth,
                            const double* seconds, int32_t num_seconds, int32_t min_taken,
                            const int32_t* context_lengths, int64_t* tree_ints, float* tree_floats, int64_t* tree_cu,
-                           uint8_t* tree_greedy,
-                           uint8_t* selected, int8_t* phase, int32_t* num_nodes_out, int32_t* order,
-                           int32_t* order_len, int64_t* sel_ints, float* sel_floats, uint8_t* sel_greedy,
-                           int64_t* sel_cu, int64_t* num_selected, int64_t* input_ids, int64_t* position_ids,
-                           int32_t* packed_ints, int32_t* offsets, int64_t offsets_capacity, int32_t* packed_mask,
-                           int64_t mask_capacity, int32_t* n_max_out) {
+                           uint8_t* tree_greedy, uint8_t* selected, int8_t* phase, int32_t* num_nodes_out,
+                           int32_t* order, int32_t* order_len, int64_t* sel_ints, float* sel_floats,
+                           uint8_t* sel_greedy, int64_t* sel_cu, int64_t* num_selected, int64_t* input_ids,
+                           int64_t* position_ids, int32_t* packed_ints, int32_t* offsets, int64_t offsets_capacity,
+                           int32_t* packed_mask, int64_t mask_capacity, int32_t* n_max_out) {
   const char* who = "draft_result";
   ECHO_REQUIRE(level_sizes && num_levels >= 1, "%s: num_levels must be >= 1 (the roots first), got %d", who,
                num_levels);

@@ -146,24 +146,24 @@ int echo_replay_level_next_host(const int64_t* prev_request_ids, const float* pr
  * level arguments; tree_ints (7, N) at stride N: token, parent, depth, rank, source, request, global parent;
  * tree_floats (2, N): draft and path probabilities; tree_cu (B + 1); tree_greedy (N)), its selection
  * (echo_select_host with those arrays and min_taken; selected, phase (N), num_nodes_out (B), order (N),
- * order_len), the selected sub-tree (echo_tree_select_host with mask = selected; sel_ints, sel_floats at stride N as the tree's, sel_greedy,
- * sel_cu (B + 1), *num_selected = M) and every node of it packed for verification (echo_pack_host with
- * context_lengths (B); packed_ints at stride M after cu: cu_out (B + 1), generation lengths (B), parents (M),
- * depths (M); offsets (B, n_max) and packed_mask (M, words_per_row(n_max)) contiguous; input_ids and position_ids
- * (M) int64; *n_max_out). The other outputs are sized for N nodes; offsets and packed_mask hold offsets_capacity and
- * mask_capacity entries, checked against B x n_max and M x words_per_row(n_max) before anything is packed. */
+ * order_len), the selected sub-tree (echo_tree_select_host with mask = selected; sel_ints, sel_floats at stride N
+ * as the tree's, sel_greedy, sel_cu (B + 1), *num_selected = M) and every node of it packed for verification
+ * (echo_pack_host with context_lengths (B); packed_ints at stride M after cu: cu_out (B + 1), generation lengths
+ * (B), parents (M), depths (M); offsets (B, n_max) and packed_mask (M, words_per_row(n_max)) contiguous; input_ids
+ * and position_ids (M) int64; *n_max_out). The other outputs are sized for N nodes; offsets and packed_mask hold
+ * offsets_capacity and mask_capacity entries, checked against B x n_max and M x words_per_row(n_max) before anything
+ * is packed. */
 int echo_draft_result_host(const int64_t* level_sizes, int32_t num_levels, const int64_t* request_ids,
                            const int64_t* parent_ids, const int64_t* token_ids, const float* draft_probs,
                            const float* path_probs, const int64_t* ranks, const int32_t* spine_depth, int32_t budget,
                            int32_t max_nodes_per_request, const echo_segments* fit, int32_t max_depth,
                            const double* seconds, int32_t num_seconds, int32_t min_taken,
                            const int32_t* context_lengths, int64_t* tree_ints, float* tree_floats, int64_t* tree_cu,
-                           uint8_t* tree_greedy,
-                           uint8_t* selected, int8_t* phase, int32_t* num_nodes_out, int32_t* order,
-                           int32_t* order_len, int64_t* sel_ints, float* sel_floats, uint8_t* sel_greedy,
-                           int64_t* sel_cu, int64_t* num_selected, int64_t* input_ids, int64_t* position_ids,
-                           int32_t* packed_ints, int32_t* offsets, int64_t offsets_capacity, int32_t* packed_mask,
-                           int64_t mask_capacity, int32_t* n_max_out);
+                           uint8_t* tree_greedy, uint8_t* selected, int8_t* phase, int32_t* num_nodes_out,
+                           int32_t* order, int32_t* order_len, int64_t* sel_ints, float* sel_floats,
+                           uint8_t* sel_greedy, int64_t* sel_cu, int64_t* num_selected, int64_t* input_ids,
+                           int64_t* position_ids, int32_t* packed_ints, int32_t* offsets, int64_t offsets_capacity,
+                           int32_t* packed_mask, int64_t mask_capacity, int32_t* n_max_out);
 
 /* ECHO's selection (echo_trtllm.core.policies.EchoPolicy.select with a cost model) in one call:
  * echo_allocate_budget_host (same arguments; order required), then the budget rule along the taken order
