@@ -120,6 +120,21 @@ class Eagle3Head(nn.Module):
         """Target vocabulary ids of draft-vocabulary ids."""
         return draft_ids + self.d2t[draft_ids]
 
+    def rope(self, position_ids: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+        """`rope_cos_sin` of the positions, read from a table of positions 0 .. rows - 1 (the cache's, which holds
+        every position a head forward writes) made once per dtype and device: the head runs one layer, so the
+        table's six small operations were paid once per layer, 0.15 ms of a one-row forward's 1.8 with cold
+        caches (docs/performance.md). The rows equal rope_cos_sin's to the bit (tests/models/test_eagle3.py); a
+        position past the table is computed as before."""
+        table = self.__dict__.get("_rope_table")
+        if table is None or table[0].shape[0] < rows or table[0].dtype != self.dtype or table[0].device != self.device:
+            positions = torch.arange(rows, device=self.device)
+            table = self._rope_table = rope_cos_sin(self.inv_freq, positions, self.dtype)
+        try:
+            return table[0].index_select(0, position_ids), table[1].index_select(0, position_ids)
+        except IndexError:
+            return rope_cos_sin(self.inv_freq, position_ids, self.dtype)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache, features: Tensor) -> tuple[Tensor, Tensor]:
         """(draft logits (S, draft_vocab) float32 of the rows in batch.logits_index, next features (T, h)).
@@ -132,7 +147,7 @@ class Eagle3Head(nn.Module):
         if feature.shape[-1] != self.config.layer.hidden_size:
             feature = self.fc(feature)
         embeds = self.embed_tokens(batch.input_ids).to(self.dtype)
-        cos, sin = rope_cos_sin(self.inv_freq, batch.position_ids, self.dtype)
+        cos, sin = self.rope(batch.position_ids, cache.capacity)
         y = self.midlayer(embeds, feature, cos, sin, batch, cache)
         rows = y if batch.logits_index is None else y[batch.logits_index]
         return self.lm_head(self.norm(rows)).float(), y

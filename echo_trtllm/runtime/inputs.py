@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from echo_trtllm.core.pack import PackedVerifyBatch, unpack_mask
-from echo_trtllm.models.llama import ForwardBatch
+from echo_trtllm.models.llama import ForwardBatch, dense_layout
 
 __all__ = ["make_batch", "chain_batch", "sequence_logits", "level_batch", "tree_batch"]
 
@@ -60,27 +60,44 @@ def chain_batch(chains: list[Tensor] | list[list[int]], starts: Tensor, slots: T
     chains: 1-D tensors, or lists of token ids (then one tensor is made for all of them, not one per request).
 
     logits: "last" (each chain's last token), "all" or "none".
+
+    Built directly rather than through `make_batch` (the same batch, tests/runtime/test_inputs.py): token t of a
+    chain sees every position up to its own, p <= pos[t], and a padded row position 0 only, so the mask is one
+    comparison; chains of one length are the dense layout (`ForwardBatch.laid_out_dense`). A one-row step's
+    pending chain is built at every step, where make_batch's two dozen small operations cost more than the
+    head's attention (docs/performance.md).
     """
+    if logits not in ("last", "all", "none"):
+        raise ValueError(f"logits must be 'last', 'all' or 'none', got {logits!r}")
     dev = slots.device
     sizes = [len(c) for c in chains]
     if 0 in sizes:
         raise ValueError("chain_batch needs non-empty chains")
-    lengths = torch.tensor(sizes, device=dev)
     if all(isinstance(c, list) for c in chains):
         ids = torch.tensor(list(itertools.chain.from_iterable(chains)), dtype=torch.long, device=dev)
     else:
         ids = torch.cat([torch.as_tensor(c).to(dev) for c in chains]).long()
-    req = torch.repeat_interleave(torch.arange(len(chains), device=dev), lengths, output_size=sum(sizes))
-    local = torch.arange(ids.numel(), device=dev) - (torch.cumsum(lengths, 0) - lengths)[req]
-    pos = starts.to(dev).long()[req] + local
-    n_max = max(sizes)
-    # Chain predecessors and self: positions starts[b] .. pos[t].
-    offs = torch.arange(n_max, device=dev)[None, :]
-    visible = torch.where(offs <= local[:, None], starts.to(dev).long()[req][:, None] + offs, torch.full_like(offs, -1))
-    index = {"last": torch.cumsum(lengths, 0) - 1, "all": None, "none": torch.zeros(0, dtype=torch.long, device=dev)}
-    if logits not in index:
-        raise ValueError(f"logits must be 'last', 'all' or 'none', got {logits!r}")
-    return make_batch(ids, req, pos, pos, slots, starts.to(dev).long(), visible, index[logits])
+    b, n_max, total = len(sizes), max(sizes), sum(sizes)
+    first = starts.tolist()  # host values (the mask's width); starts given on the device are read once
+    l_max = max(s + n for s, n in zip(first, sizes))
+    starts = starts.to(dev).long()
+    even = b * n_max == total
+    if even:  # the padded layout is the token order
+        req, local = dense_layout(b, n_max, dev)
+        padded = starts[:, None] + torch.arange(n_max, device=dev)  # (B, N_max) each token's position
+        pos = padded.reshape(-1)
+    else:
+        lengths = torch.tensor(sizes, device=dev)
+        req = torch.repeat_interleave(torch.arange(b, device=dev), lengths, output_size=total)
+        local = torch.arange(total, device=dev) - (torch.cumsum(lengths, 0) - lengths)[req]
+        pos = starts[req] + local
+        padded = torch.zeros(b, n_max, dtype=torch.long, device=dev)  # a padded row sees position 0 only
+        padded[req, local] = pos
+    mask = torch.arange(l_max, device=dev) <= padded[:, :, None]  # (B, N_max, L_max)
+    index = {"last": torch.tensor(list(itertools.accumulate(sizes)), device=dev) - 1, "all": None,
+             "none": torch.zeros(0, dtype=torch.long, device=dev)}[logits]
+    batch = ForwardBatch(ids, pos, slots, req, local, pos, mask, index)
+    return batch.laid_out_dense() if even else batch
 
 
 @torch.no_grad()
@@ -102,10 +119,9 @@ def level_batch(input_ids: Tensor, position_ids: Tensor, write_pos: Tensor, slot
     cols = torch.arange(max_tokens + 1, device=dev)  # the last column takes the -1 entries and is dropped
     mask = (cols[None, None, :] < prefix_len[:, None, None]).expand(r, w, max_tokens + 1).clone()
     mask = mask.scatter_(2, torch.where(visible >= 0, visible, max_tokens), True)[..., :max_tokens]  # (R, W, L)
-    token_request = torch.arange(r, device=dev).repeat_interleave(w)
-    token_local = torch.arange(w, device=dev).repeat(r)
+    token_request, token_local = dense_layout(r, w, dev)
     return ForwardBatch(input_ids.reshape(-1), position_ids.reshape(-1), slots, token_request, token_local,
-                        write_pos.reshape(-1), mask)
+                        write_pos.reshape(-1), mask).laid_out_dense()
 
 
 def tree_batch(packed: PackedVerifyBatch, context_lengths: Tensor, slots: Tensor,

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from echo_trtllm.models import DEFAULT_TARGET
 from echo_trtllm.models.eagle3 import EAGLE3_ARCHITECTURE, Eagle3Config, Eagle3Head, load_eagle3
 from echo_trtllm.models.loader import load_model
+from echo_trtllm.models.llama import rope_cos_sin
 from echo_trtllm.runtime.inputs import chain_batch
 
 DRAFT_VOCAB = 512
@@ -212,3 +213,20 @@ def test_a_directory_without_config_or_weights_is_refused(target, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(head_config_json(target)))
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
         load_eagle3(tmp_path, target)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_heads_rotary_table_rows_are_rope_cos_sin_to_the_bit(target, dtype):
+    head = random_head(target).to(dtype)
+    positions = torch.tensor([0, 5, 63, 1, 5, 62])
+    cos, sin = head.rope(positions, 64)
+    want_cos, want_sin = rope_cos_sin(head.inv_freq, positions, dtype)
+    assert cos.dtype == dtype and torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    beyond = torch.tensor([3, 64, 200])  # past the table: computed as before, the table kept
+    cos, sin = head.rope(beyond, 64)
+    want_cos, want_sin = rope_cos_sin(head.inv_freq, beyond, dtype)
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin) and head._rope_table[0].shape[0] == 64
+    head.rope(positions, 128)  # a larger cache: a larger table; another dtype: a new one
+    assert head._rope_table[0].shape[0] == 128
+    head.to(torch.float32 if dtype == torch.bfloat16 else torch.bfloat16)
+    assert head.rope(positions, 64)[0].dtype == head.dtype
