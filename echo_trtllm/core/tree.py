@@ -237,7 +237,7 @@ class DraftTopK(NamedTuple):
     @classmethod
     def of(cls, probs: Tensor, k: int) -> "DraftTopK":
         """The top-k of a (F, V) distribution (k capped at V; `row_topk`)."""
-        values, tokens = row_topk(probs.float(), min(k, probs.shape[-1]))
+        values, tokens = row_topk(probs if probs.dtype == torch.float32 else probs.float(), min(k, probs.shape[-1]))
         return cls(values, tokens)
 
 

@@ -92,7 +92,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
     d = x.shape[-1]
     if not _applies(x, weight) or weight.shape != (d,) or not weight.is_contiguous() or d == 0:
         return None
-    rows = x.reshape(-1, d)  # a view where it can be
+    rows = x if x.ndim == 2 else x.reshape(-1, d)  # a view where it can be (no call where it is one already)
     if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < d):  # strided columns, overlapping rows
         rows = rows.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device="cpu")

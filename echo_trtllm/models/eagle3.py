@@ -29,8 +29,8 @@ from torch import Tensor, nn
 
 from echo_trtllm.jsonfile import read_json_object
 
-from .llama import (MLP, Attention, CausalLM, ForwardBatch, KVCache, ModelConfig, RMSNorm, eagle3_layers, rope_cos_sin,
-                    rope_inv_freq)
+from .llama import (MLP, Attention, CausalLM, ForwardBatch, KVCache, ModelConfig, RMSNorm, as_dtype, eagle3_layers,
+                    rope_cos_sin, rope_inv_freq)
 from .loader import read_safetensors
 
 __all__ = ["Eagle3Config", "Eagle3Head", "load_eagle3", "read_eagle3_config", "is_eagle3_dir", "EAGLE3_ARCHITECTURE"]
@@ -143,10 +143,11 @@ class Eagle3Head(nn.Module):
         or (T, h): the head's own output for that token at the previous draft level (used as is)."""
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)
-        feature = features.to(self.device, self.dtype)
+        feature = features if features.device == self.device else features.to(self.device)
+        feature = as_dtype(feature, self.dtype)
         if feature.shape[-1] != self.config.layer.hidden_size:
             feature = self.fc(feature)
-        embeds = self.embed_tokens(batch.input_ids).to(self.dtype)
+        embeds = as_dtype(self.embed_tokens(batch.input_ids), self.dtype)
         cos, sin = self.rope(batch.position_ids, cache.capacity)
         y = self.midlayer(embeds, feature, cos, sin, batch, cache)
         rows = y if batch.logits_index is None else y[batch.logits_index]

@@ -149,6 +149,13 @@ def rope_cos_sin(inv_freq: Tensor, position_ids: Tensor, dtype: torch.dtype) -> 
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """t.to(dtype) without the call where it would return t itself: on the hot paths of few-row forwards each
+    operation dispatched costs tens of microseconds with the caches cold from the target's weights
+    (docs/performance.md), a no-op conversion as much as a real one."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x (T, H, hd) rotated by per-token cos/sin (T, hd) in the rotate-half convention."""
     half = x.shape[-1] // 2
@@ -348,21 +355,21 @@ class Attention(nn.Module):
         v = v.view(t, self.h_kv, self.hd)
         ck, cv = cache.keys[self.layer], cache.values[self.layer]
         tok_slot = batch.slots[batch.token_request]  # (T,)
-        ck[tok_slot, :, batch.write_pos] = k.to(ck.dtype)
-        cv[tok_slot, :, batch.write_pos] = v.to(cv.dtype)
+        ck[tok_slot, :, batch.write_pos] = as_dtype(k, ck.dtype)
+        cv[tok_slot, :, batch.write_pos] = as_dtype(v, cv.dtype)
         if self.batch_invariant:
             out = invariant_attention(q, ck, cv, tok_slot, *batch.visible_keys())
             return self.o_proj(out.reshape(t, self.h * self.hd))
         b, n_max, l_max = batch.attn_mask.shape
         block = batch.slot_block()
         if block is None:  # a copy of each request's rows, in the batch's order
-            keys = ck[batch.slots, :, :l_max].to(q.dtype)  # (B, H_kv, L_max, hd)
-            values = cv[batch.slots, :, :l_max].to(q.dtype)
+            keys = as_dtype(ck[batch.slots, :, :l_max], q.dtype)  # (B, H_kv, L_max, hd)
+            values = as_dtype(cv[batch.slots, :, :l_max], q.dtype)
             rows = order = None
         else:  # the cache's own rows, in slot order
             first, rows, order = block
-            keys = ck[first:first + b, :, :l_max].to(q.dtype)
-            values = cv[first:first + b, :, :l_max].to(q.dtype)
+            keys = as_dtype(ck[first:first + b, :, :l_max], q.dtype)
+            values = as_dtype(cv[first:first + b, :, :l_max], q.dtype)
         dense = batch.dense()
         if dense:  # the tokens are the padded layout already
             qp = q.view(b, n_max, self.h, self.hd)

@@ -66,11 +66,13 @@ def _few_rows(x: torch.Tensor) -> bool:
 
 
 def _product(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    flat = x.ndim == 2  # no reshape called where there is none to do (a call costs, cold: docs/performance.md)
+    rows = (x if flat else x.reshape(-1, x.shape[-1])).contiguous()
     if rows.data_ptr() % ALIGN:  # a view at an odd offset: the kernel's vector loads want aligned rows
         rows = rows.clone()
     y = torch._weight_int8pack_mm(rows, w8, scale)
-    y = y.reshape(*x.shape[:-1], w8.shape[0])
+    if not flat:
+        y = y.reshape(*x.shape[:-1], w8.shape[0])
     return y if bias is None else y + bias
 
 

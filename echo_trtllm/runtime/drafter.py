@@ -46,7 +46,7 @@ from echo_trtllm.core.policies import DraftResult
 from echo_trtllm.core.tree import DraftLevel, DraftTopK
 from echo_trtllm.core.verify import VerifyResult
 from echo_trtllm.models.eagle3 import Eagle3Head
-from echo_trtllm.models.llama import CausalLM, KVCache
+from echo_trtllm.models.llama import CausalLM, KVCache, as_dtype
 
 from .clock import Clock, WallClock
 from .inputs import chain_batch, level_batch, make_batch
@@ -269,7 +269,7 @@ class Drafter:
             return self.model(batch, self.cache)
 
     def _top_k(self, logits: Tensor) -> DraftTopK:
-        return DraftTopK.of(torch.softmax(logits.float(), dim=-1), self.top_k)
+        return DraftTopK.of(torch.softmax(as_dtype(logits, torch.float32), dim=-1), self.top_k)
 
     def _chains(self, reqs: list[int]) -> list[list[int]]:
         """Each request's pending chain (token ids; `chain_batch` makes one tensor of them all)."""

@@ -64,8 +64,8 @@ class HostLink:
         count, total = t.reads.get(what, (0, 0))
         t.reads[what] = [count + 1, total + n]
         gpus = {x.device for x in tensors if x is not None and x.device.type == "cuda"}
-        if not gpus:
-            return tuple(None if x is None else x.cpu() for x in tensors)
+        if not gpus:  # on the host already (no call: each costs a small step's tens of microseconds, cold)
+            return tuple(x if x is None or x.device.type == "cpu" else x.cpu() for x in tensors)
         # every copy queued without waiting, then one wait for the stream: one synchronisation for the group
         out = tuple(None if x is None else x.to("cpu", non_blocking=True) for x in tensors)
         for dev in gpus:
@@ -79,6 +79,8 @@ class HostLink:
         t.to_device_bytes += n
         count, total = t.sends.get(what, (0, 0))
         t.sends[what] = [count + 1, total + n]
+        if tensor.device == self.device:
+            return tensor  # what .to would return, without the call
         return tensor.to(self.device, non_blocking=True)
 
     def take(self) -> Traffic:
