@@ -216,3 +216,42 @@ def test_the_control_split_report_says_the_machine(tmp_path):
     shown = str(out).replace(str(Path.home()), "~")  # a report names no one's home directory
     assert doc["command"] == "python scripts/control_split.py --split-only --batch-sizes 2 --steps 2 --threads 1 " \
                              f"--json {shown}"
+
+
+@pytest.fixture(scope="module")
+def cold_forward():
+    return load_script(SCRIPTS / "cold_forward.py")
+
+
+def test_the_cold_forwards_helpers_count_and_cache(cold_forward):
+    a, b = torch.ones(3), torch.ones(3)
+    assert cold_forward.count_operations(lambda: (a + b) * (a + b)) == {"add": 2, "mul": 1}
+    calls = []
+
+    def kernel(x, w, s):
+        calls.append(1)
+        return x @ w.T.float() * s
+
+    cached = cold_forward.CachedKernel(kernel)
+    x, w, s = torch.randn(1, 16), torch.randint(-5, 5, (4, 16), dtype=torch.int8), torch.ones(4)
+    first = cached(x, w, s)
+    assert torch.equal(cached(torch.randn(1, 16), w, s), first) and len(calls) == 1  # the first output, kept
+    cached(torch.randn(2, 16), w, s)  # another shape: computed
+    assert len(calls) == 2
+
+
+def test_the_cold_forward_runs_its_arms_on_the_embedded_pair(cold_forward, tmp_path):
+    out = tmp_path / "cold.json"
+    assert cold_forward.main(["--model", str(DEFAULT_TARGET), "--head", str(DEFAULT_EAGLE3), "--draft-quantization",
+                              "w8a16", "--position", "20", "--repeats", "2", "--rounds", "2", "--flush-mb", "4",
+                              "--threads", "1", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["command"].startswith("python scripts/cold_forward.py") and doc["draft_quantization"] == "w8a16"
+    assert set(doc["rounds"]) == {"warm", "cold", "cold-no-products"}
+    assert all(len(v) == 2 and min(v) > 0 for v in doc["rounds"].values())
+    ops = doc["operations"]
+    assert ops["embedding"] == 1 and ops["_weight_int8pack_mm"] >= 1 and doc["operations_total"] == sum(ops.values())
+    for bad in (["--repeats", "0"], ["--draft-quantization", "w8a16", "--dtype", "float32"],
+                ["--draft-quantization", "int4"]):
+        with pytest.raises(SystemExit):
+            cold_forward.main(["--model", str(DEFAULT_TARGET), "--head", str(DEFAULT_EAGLE3), *bad])
