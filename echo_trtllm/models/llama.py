@@ -269,15 +269,21 @@ class ForwardBatch:
     def grouped_mask(self, groups: int, dtype: torch.dtype) -> Tensor:
         """The mask as attention hands it to the kernel: (B, 1, groups x N_max, L_max) for `groups` query heads per
         KV head, rows in the cache's slot order where attention reads the cache in place (`slot_block`), additive
-        (0 or -inf) in the queries' dtype, which is what the kernel makes of a boolean mask. Once per batch, not
-        per layer (the same result: tests/models/test_attention_layout.py)."""
+        (0 or -inf) in the queries' dtype, which is what the kernel makes of a boolean mask. With one new token per
+        request (a decode step, a one-wide draft level) the g rows are that token's and the mask is (B, 1, 1,
+        L_max), broadcast over them by the kernel rather than copied g times. Once per batch, not per layer (the
+        same result: tests/models/test_attention_layout.py)."""
         if self.__dict__.get("_grouped_key") != (groups, dtype):
             b, n, l_max = self.attn_mask.shape
-            mask = self.attn_mask[:, None, None].expand(b, 1, groups, n, l_max).reshape(b, 1, groups * n, l_max)
+            if n == 1:
+                mask = self.attn_mask[:, None]
+            else:
+                mask = self.attn_mask[:, None, None].expand(b, 1, groups, n, l_max).reshape(b, 1, groups * n, l_max)
             block = self.slot_block()
             if block is not None and block[2] is not None:
                 mask = mask[block[2]]
-            self._grouped = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            additive = torch.full(mask.shape, float("-inf"), dtype=dtype, device=mask.device)
+            self._grouped = additive.masked_fill_(mask, 0.0)
             self._grouped_key = (groups, dtype)
         return self._grouped
 
@@ -302,6 +308,8 @@ def dense_layout(b: int, n: int, device) -> tuple[Tensor, Tensor]:
 def _slot_block(slots: Tensor):
     if slots.device.type != "cpu" or slots.numel() == 0:
         return None
+    if slots.numel() == 1:  # one request: a block in order (no list read back)
+        return int(slots), None, None
     ids = slots.tolist()
     first, b = min(ids), len(ids)
     if max(ids) - first + 1 != b or len(set(ids)) != b:

@@ -354,11 +354,11 @@ class Drafter:
         base = self._scratch
         self._scratch += w
         self._level_base.append(base)
-        pos = self._row_root[:, None] + (1 + base) + torch.arange(w, device=dev)  # (R, W)
+        pos = self._row_root[:, None] + torch.arange(1 + base, 1 + base + w, device=dev)  # (R, W)
         e = self._visible.shape[2]
         visible = torch.cat([self._visible.gather(1, parents[..., None].expand(r, w, e)), pos[..., None]], dim=2)
         self._visible = visible
-        batch = level_batch(tokens, (self._row_root + depth - 1)[:, None].expand(r, w), pos, self._row_slots,
+        batch = level_batch(tokens, (self._row_root + (depth - 1))[:, None].expand(r, w), pos, self._row_slots,
                             self._row_root, visible, self._max_root + 1 + self._scratch)
         top = self._top_k(self._forward_level(batch, parents))
         self.model_seconds += self.clock.now() - t0
