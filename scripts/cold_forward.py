@@ -103,7 +103,7 @@ def main(argv=None) -> int:
 
     def call():
         batch = level_batch(torch.tensor([[tok.encode("x")[0]]]), torch.tensor([[p - 1]]), torch.tensor([[p]]),
-                            torch.tensor([0]), torch.tensor([p]), torch.full((1, 1, 1), -1), p + 1)
+                            torch.tensor([0]), torch.tensor([p]), torch.tensor([[[p]]]), p + 1)
         return model(batch, cache, feature)
 
     real = torch._weight_int8pack_mm

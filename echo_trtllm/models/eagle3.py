@@ -121,15 +121,17 @@ class Eagle3Head(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def rope(self, position_ids: Tensor, rows: int) -> tuple[Tensor, Tensor]:
-        """`rope_cos_sin` of the positions, read from a table of positions 0 .. rows - 1 (the cache's, which holds
-        every position a head forward writes) made once per dtype and device: the head runs one layer, so the
-        table's six small operations were paid once per layer, 0.15 ms of a one-row forward's 1.8 with cold
-        caches (docs/performance.md). The rows equal rope_cos_sin's to the bit (tests/models/test_eagle3.py); a
-        position past the table is computed as before."""
+        """`rope_cos_sin` of the positions, on the CPU read from a table of positions 0 .. rows - 1 (the cache's,
+        which holds every position a head forward writes) made once per dtype, device and inv_freq: the head runs
+        one layer, so the six small operations that make the values were paid once per layer. The rows equal
+        rope_cos_sin's to the bit (tests/models/test_eagle3.py); a position past the table is computed as before.
+        On a device the values are computed as before (an index out of range there is no exception to catch)."""
+        if self.device.type != "cpu":
+            return rope_cos_sin(self.inv_freq, position_ids, self.dtype)
         table = self.__dict__.get("_rope_table")
-        if table is None or table[0].shape[0] < rows or table[0].dtype != self.dtype or table[0].device != self.device:
-            positions = torch.arange(rows, device=self.device)
-            table = self._rope_table = rope_cos_sin(self.inv_freq, positions, self.dtype)
+        if table is None or table[0].shape[0] < rows or table[0].dtype != self.dtype or table[2] is not self.inv_freq:
+            cos, sin = rope_cos_sin(self.inv_freq, torch.arange(rows), self.dtype)
+            table = self._rope_table = (cos, sin, self.inv_freq)
         try:
             return table[0].index_select(0, position_ids), table[1].index_select(0, position_ids)
         except IndexError:
@@ -143,8 +145,9 @@ class Eagle3Head(nn.Module):
         or (T, h): the head's own output for that token at the previous draft level (used as is)."""
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)
-        feature = features if features.device == self.device else features.to(self.device)
-        feature = as_dtype(feature, self.dtype)
+        # no call where the features are the head's already (each call costs, more with cold caches)
+        same = features.device == self.device
+        feature = as_dtype(features, self.dtype) if same else features.to(self.device, self.dtype)
         if feature.shape[-1] != self.config.layer.hidden_size:
             feature = self.fc(feature)
         embeds = as_dtype(self.embed_tokens(batch.input_ids), self.dtype)

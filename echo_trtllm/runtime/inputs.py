@@ -63,9 +63,8 @@ def chain_batch(chains: list[Tensor] | list[list[int]], starts: Tensor, slots: T
 
     Built directly rather than through `make_batch` (the same batch, tests/runtime/test_inputs.py): token t of a
     chain sees every position up to its own, p <= pos[t], and a padded row position 0 only, so the mask is one
-    comparison; chains of one length are the dense layout (`ForwardBatch.laid_out_dense`). A one-row step's
-    pending chain is built at every step, where make_batch's two dozen small operations cost more than the
-    head's attention (docs/performance.md).
+    comparison; chains of one length are the dense layout (`ForwardBatch.laid_out_dense`). A step's pending
+    chains are built at every step, where make_batch runs two dozen small operations.
     """
     if logits not in ("last", "all", "none"):
         raise ValueError(f"logits must be 'last', 'all' or 'none', got {logits!r}")

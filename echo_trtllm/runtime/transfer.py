@@ -64,7 +64,7 @@ class HostLink:
         count, total = t.reads.get(what, (0, 0))
         t.reads[what] = [count + 1, total + n]
         gpus = {x.device for x in tensors if x is not None and x.device.type == "cuda"}
-        if not gpus:  # on the host already (no call: each costs a small step's tens of microseconds, cold)
+        if not gpus:  # on the host already (no call where .cpu() would return the tensor itself)
             return tuple(x if x is None or x.device.type == "cpu" else x.cpu() for x in tensors)
         # every copy queued without waiting, then one wait for the stream: one synchronisation for the group
         out = tuple(None if x is None else x.to("cpu", non_blocking=True) for x in tensors)

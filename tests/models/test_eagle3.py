@@ -229,4 +229,8 @@ def test_the_heads_rotary_table_rows_are_rope_cos_sin_to_the_bit(target, dtype):
     head.rope(positions, 128)  # a larger cache: a larger table; another dtype: a new one
     assert head._rope_table[0].shape[0] == 128
     head.to(torch.float32 if dtype == torch.bfloat16 else torch.bfloat16)
-    assert head.rope(positions, 64)[0].dtype == head.dtype
+    cos, sin = head.rope(positions, 64)
+    want_cos, want_sin = rope_cos_sin(head.inv_freq, positions, head.dtype)
+    assert cos.dtype == head.dtype and torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    head.inv_freq = head.inv_freq * 0.5  # another rotary base: the table follows it
+    assert torch.equal(head.rope(positions, 64)[0], rope_cos_sin(head.inv_freq, positions, head.dtype)[0])

@@ -49,6 +49,19 @@ def test_chain_batch_is_the_general_builders_batch(sizes, logits):
     assert got.dense() == recomputed_dense(want) == (len(set(sizes)) == 1)
 
 
+@pytest.mark.parametrize("sizes", [[2, 2], [1, 3, 2]])
+def test_tensor_chains_and_int32_starts_make_the_same_batch(sizes):
+    rng = random.Random(len(sizes))
+    chains = [[rng.randrange(100) for _ in range(n)] for n in sizes]
+    starts = torch.tensor([rng.randrange(0, 9) for _ in sizes])
+    slots = torch.arange(len(sizes))
+    want = chain_batch_by_make_batch(chains, starts, slots, "last")
+    got = chain_batch([torch.tensor(c, dtype=torch.int32) for c in chains], starts.int(), slots)
+    for name in ("input_ids", "position_ids", "token_request", "token_local", "write_pos", "attn_mask", "logits_index"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
 def test_chain_batch_takes_tensor_chains_and_refuses_bad_ones():
     a = chain_batch([torch.tensor([4, 5]), torch.tensor([6])], torch.tensor([2, 0]), torch.tensor([1, 0]))
     b = chain_batch([[4, 5], [6]], torch.tensor([2, 0]), torch.tensor([1, 0]))
@@ -72,7 +85,7 @@ def test_level_batch_states_the_dense_layout_it_has(r, w):
     assert torch.equal(batch.token_local, torch.arange(w).repeat(r))
 
 
-@pytest.mark.parametrize("b, n", [(0, 3), (1, 1), (1, 5), (4, 1), (4, 3)])
+@pytest.mark.parametrize("b, n", [(0, 3), (2, 0), (1, 1), (1, 5), (4, 1), (4, 3)])
 def test_dense_layout_is_the_repeated_aranges(b, n):
     req, local = dense_layout(b, n, "cpu")
     assert torch.equal(req, torch.arange(b).repeat_interleave(n))
