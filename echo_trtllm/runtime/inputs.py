@@ -93,8 +93,10 @@ def chain_batch(chains: list[Tensor] | list[list[int]], starts: Tensor, slots: T
         padded = torch.zeros(b, n_max, dtype=torch.long, device=dev)  # a padded row sees position 0 only
         padded[req, local] = pos
     mask = torch.arange(l_max, device=dev) <= padded[:, :, None]  # (B, N_max, L_max)
-    index = {"last": torch.tensor(list(itertools.accumulate(sizes)), device=dev) - 1, "all": None,
-             "none": torch.zeros(0, dtype=torch.long, device=dev)}[logits]
+    if logits == "last":  # only the rows asked for are made (each chain's last: its running total - 1)
+        index = torch.tensor([n - 1 for n in itertools.accumulate(sizes)], dtype=torch.long, device=dev)
+    else:
+        index = None if logits == "all" else torch.zeros(0, dtype=torch.long, device=dev)
     batch = ForwardBatch(ids, pos, slots, req, local, pos, mask, index)
     return batch.laid_out_dense() if even else batch
 
